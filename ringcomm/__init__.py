@@ -1,0 +1,62 @@
+"""ringcomm: collective communication for data-parallel training, in pure Python over ZeroMQ.
+
+    import ringcomm as rc
+    rc.init()
+    grads = rc.allreduce(grads)          # Average across ranks, Horovod semantics
+
+Start a job with ``ringcomm-run -np 4 python train.py``.
+"""
+
+from .api import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    poll,
+    rank,
+    reducescatter,
+    reducescatter_async,
+    shutdown,
+    size,
+    synchronize,
+)
+from .errors import (
+    DuplicateNameError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    InvalidInputError,
+    InvalidTypeError,
+    MismatchError,
+    NotInitializedError,
+    PeerLostError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    RingcommError,
+    ShutdownError,
+)
+from .handles import GroupHandle, Handle
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,448 @@
+"""The public API: Horovod's names and semantics on NumPy arrays.
+
+Module functions delegate to one :class:`Runtime` created by :func:`init`.
+Every collective validates its input on the calling rank (so misuse raises
+at the call, naming the fix), gives the op a name, hands it to the engine
+and returns a :class:`Handle` (``*_async``) or waits for the result.
+
+Example, on every rank of ``ringcomm-run -np 2``::
+
+    >>> import numpy as np, ringcomm as rc
+    >>> rc.init()
+    >>> a = np.full(2, rc.rank() + 1.0)         # rank 0: [1, 1]   rank 1: [2, 2]
+    >>> rc.allreduce(a, op=rc.Sum)              # every rank: [3, 3]
+    >>> rc.allgather(np.arange(rc.rank() + 1))  # every rank: [0, 0, 1]
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import config, ops, topology, wire
+from .coordinator import JOIN_NAME
+from .engine import Engine, Entry
+from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError, NotInitializedError
+from .handles import GroupHandle, Handle
+from .ops import Average, ReduceOp
+
+AnyHandle = Handle | GroupHandle
+
+
+class Runtime:
+    """Everything ``init()`` creates: topology, settings, engine and the in-flight names."""
+
+    def __init__(self, round_: int) -> None:
+        self.settings = config.Settings.from_env()
+        self.topo = topology.from_env()
+        self.engine = Engine(self.topo, self.settings, round_)
+        self.engine.start()
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+        self._counters: collections.Counter[str] = collections.Counter()
+
+    def auto_name(self, kind: str, name: str | None) -> str:
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
+            return name
+        with self._lock:
+            n = self._counters[kind]
+            self._counters[kind] += 1
+        return f"{kind}.noname.{n}"
+
+    def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
+               grouped: bool = False) -> Handle:
+        name = req.name
+        with self._lock:
+            if name in self._names:
+                raise DuplicateNameError(
+                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}; "
+                    "wait for it (synchronize) or use another name"
+                )
+            self._names.add(name)
+
+        def release() -> None:
+            with self._lock:
+                self._names.discard(name)
+
+        handle = Handle(name, release)
+        try:
+            self.engine.submit(Entry(req, arrays, handle, outs or [], grouped))
+        except BaseException:
+            release()
+            raise
+        return handle
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+_runtime: Runtime | None = None
+_rounds = 0
+_init_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init() -> None:
+    """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
+
+    Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
+    again while initialized does nothing; after :func:`shutdown` it starts anew.
+    """
+    global _runtime, _rounds, _atexit_registered
+    with _init_lock:
+        if _runtime is not None:
+            return
+        _runtime = Runtime(_rounds)
+        _rounds += 1
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Leave the job: waits (briefly) for the other ranks, then closes every socket."""
+    global _runtime
+    with _init_lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def _rt(what: str) -> Runtime:
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError(f"ringcomm.{what}() needs ringcomm.init() first (or was called after shutdown())")
+    return rt
+
+
+def rank() -> int:
+    """This process's rank, 0..size()-1."""
+    return _rt("rank").topo.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return _rt("size").topo.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (use it to pick a GPU)."""
+    return _rt("local_rank").topo.local_rank
+
+
+def local_size() -> int:
+    return _rt("local_size").topo.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the job's hosts."""
+    return _rt("cross_rank").topo.cross_rank
+
+
+def cross_size() -> int:
+    return _rt("cross_size").topo.cross_size
+
+
+# ---------------------------------------------------------------------------
+# validation
+
+
+def as_array(x: Any, what: str) -> np.ndarray:
+    """A C-contiguous ndarray view of ``x`` (no copy), or a clear error."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, (bytes, bytearray)):
+        arr = np.frombuffer(x, dtype=np.uint8)
+    elif isinstance(x, memoryview) or hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:
+            raise InvalidTypeError(f"{what}: cannot view {type(x).__name__} as an array: {exc}") from None
+    else:
+        raise InvalidTypeError(
+            f"{what}: expected a NumPy array or a buffer with a dtype, got {type(x).__name__}; "
+            "wrap Python values with np.asarray(...)"
+        )
+    if arr.dtype == object:
+        raise InvalidTypeError(f"{what}: object arrays cannot be sent; use broadcast_object/allgather_object")
+    ops.check_dtype(arr.dtype, what)
+    if not arr.flags.c_contiguous:
+        raise InvalidInputError(
+            f"{what}: the array is not C-contiguous (shape {arr.shape}, strides {arr.strides}); "
+            "pass np.ascontiguousarray(x)"
+        )
+    return arr
+
+
+def _check_root(root_rank: Any, what: str, size_: int) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    if not 0 <= int(root_rank) < size_:
+        raise InvalidInputError(
+            f"{what}: root_rank={root_rank} is out of range for a job of size {size_}; use 0..{size_ - 1}"
+        )
+    return int(root_rank)
+
+
+def _check_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray | None:
+    if out is None:
+        return None
+    if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype or not out.flags.c_contiguous:
+        raise InvalidInputError(f"{what}: out= must be a C-contiguous array of shape {arr.shape} and dtype {arr.dtype}")
+    if not out.flags.writeable:
+        raise InvalidInputError(f"{what}: out= is read-only")
+    return out
+
+
+def _scale(value: Any, label: str, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidTypeError(f"{what}: {label} must be a number, got {value!r}") from None
+
+
+# ---------------------------------------------------------------------------
+# collectives
+
+
+def allreduce_async(
+    arr: Any,
+    op: ReduceOp = Average,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    out: np.ndarray | None = None,
+) -> Handle:
+    """Start an allreduce; ``synchronize(handle)`` returns the reduced array (``out`` if given)."""
+    rt = _rt("allreduce")
+    name = rt.auto_name("allreduce", name)
+    what = f"allreduce {name!r}"
+    a = as_array(arr, what)
+    dt = ops.check_dtype(a.dtype, what)
+    rop = ops.check_op(op, dt, what)
+    req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1,
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+    return rt.submit(req, [a], [_check_out(out, a, what)])
+
+
+def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
+    """Reduce ``arr`` across ranks; every rank gets the result (Average by default).
+
+        rank 0: [1., 2.]   rank 1: [3., 4.]   ->   every rank: [2., 3.]
+    """
+    return allreduce_async(arr, op, name, prescale_factor, postscale_factor, out).wait()
+
+
+def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Reduce a list of arrays (one dtype) as one fused op; the result is a list."""
+    rt = _rt("grouped_allreduce")
+    name = rt.auto_name("grouped_allreduce", name)
+    what = f"grouped_allreduce {name!r}"
+    if isinstance(arrs, np.ndarray) or not isinstance(arrs, Sequence) or len(arrs) == 0:
+        raise InvalidTypeError(f"{what}: expected a non-empty list of arrays")
+    arrays = [as_array(a, f"{what}[{i}]") for i, a in enumerate(arrs)]
+    dtypes = {a.dtype.name for a in arrays}
+    if len(dtypes) > 1:
+        raise InvalidTypeError(f"{what}: all arrays of a group must share a dtype, got {sorted(dtypes)}")
+    dt = ops.check_dtype(arrays[0].dtype, what)
+    rop = ops.check_op(op, dt, what)
+    req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1,
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+    return rt.submit(req, arrays, None, grouped=True)
+
+
+def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
+    return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor).wait()
+
+
+def allgather_async(arr: Any, name: str | None = None) -> Handle:
+    """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
+    rt = _rt("allgather")
+    name = rt.auto_name("allgather", name)
+    what = f"allgather {name!r}"
+    a = as_array(arr, what)
+    if a.ndim == 0:
+        a = a.reshape(1)
+    dt = ops.check_dtype(a.dtype, what)
+    return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,)), [a])
+
+
+def allgather(arr: Any, name: str | None = None) -> np.ndarray:
+    """Concatenate every rank's array along dim 0, in rank order.
+
+        rank 0: [[1, 2]]   rank 1: [[3, 4], [5, 6]]   ->   every rank: [[1, 2], [3, 4], [5, 6]]
+    """
+    return allgather_async(arr, name).wait()
+
+
+def grouped_allgather_async(arrs: Sequence[Any], name: str | None = None) -> GroupHandle:
+    rt = _rt("grouped_allgather")
+    name = rt.auto_name("grouped_allgather", name)
+    return GroupHandle(name, [allgather_async(a, f"{name}.{i}") for i, a in enumerate(arrs)])
+
+
+def grouped_allgather(arrs: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
+    return grouped_allgather_async(arrs, name).wait()
+
+
+def broadcast_async(arr: Any, root_rank: int, name: str | None = None) -> Handle:
+    rt = _rt("broadcast")
+    name = rt.auto_name("broadcast", name)
+    what = f"broadcast {name!r}"
+    a = as_array(arr, what)
+    root = _check_root(root_rank, what, rt.topo.size)
+    dt = ops.check_dtype(a.dtype, what)
+    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root), [a])
+
+
+def broadcast(arr: Any, root_rank: int, name: str | None = None) -> np.ndarray:
+    """Every rank gets a copy of ``root_rank``'s array (all ranks pass the same shape and dtype).
+
+        rank 0: [1, 2]   rank 1: [0, 0]   broadcast(x, 0)  ->   every rank: [1, 2]
+    """
+    return broadcast_async(arr, root_rank, name).wait()
+
+
+def alltoall_async(arr: Any, splits: Any = None, name: str | None = None) -> Handle:
+    rt = _rt("alltoall")
+    name = rt.auto_name("alltoall", name)
+    what = f"alltoall {name!r}"
+    a = as_array(arr, what)
+    n = rt.topo.size
+    if a.ndim == 0:
+        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+    if splits is None:
+        if a.shape[0] % n:
+            raise InvalidInputError(
+                f"{what}: dim 0 ({a.shape[0]}) is not divisible by the job size ({n}); pass splits=[rows for each rank]"
+            )
+        split_list = [a.shape[0] // n] * n
+    else:
+        s = np.asarray(splits)
+        if s.dtype.kind not in "iu":
+            raise InvalidTypeError(f"{what}: splits must be integers, got dtype {s.dtype}")
+        if s.ndim != 1 or s.size != n:
+            raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}")
+        if (s < 0).any():
+            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}")
+        if int(s.sum()) != a.shape[0]:
+            raise InvalidInputError(
+                f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
+            )
+        split_list = [int(v) for v in s]
+    dt = ops.check_dtype(a.dtype, what)
+    req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list))
+    return rt.submit(req, [a])
+
+
+def alltoall(arr: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rank i sends ``splits[j]`` rows to rank j; returns ``(received rows, received_splits)``.
+
+        rank 0: [0, 1, 2] splits [1, 2]    rank 1: [7, 8] splits [1, 1]
+        ->  rank 0: ([0, 7], [1, 1])        rank 1: ([1, 2, 8], [2, 1])
+    """
+    return alltoall_async(arr, splits, name).wait()
+
+
+def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    rt = _rt("reducescatter")
+    name = rt.auto_name("reducescatter", name)
+    what = f"reducescatter {name!r}"
+    a = as_array(arr, what)
+    if a.ndim == 0:
+        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+    dt = ops.check_dtype(a.dtype, what)
+    rop = ops.check_op(op, dt, what)
+    req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+    return rt.submit(req, [a])
+
+
+def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce across ranks, then rank r keeps rows block r of dim 0 (lower ranks get the extra rows).
+
+        rank 0: [1, 2, 3]   rank 1: [10, 20, 30]   op=Sum  ->   rank 0: [11, 22]   rank 1: [33]
+    """
+    return reducescatter_async(arr, op, name, prescale_factor, postscale_factor).wait()
+
+
+def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+    rt = _rt("grouped_reducescatter")
+    name = rt.auto_name("grouped_reducescatter", name)
+    return GroupHandle(name, [reducescatter_async(a, op, f"{name}.{i}", prescale_factor, postscale_factor)
+                              for i, a in enumerate(arrs)])
+
+
+def grouped_reducescatter(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
+    return grouped_reducescatter_async(arrs, op, name, prescale_factor, postscale_factor).wait()
+
+
+def barrier() -> None:
+    """Return once every rank has called barrier()."""
+    rt = _rt("barrier")
+    rt.submit(wire.Request(rt.auto_name("barrier", None), wire.BARRIER), []).wait()
+
+
+def join() -> int:
+    """This rank has run out of data: until every rank joins, its share of others' allreduces is zero.
+
+    Returns the rank that joined last (the same on every rank).
+    """
+    rt = _rt("join")
+    return rt.submit(wire.Request(JOIN_NAME, wire.JOIN), []).wait()
+
+
+def poll(handle: AnyHandle) -> bool:
+    """True once the op behind ``handle`` has finished (never blocks)."""
+    return handle.done()
+
+
+def synchronize(handle: AnyHandle) -> Any:
+    """Wait for the op behind ``handle`` and return its result (or raise its error)."""
+    return handle.wait()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Every rank gets the root's Python object (pickled; only from ranks of this job)."""
+    rt = _rt("broadcast_object")
+    name = rt.auto_name("broadcast_object", name)
+    _check_root(root_rank, f"broadcast_object {name!r}", rt.topo.size)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
+    length = np.array([0 if payload is None else payload.size], dtype=np.int64)
+    length = broadcast(length, root_rank, f"{name}.len")
+    data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
+    data = broadcast(data, root_rank, f"{name}.data")
+    return pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """A list with every rank's Python object, in rank order."""
+    rt = _rt("allgather_object")
+    name = rt.auto_name("allgather_object", name)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
+    data = allgather(payload, f"{name}.data")
+    out, pos = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[pos:pos + n].tobytes()))
+        pos += n
+    return out

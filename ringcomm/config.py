@@ -1,0 +1,94 @@
+"""Settings: one frozen object built from ``RINGCOMM_*`` environment variables.
+
+Nothing else in ringcomm reads tuning knobs from the environment.  Unknown
+``RINGCOMM_*`` variables are an error, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from .errors import InvalidInputError
+
+#: Variables that describe the job (set by the launcher), not tuning knobs.
+TOPOLOGY_VARS = frozenset(
+    {
+        "RINGCOMM_RANK",
+        "RINGCOMM_SIZE",
+        "RINGCOMM_LOCAL_RANK",
+        "RINGCOMM_LOCAL_SIZE",
+        "RINGCOMM_CROSS_RANK",
+        "RINGCOMM_CROSS_SIZE",
+        "RINGCOMM_RENDEZVOUS_ADDR",
+        "RINGCOMM_SECRET",
+        "RINGCOMM_JOB_ID",
+        "RINGCOMM_HOSTNAME",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tuning knobs.  Field ``x`` is read from ``RINGCOMM_X``."""
+
+    #: Largest fused buffer, in bytes (Horovod's HOROVOD_FUSION_THRESHOLD).
+    fusion_threshold: int = 64 * 1024 * 1024
+    #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
+    cycle_time: float = 0.0
+    #: Bytes per pipelined segment on the ring.
+    segment_bytes: int = 1024 * 1024
+    #: Segments smaller than this are copied into ZeroMQ messages; larger ones are sent zero-copy.
+    zero_copy_min_bytes: int = 64 * 1024
+    #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring.
+    small_allreduce_bytes: int = 32 * 1024
+    #: Seconds to wait for a peer's data before declaring it lost.
+    peer_timeout: float = 30.0
+    #: Seconds every rank has to reach the rendezvous.
+    start_timeout: float = 60.0
+    #: Seconds after which rank 0 warns about an op only some ranks submitted.
+    stall_check_seconds: float = 60.0
+    #: Seconds after which a stalled op fails on every rank (0: never).
+    stall_shutdown_seconds: float = 0.0
+    #: Entries in the response cache (0 disables it).
+    cache_capacity: int = 1024
+    #: Chrome-trace timeline path ("" for none).
+    timeline: str = ""
+    #: Logging level name for the ``ringcomm`` logger.
+    log_level: str = "WARNING"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Build settings from ``environ`` (default ``os.environ``); raises on unknown or malformed keys."""
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, object] = {}
+        for key, raw in env.items():
+            if not key.startswith("RINGCOMM_") or key in TOPOLOGY_VARS:
+                continue
+            name = key[len("RINGCOMM_"):].lower()
+            if name not in fields:
+                known = ", ".join(sorted("RINGCOMM_" + n.upper() for n in fields))
+                raise InvalidInputError(f"unknown setting {key}={raw!r}; known settings: {known}")
+            kind = type(fields[name].default)
+            try:
+                values[name] = kind(raw) if kind is not bool else raw.lower() in ("1", "true", "yes")
+            except ValueError:
+                raise InvalidInputError(
+                    f"{key}={raw!r} is not a valid {kind.__name__}"
+                ) from None
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` for values that cannot work."""
+        if self.fusion_threshold < 0:
+            raise InvalidInputError(f"RINGCOMM_FUSION_THRESHOLD must be >= 0, got {self.fusion_threshold}")
+        if self.segment_bytes < 1024:
+            raise InvalidInputError(f"RINGCOMM_SEGMENT_BYTES must be >= 1024, got {self.segment_bytes}")
+        if self.peer_timeout <= 0 or self.start_timeout <= 0:
+            raise InvalidInputError("RINGCOMM_PEER_TIMEOUT and RINGCOMM_START_TIMEOUT must be > 0")
+        if self.cycle_time < 0:
+            raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")

@@ -1,0 +1,257 @@
+"""Rank 0's coordinator: turns every rank's requests into one ordered list of responses.  Pure.
+
+Ranks announce named ops in any order; the coordinator releases an op once
+every rank has announced it (ranks that called ``join()`` count as present
+for allreduce), checks that the ranks agree, fuses ready allreduces that
+share a dtype and reduction, and returns responses that every rank then
+executes in the same order.  No sockets, threads or clocks: the engine feeds
+it and passes the time in.
+
+What each rank sees (size 2)::
+
+    rank 0 submits  a, b          rank 1 submits  b, a
+    coordinator.take_responses() -> [Response(allreduce, names=(a, b))]   # fused, same on both
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from . import wire
+from .fusion import FusionItem, plan_fusion
+from .wire import Request, Response
+
+JOIN_NAME = "__join__"
+SHUTDOWN_NAME = "__shutdown__"
+
+
+class Stall(NamedTuple):
+    """An op some ranks submitted long ago while others did not."""
+
+    name: str
+    kind: str
+    submitted: tuple[int, ...]
+    missing: tuple[int, ...]
+    waited: float
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize if dtype else 1
+
+
+def _describe(values: dict[int, object]) -> str:
+    """'rank 0 and rank 2 have (3,); rank 1 has (4,)' from {rank: value}."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(values):
+        groups.setdefault(repr(values[rank]), []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        who = " and ".join(f"rank {r}" for r in ranks) if len(ranks) <= 3 else f"ranks {ranks}"
+        parts.append(f"{who} {'have' if len(ranks) > 1 else 'has'} {text}")
+    return "; ".join(parts)
+
+
+_FIELD_LABEL = {
+    "kind": "the collective",
+    "dtype": "dtype",
+    "shapes": "shape",
+    "op": "reduce op",
+    "root": "root_rank",
+    "prescale": "prescale_factor",
+    "postscale": "postscale_factor",
+}
+
+_MUST_AGREE = {
+    wire.ALLREDUCE: ("dtype", "shapes", "op", "prescale", "postscale"),
+    wire.BROADCAST: ("dtype", "shapes", "root"),
+    wire.REDUCESCATTER: ("dtype", "shapes", "op", "prescale", "postscale"),
+    wire.ALLGATHER: ("dtype",),
+    wire.ALLTOALL: ("dtype",),
+    wire.BARRIER: (),
+    wire.JOIN: (),
+    wire.SHUTDOWN: (),
+}
+
+
+def check_agreement(name: str, reqs: dict[int, Request]) -> str:
+    """Return '' if the ranks' requests for ``name`` are compatible, else an error message."""
+    kinds = {r: q.kind for r, q in reqs.items()}
+    if len(set(kinds.values())) > 1:
+        return f"op '{name}': ranks disagree on the collective: {_describe(kinds)}. Every rank must call the same collective under one name."
+    kind = next(iter(kinds.values()))
+    for field in _MUST_AGREE[kind]:
+        values = {r: getattr(q, field) for r, q in reqs.items()}
+        if field == "shapes":
+            values = {r: (v[0] if len(v) == 1 else list(v)) for r, v in values.items()}
+        if field == "op":
+            values = {r: _op_name(v) for r, v in values.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            return (
+                f"{kind} '{name}': ranks disagree on {_FIELD_LABEL[field]}: {_describe(values)}. "
+                f"Pass the same {_FIELD_LABEL[field]} on every rank."
+            )
+    if kind in (wire.ALLGATHER, wire.ALLTOALL):
+        trailing = {r: tuple(q.shapes[0][1:]) if q.shapes and q.shapes[0] else () for r, q in reqs.items()}
+        if len(set(trailing.values())) > 1:
+            return (
+                f"{kind} '{name}': ranks disagree on the dimensions after the first: {_describe(trailing)}. "
+                "Only dim 0 may differ between ranks."
+            )
+    if kind == wire.ALLTOALL:
+        size = len(reqs)
+        bad = {r: len(q.splits or ()) for r, q in reqs.items() if len(q.splits or ()) != size}
+        if bad:
+            return f"alltoall '{name}': splits must have one entry per rank ({size}): {_describe(bad)}."
+    return ""
+
+
+def _op_name(op: int) -> str:
+    from .ops import ReduceOp
+
+    try:
+        return ReduceOp(op).name.capitalize()
+    except ValueError:
+        return str(op)
+
+
+class Coordinator:
+    """Collects requests from ``size`` ranks and emits ordered, fused responses."""
+
+    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize) -> None:
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self._itemsize = itemsize
+        self._pending: dict[str, dict[int, Request]] = {}
+        self._first_seen: dict[str, float] = {}
+        self._ready: list[str] = []
+        self._errors: dict[str, str] = {}
+        self._joined: list[int] = []
+
+    # -- input ---------------------------------------------------------------
+
+    def submit(self, rank: int, req: Request, now: float = 0.0) -> None:
+        """Record that ``rank`` announced ``req``."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} out of range for size {self.size}")
+        name = req.name
+        if name in self._ready:
+            # a rank re-used a name whose previous instance has not been taken yet
+            self._errors.setdefault(name, f"op '{name}' was submitted twice by rank {rank} before it completed")
+            return
+        slot = self._pending.setdefault(name, {})
+        if rank in slot:
+            self._errors[name] = f"op '{name}' was submitted twice by rank {rank} before it completed"
+        slot[rank] = req
+        self._first_seen.setdefault(name, now)
+        if req.kind == wire.JOIN and rank not in self._joined:
+            self._joined.append(rank)
+            self._recheck_all()
+        else:
+            self._check_ready(name)
+
+    def _present(self, name: str) -> set[int]:
+        return set(self._pending[name])
+
+    def _check_ready(self, name: str) -> None:
+        slot = self._pending.get(name)
+        if not slot or name in self._ready:
+            return
+        present = set(slot)
+        if len(present) == self.size:
+            self._ready.append(name)
+            return
+        kind = next(iter(slot.values())).kind
+        if kind in (wire.JOIN, wire.SHUTDOWN):
+            return
+        joined = set(self._joined)
+        if joined and present | joined >= set(range(self.size)):
+            if kind != wire.ALLREDUCE:
+                self._errors[name] = (
+                    f"{kind} '{name}' cannot run while rank(s) {sorted(joined - present)} have joined; "
+                    "after join() only allreduce proceeds (joined ranks contribute zeros)"
+                )
+            self._ready.append(name)
+
+    def _recheck_all(self) -> None:
+        for name in list(self._pending):
+            self._check_ready(name)
+
+    # -- output --------------------------------------------------------------
+
+    def take_responses(self) -> list[Response]:
+        """Responses for every op that became ready, in execution order (fused where possible)."""
+        if not self._ready:
+            return []
+        ready, self._ready = self._ready, []
+        out: list[Response | None] = []
+        fusable: list[tuple[int, str, Request]] = []  # (slot in out, name, req)
+        joined = tuple(sorted(set(self._joined)))
+        for name in ready:
+            reqs = self._pending.pop(name)
+            self._first_seen.pop(name, None)
+            error = self._errors.pop(name, "") or check_agreement(name, reqs)
+            first = reqs[min(reqs)]
+            if error:
+                out.append(Response(first.kind, (name,), error=error))
+                continue
+            if first.kind == wire.JOIN:
+                last = self._joined[-1]
+                self._joined = []
+                out.append(Response(wire.JOIN, (name,), last_joined=last))
+            elif first.kind == wire.ALLREDUCE:
+                fusable.append((len(out), name, first))
+                out.append(None)
+            else:
+                out.append(self._single(name, first, reqs, joined))
+        if fusable:
+            items = [
+                FusionItem((q.dtype, q.op, q.prescale, q.postscale), q.numel() * self._itemsize(q.dtype))
+                for _, _, q in fusable
+            ]
+            for group in plan_fusion(items, self.fusion_threshold):
+                members = [fusable[i] for i in group]
+                q = members[0][2]
+                out[members[0][0]] = Response(
+                    wire.ALLREDUCE,
+                    tuple(m[1] for m in members),
+                    dtype=q.dtype,
+                    op=q.op,
+                    prescale=q.prescale,
+                    postscale=q.postscale,
+                    numels=tuple(m[2].numel() for m in members),
+                    joined=joined,
+                )
+        return [r for r in out if r is not None]
+
+    def _single(self, name: str, q: Request, reqs: dict[int, Request], joined: tuple[int, ...]) -> Response:
+        kind = q.kind
+        if kind == wire.ALLGATHER:
+            dims = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in range(self.size))
+            return Response(kind, (name,), dtype=q.dtype, first_dims=dims)
+        if kind == wire.ALLTOALL:
+            splits = tuple(tuple(reqs[r].splits or ()) for r in range(self.size))
+            return Response(kind, (name,), dtype=q.dtype, splits=splits)
+        return Response(
+            kind, (name,), dtype=q.dtype, op=q.op, root=q.root, prescale=q.prescale,
+            postscale=q.postscale, numels=(q.numel(),), joined=joined,
+        )
+
+    # -- diagnostics ---------------------------------------------------------
+
+    def stalled(self, now: float, after: float) -> list[Stall]:
+        """Ops first announced more than ``after`` seconds ago and still missing some ranks."""
+        stalls = []
+        for name, since in self._first_seen.items():
+            if now - since < after or name not in self._pending:
+                continue
+            slot = self._pending[name]
+            kind = next(iter(slot.values())).kind
+            missing = tuple(r for r in range(self.size) if r not in slot and r not in self._joined)
+            stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
+        return stalls
+
+    def pending_names(self) -> list[str]:
+        return list(self._pending)

@@ -1,0 +1,460 @@
+"""The engine: one background thread per process that owns every socket.
+
+User threads call :meth:`Engine.submit` (append to a queue, poke a pipe) and
+wait on the returned :class:`Handle`.  The engine thread
+
+1. drains the queue and announces the new ops to rank 0 (an id from the
+   response cache when the same request was seen before),
+2. on rank 0, feeds every rank's announcements to the :class:`Coordinator`
+   and sends the resulting ordered responses to all ranks,
+3. executes each response: packs fused tensors, runs the ring over the
+   :class:`DataPlane`, unpacks, and completes the handles.
+
+It sleeps in ``zmq.Poller.poll`` with no timeout when idle, so an idle job uses
+no CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from . import algorithms, ops, ring, wire
+from .cache import ResponseCache
+from .config import Settings
+from .coordinator import Coordinator
+from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError
+from .handles import Handle
+from .ops import ReduceOp
+from .topology import Topology
+from .transport import DataPlane
+from .wire import Request, Response
+
+log = logging.getLogger("ringcomm.engine")
+
+
+@dataclasses.dataclass
+class Entry:
+    """One op submitted on this rank: its request, its arrays and its handle."""
+
+    req: Request
+    arrays: list[np.ndarray]
+    handle: Handle
+    outs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
+    grouped: bool = False
+    submitted_at: float = 0.0
+
+
+class _NullLink:
+    """The link of a single-process job: never sends."""
+
+    rank = 0
+    size = 1
+
+    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:  # pragma: no cover
+        raise AssertionError("single-process job has no peers")
+
+    def recv(self, src: int, seq: int, tag: int) -> object:  # pragma: no cover
+        raise AssertionError("single-process job has no peers")
+
+    def flush(self) -> None:
+        pass
+
+
+class Engine:
+    """Owns the sockets of one rank and executes collectives in rank 0's order."""
+
+    def __init__(self, topo: Topology, settings: Settings, round_: int = 0) -> None:
+        self.topo = topo
+        self.settings = settings
+        self.rank, self.size = topo.rank, topo.size
+        self._queue: collections.deque[Entry] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._inflight: dict[str, Entry] = {}
+        self._cache = ResponseCache(settings.cache_capacity)
+        self._seq = 0
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._coord = Coordinator(self.size, settings.fusion_threshold) if self.rank == 0 else None
+        self._warned_stalls: set[str] = set()
+        self._last_emit = 0.0
+        self._thread: threading.Thread | None = None
+        self._server = None
+        self._ctx: zmq.Context | None = None
+        self._ctrl: zmq.Socket | None = None
+        self._link: Any = _NullLink()
+        self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
+        if self.size > 1:
+            self._connect(round_)
+
+    # -- setup ---------------------------------------------------------------
+
+    def _connect(self, round_: int) -> None:
+        from . import rendezvous
+
+        topo, st = self.topo, self.settings
+        ctx = self._ctx = zmq.Context()
+        token = wire.job_token(topo.secret)
+        link = DataPlane(ctx, self.rank, self.size, token, st.zero_copy_min_bytes, st.peer_timeout)
+        ipc_dir = tempfile.gettempdir()
+        base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
+        data_eps = link.bind([base + "-data", "tcp://127.0.0.1:0"])
+        info: dict[str, Any] = {
+            "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
+        }
+        if self.rank == 0:
+            ctrl = ctx.socket(zmq.ROUTER)
+            ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            ctrl.bind(base + "-ctrl")
+            ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+            ctrl.bind("tcp://127.0.0.1:0")
+            info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
+            if topo.host_rendezvous:
+                host, port = topo.rendezvous[len("tcp://"):].rsplit(":", 1)
+                self._server = rendezvous.RendezvousServer(self.size, topo.secret, host=host, port=int(port))
+        else:
+            ctrl = ctx.socket(zmq.DEALER)
+            ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+        self._ctrl = ctrl
+        table = rendezvous.register(
+            topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
+        )
+        self.peer_table = table
+        for peer in table:
+            r = int(peer["rank"])
+            same_host = peer["host"] == topo.hostname
+            if r != self.rank:
+                ep = peer["data"][0] if same_host else peer["data"][1]
+                link.connect(r, ep, f"host {peer['host']}, pid {peer['pid']}")
+        if self.rank != 0:
+            root = table[0]
+            ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
+        self._link = link
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"ringcomm-engine-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- user thread side ------------------------------------------------------
+
+    def submit(self, entry: Entry) -> Handle:
+        if self._failed is not None:
+            raise self._failed
+        if self._stopping:
+            raise ShutdownError("ringcomm is shutting down; no new ops are accepted")
+        entry.submitted_at = time.monotonic()
+        self._queue.append(entry)
+        os.write(self._wake_w, b"x")
+        return entry.handle
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Collective shutdown (waits up to ``timeout`` for the other ranks), then close."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and self._failed is None:
+            handle = Handle("__shutdown__")
+            try:
+                self.submit(Entry(Request("__shutdown__", wire.SHUTDOWN), [], handle))
+                handle.wait(timeout)
+            except Exception as exc:  # other ranks gone: close anyway
+                log.debug("rank %d: shutdown did not complete collectively: %s", self.rank, exc)
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if thread is not None:
+            thread.join(timeout=5.0)
+        self._close()
+
+    def _close(self) -> None:
+        err = ShutdownError("ringcomm was shut down while this op was pending")
+        for entry in list(self._inflight.values()) + list(self._queue):
+            if not entry.handle.done():
+                entry.handle.set_error(err)
+        self._inflight.clear()
+        self._queue.clear()
+        if isinstance(self._link, DataPlane):
+            self._link.close()
+        if self._ctrl is not None:
+            self._ctrl.close(0)
+        if self._server is not None:
+            self._server.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- engine thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._ctrl is not None:
+            poller.register(self._ctrl, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(self._poll_timeout()))
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                    self._drain_queue()
+                if self._ctrl is not None and self._ctrl in events:
+                    self._drain_control()
+                if self._coord is not None:
+                    self._coordinate()
+        except BaseException as exc:  # the engine must never die silently
+            log.exception("rank %d: engine failed", self.rank)
+            self._fail_all(exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
+                f"rank {self.rank}: ringcomm engine failed: {exc!r}"))
+
+    def _poll_timeout(self) -> int | None:
+        if self._coord is None:
+            return None
+        if self.settings.cycle_time > 0 and self._coord._ready:
+            return max(1, int(self.settings.cycle_time))
+        if self._coord.pending_names():
+            return 1000  # stall checks
+        return None
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._failed = exc
+        for entry in list(self._inflight.values()) + list(self._queue):
+            if not entry.handle.done():
+                entry.handle.set_error(exc)
+        self._inflight.clear()
+        self._queue.clear()
+
+    def _drain_queue(self) -> None:
+        items: list[Any] = []
+        now = time.monotonic()
+        while self._queue:
+            entry = self._queue.popleft()
+            self._inflight[entry.req.name] = entry
+            if self._coord is not None:
+                self._coord.submit(0, entry.req, now)
+            else:
+                cid = self._cache.lookup(entry.req)
+                items.append(cid if cid is not None else list(entry.req))
+        if items:
+            assert self._ctrl is not None
+            self._ctrl.send_multipart(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+
+    def _drain_control(self) -> None:
+        assert self._ctrl is not None
+        secret = self.topo.secret
+        while True:
+            try:
+                frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self._coord is not None:
+                self._on_request(frames[1:], secret)
+            else:
+                try:
+                    msg = wire.unpack_control(secret, frames)
+                    if msg[0] != "resp":
+                        raise ValueError(f"unexpected control message {msg[0]!r}")
+                    resps = [wire.response_from_wire(r) for r in msg[1]]
+                except (ValueError, TypeError, IndexError) as exc:
+                    log.debug("rank %d: dropping control message: %s", self.rank, exc)
+                    continue
+                for resp in resps:
+                    self._execute(resp)
+
+    def _on_request(self, frames: list[bytes], secret: bytes) -> None:
+        assert self._coord is not None
+        try:
+            msg = wire.unpack_control(secret, frames)
+            kind, rank, items = msg
+            if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
+                raise ValueError(f"bad request header {kind!r} from {rank!r}")
+            reqs = [self._cache.get(it) if isinstance(it, int) else wire.request_from_wire(it) for it in items]
+        except (ValueError, TypeError, KeyError) as exc:
+            log.debug("coordinator: dropping control message: %s", exc)
+            return
+        now = time.monotonic()
+        for req in reqs:
+            self._coord.submit(rank, req, now)
+
+    def _coordinate(self) -> None:
+        coord = self._coord
+        assert coord is not None
+        now = time.monotonic()
+        if self.settings.cycle_time > 0 and coord._ready:
+            if (now - self._last_emit) * 1000 < self.settings.cycle_time:
+                return
+        resps = coord.take_responses()
+        if resps:
+            self._last_emit = now
+            if self.size > 1:
+                assert self._ctrl is not None
+                frames = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
+                for r in range(1, self.size):
+                    self._ctrl.send_multipart([f"rank{r}".encode(), *frames])
+            for resp in resps:
+                self._execute(resp)
+        self._check_stalls(now)
+
+    def _check_stalls(self, now: float) -> None:
+        assert self._coord is not None
+        for stall in self._coord.stalled(now, self.settings.stall_check_seconds):
+            if stall.name in self._warned_stalls:
+                continue
+            self._warned_stalls.add(stall.name)
+            log.warning(
+                "stall: %s '%s' was submitted by ranks %s %.0f s ago but ranks %s have not submitted it; "
+                "every rank must run the same collectives",
+                stall.kind, stall.name, list(stall.submitted), stall.waited, list(stall.missing),
+            )
+
+    # -- execution -----------------------------------------------------------
+
+    def _execute(self, resp: Response) -> None:
+        seq = self._seq
+        self._seq += 1
+        entries = [self._inflight.pop(n) for n in resp.names if n in self._inflight]
+        if resp.error:
+            err = MismatchError(f"{resp.error} [raised on rank {self.rank}]")
+            for e in entries:
+                e.handle.set_error(err)
+            return
+        if not resp.joined:
+            for e in entries:
+                if e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
+                    self._cache.record(e.req)
+        try:
+            results = self._dispatch(resp, entries, seq)
+        except PeerLostError as exc:
+            for e in entries:
+                e.handle.set_error(exc)
+            raise
+        except Exception as exc:
+            log.exception("rank %d: %s %s failed", self.rank, resp.kind, resp.names)
+            err = HorovodInternalError(f"rank {self.rank}: {resp.kind} {list(resp.names)} failed: {exc!r}")
+            for e in entries:
+                e.handle.set_error(err)
+            return
+        for e, result in zip(entries, results):
+            e.handle.set_result(result)
+        if resp.kind == wire.SHUTDOWN:
+            self._stopping = True
+
+    def _seg_elems(self, dtype: np.dtype) -> int:
+        return max(1, self.settings.segment_bytes // dtype.itemsize)
+
+    def _scratch(self, dtype: np.dtype, n: int) -> np.ndarray:
+        need = n * dtype.itemsize
+        if self._fusion.nbytes < need:
+            self._fusion = np.empty(need, dtype=np.uint8)
+        return self._fusion[:need].view(dtype)
+
+    def _dispatch(self, resp: Response, entries: list[Entry], seq: int) -> list[Any]:
+        kind = resp.kind
+        if kind in (wire.BARRIER, wire.SHUTDOWN):
+            return [None] * len(entries)
+        if kind == wire.JOIN:
+            return [resp.last_joined] * len(entries)
+        dtype = np.dtype(resp.dtype)
+        seg = self._seg_elems(dtype)
+        if kind == wire.ALLREDUCE:
+            return self._allreduce(resp, entries, seq, dtype, seg)
+        (entry,) = entries
+        arr = entry.arrays[0]
+        if kind == wire.BROADCAST:
+            out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
+            algorithms.broadcast(self._link, out.reshape(-1), resp.root, seq, seg)
+            return [out]
+        if kind == wire.ALLGATHER:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            counts = [d * row for d in resp.first_dims]
+            out = np.empty((sum(resp.first_dims), *rest), dtype=dtype)
+            flat = out.reshape(-1)
+            start = sum(counts[: self.rank])
+            flat[start:start + counts[self.rank]] = arr.reshape(-1)
+            algorithms.ring_allgatherv(self._link, flat, counts, seq, seg)
+            return [out]
+        if kind == wire.ALLTOALL:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            recv_rows = [resp.splits[i][self.rank] for i in range(self.size)]
+            out = np.empty((sum(recv_rows), *rest), dtype=dtype)
+            algorithms.alltoall(
+                self._link, arr.reshape(-1), [s * row for s in resp.splits[self.rank]],
+                out.reshape(-1), [s * row for s in recv_rows], seq, seg,
+            )
+            return [(out, np.asarray(recv_rows, dtype=np.int64))]
+        if kind == wire.REDUCESCATTER:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            rows = ring.split_sizes(arr.shape[0], self.size)
+            buf = self._scratch(dtype, arr.size)
+            buf[...] = arr.reshape(-1)
+            op = ReduceOp(resp.op)
+            ops.scale_inplace(buf, resp.prescale)
+            a, b = algorithms.ring_reducescatter(
+                self._link, buf, [r * row for r in rows], op, seq, seg,
+                ops.postscale(op, self.size, resp.postscale),
+            )
+            return [buf[a:b].reshape(rows[self.rank], *rest).copy()]
+        raise HorovodInternalError(f"unknown collective {kind!r}")  # pragma: no cover
+
+    def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int) -> list[Any]:
+        op = ReduceOp(resp.op)
+        post = ops.postscale(op, self.size, resp.postscale)
+        total = sum(resp.numels)
+        arrays = [a for e in entries for a in e.arrays]
+        single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
+        if single:
+            entry = entries[0]
+            out = entry.outs[0] if entry.outs and entry.outs[0] is not None else np.empty_like(arrays[0])
+            if out is not arrays[0]:
+                np.copyto(out, arrays[0])
+            buf = out.reshape(-1)
+        else:
+            buf = self._scratch(dtype, total)
+            by_name = {e.req.name: e for e in entries}
+            pos = 0
+            for name, n in zip(resp.names, resp.numels):
+                e = by_name.get(name)
+                if e is None:  # this rank has joined: contribute the identity
+                    ops.identity_fill(op, buf[pos:pos + n])
+                    pos += n
+                    continue
+                for a in e.arrays:
+                    buf[pos:pos + a.size] = a.reshape(-1)
+                    pos += a.size
+        ops.scale_inplace(buf, resp.prescale)
+        algorithms.ring_allreduce(self._link, buf, op, seq, seg, post)
+        if single:
+            return [out if not entries[0].grouped else [out]]
+        offsets = dict(zip(resp.names, np.cumsum((0, *resp.numels[:-1])).tolist()))
+        results = []
+        for e in entries:
+            pos = offsets[e.req.name]
+            outs = []
+            for i, a in enumerate(e.arrays):
+                dst = e.outs[i] if i < len(e.outs) and e.outs[i] is not None else np.empty_like(a)
+                dst.reshape(-1)[...] = buf[pos:pos + a.size]
+                pos += a.size
+                outs.append(dst)
+            results.append(outs if e.grouped else outs[0])
+        return results

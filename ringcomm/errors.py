@@ -1,0 +1,58 @@
+"""One exception tree for ringcomm.
+
+Every error subclasses :class:`RingcommError` *and* the matching builtin, so
+``except ValueError`` keeps working for misuse and ``except RuntimeError`` for
+failures inside a collective.  The Horovod names are aliases, so scripts that
+``except hvd.HorovodInternalError`` need no change.
+"""
+
+from __future__ import annotations
+
+
+class RingcommError(Exception):
+    """Base class of every error raised by ringcomm."""
+
+
+class NotInitializedError(RingcommError, ValueError):
+    """A collective or topology query was made before ``init()`` or after ``shutdown()``."""
+
+
+class InvalidInputError(RingcommError, ValueError):
+    """The arguments of a call are wrong on this rank (caught before any communication)."""
+
+
+class InvalidTypeError(RingcommError, TypeError):
+    """An argument has an unsupported type or dtype."""
+
+
+class DuplicateNameError(InvalidInputError):
+    """An op with this name is already in flight on this rank."""
+
+
+class HorovodInternalError(RingcommError, RuntimeError):
+    """A collective failed after it was submitted (Horovod's name, kept for ``except`` clauses)."""
+
+
+class MismatchError(HorovodInternalError):
+    """Ranks submitted the same named op with different shapes, dtypes, ops or roots."""
+
+
+class PeerLostError(HorovodInternalError):
+    """A peer process died or stopped answering."""
+
+
+class RendezvousError(RingcommError, RuntimeError):
+    """The job could not assemble: wrong environment, a missing rank, a bad secret."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """Not every rank arrived at the rendezvous in time."""
+
+
+class ShutdownError(HorovodInternalError):
+    """The runtime was shut down while this op was still pending."""
+
+
+# Horovod calls the elastic-recovery signal HostsUpdatedInterrupt; exposed for parity.
+class HostsUpdatedInterrupt(RingcommError, RuntimeError):
+    """The set of hosts changed (elastic training)."""

@@ -1,0 +1,76 @@
+"""Handles: what an async collective returns to the user thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .errors import HorovodInternalError
+
+
+class Handle:
+    """The future result of one submitted collective.
+
+    ``done()`` never blocks; ``wait()`` blocks until the engine finished the op
+    and returns its result or raises its error (the same error on every call).
+    """
+
+    __slots__ = ("name", "_event", "_result", "_error", "_on_done")
+
+    def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self._on_done = on_done
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<ringcomm.Handle {self.name!r} {state}>"
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"op {self.name!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    # engine side -----------------------------------------------------------
+
+    def _finish(self) -> None:
+        # release the name before waking the waiter, so it can be reused at once
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+        self._event.set()
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._finish()
+
+    def set_error(self, error: BaseException) -> None:
+        if not isinstance(error, BaseException):  # pragma: no cover - defensive
+            error = HorovodInternalError(str(error))
+        self._error = error
+        self._finish()
+
+
+class GroupHandle:
+    """Several handles completed as one (``grouped_allgather`` and friends); waits return a list."""
+
+    def __init__(self, name: str, handles: list[Handle]) -> None:
+        self.name = name
+        self._handles = handles
+
+    def __repr__(self) -> str:
+        return f"<ringcomm.GroupHandle {self.name!r} of {len(self._handles)}>"
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        return [h.wait(timeout) for h in self._handles]

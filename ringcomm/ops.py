@@ -1,0 +1,129 @@
+"""Reduction operators and dtypes: pure NumPy, no I/O.
+
+Each rank sees the same arithmetic: ``reduce_into(op, dst, src)`` folds a
+neighbour's contribution into ``dst`` in place; ``finalize`` applies the
+Average division and the pre/post scale factors.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from .errors import InvalidTypeError
+
+
+class ReduceOp(enum.IntEnum):
+    """How allreduce / reducescatter combine the ranks' tensors."""
+
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+#: dtypes every collective accepts, by their NumPy name (the wire uses these names).
+SUPPORTED_DTYPES: tuple[str, ...] = (
+    "uint8", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64", "bool",
+)
+
+_INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
+
+
+def check_dtype(dtype: np.dtype, what: str) -> str:
+    """Return the dtype's wire name, or raise InvalidTypeError naming the supported ones."""
+    name = np.dtype(dtype).name
+    if name not in SUPPORTED_DTYPES:
+        raise InvalidTypeError(
+            f"{what}: dtype {name!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)} "
+            "(convert with arr.astype(...))"
+        )
+    return name
+
+
+def check_op(op: object, dtype_name: str, what: str) -> ReduceOp:
+    """Validate a reduce op for a dtype; returns it as :class:`ReduceOp`."""
+    try:
+        rop = ReduceOp(op)  # type: ignore[arg-type]
+    except ValueError:
+        raise InvalidTypeError(
+            f"{what}: op={op!r} is not a reduce op; use ringcomm.Sum, Average, Min, Max or Product"
+        ) from None
+    if rop is ReduceOp.ADASUM:
+        raise InvalidTypeError(
+            f"{what}: op=Adasum is not supported by ringcomm; use Average or Sum"
+        )
+    if dtype_name == "bool" and rop is ReduceOp.AVERAGE:
+        raise InvalidTypeError(
+            f"{what}: op=Average is not defined for bool tensors; use Sum (logical or), "
+            "Product or Min (logical and), or Max (logical or)"
+        )
+    return rop
+
+
+_UFUNC = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+_BOOL_UFUNC = {
+    ReduceOp.SUM: np.logical_or,
+    ReduceOp.MIN: np.logical_and,
+    ReduceOp.MAX: np.logical_or,
+    ReduceOp.PRODUCT: np.logical_and,
+}
+
+
+def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst = dst (op) src`` elementwise, in place.  ``dst`` and ``src`` share dtype and length."""
+    if dst.dtype == np.bool_:
+        _BOOL_UFUNC[op](dst, src, out=dst)
+    else:
+        _UFUNC[op](dst, src, out=dst)
+
+
+def identity_fill(op: ReduceOp, arr: np.ndarray) -> None:
+    """Fill ``arr`` with the value that leaves ``op`` unchanged (what a joined rank contributes)."""
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        arr.fill(0)
+    elif op is ReduceOp.PRODUCT:
+        arr.fill(1)
+    elif arr.dtype == np.bool_:
+        arr.fill(op is ReduceOp.MIN)
+    elif arr.dtype.kind == "f":
+        arr.fill(np.inf if op is ReduceOp.MIN else -np.inf)
+    else:
+        info = np.iinfo(arr.dtype)
+        arr.fill(info.max if op is ReduceOp.MIN else info.min)
+
+
+def scale_inplace(arr: np.ndarray, factor: float) -> None:
+    """Multiply by ``factor`` in place.  Integers are scaled in float64 and truncated, as Horovod does."""
+    if factor == 1.0 or arr.size == 0 or arr.dtype == np.bool_:
+        return
+    if arr.dtype.kind == "f":
+        np.multiply(arr, arr.dtype.type(factor), out=arr)
+    else:
+        arr[...] = (arr.astype(np.float64) * factor).astype(arr.dtype)
+
+
+def postscale(op: ReduceOp, size: int, postscale_factor: float) -> float:
+    """The factor applied after the reduction: Average divides by the number of ranks."""
+    return postscale_factor / size if op is ReduceOp.AVERAGE else postscale_factor
+
+
+def is_integer(dtype_name: str) -> bool:
+    return dtype_name in _INTEGER

@@ -1,0 +1,515 @@
+"""Authenticated key-value rendezvous: how the ranks of a job find each other.
+
+One process (the launcher, or rank 0 when the job was started by hand) runs a
+:class:`RendezvousServer`; every rank calls :func:`register` with its own
+endpoints and gets back the table of all ranks, in rank order.
+
+Wire format (ZeroMQ, DEALER client -> ROUTER server), every message both ways
+is two frames::
+
+    [tag, body]    body = msgpack(dict)    tag = HMAC-SHA256(secret, body)
+
+The tag is checked with :func:`hmac.compare_digest` *before* the body is
+unpacked; anything unauthenticated or unparseable is dropped (logged at DEBUG
+on ``ringcomm.rendezvous``).  Bodies are msgpack only -- nothing is ever
+unpickled.  Requests and their replies:
+
+=============================================  ==========================================
+request                                        reply
+=============================================  ==========================================
+``{op: "register", round, rank, size, info}``  ``{ok: True, table: [info_0, ...]}`` once
+                                               all ``size`` ranks of ``round`` arrived
+``{op: "set", key, value: bytes}``             ``{ok: True}``
+``{op: "get", key, wait: float}``              ``{ok: True, value}``, or
+                                               ``{ok: False, error: "timeout"}`` after ``wait`` s
+``{op: "status", round}``                      ``{ok: True, size, arrived: [ranks]}``
+=============================================  ==========================================
+
+Every reply also carries ``op`` (the request's op); errors are
+``{ok: False, error: "..."}``.
+
+Example (two ranks, each in its own process)::
+
+    >>> server = RendezvousServer(size=2, secret=b"k")           # launcher
+    >>> register(server.address, b"k", rank, 2, {"ep": my_ep}, timeout=60.0)
+    [{'ep': 'tcp://...rank 0...'}, {'ep': 'tcp://...rank 1...'}]   # on both ranks
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from .errors import InvalidTypeError, RendezvousError, RendezvousTimeoutError
+
+__all__ = [
+    "RendezvousServer",
+    "register",
+    "kv_set",
+    "kv_get",
+    "sign",
+    "verify",
+    "MAX_MESSAGE_BYTES",
+]
+
+log = logging.getLogger("ringcomm.rendezvous")
+
+#: Larger messages are refused by ZeroMQ before they are buffered (guards against junk peers).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Completed rounds whose table is kept, so that a late retry of a registration still gets it.
+_COMPLETED_ROUNDS_KEPT = 8
+#: Longest the server thread sleeps between checks of ``close()`` and pending-get deadlines.
+_POLL_SECONDS = 0.05
+#: Extra time a client waits for an answer beyond the server-side wait, for the network.
+_REPLY_GRACE_SECONDS = 0.5
+#: How long a timed-out ``register`` asks the server who did arrive, for the error message.
+_STATUS_PROBE_SECONDS = 0.3
+
+_FIX_HINT = "Start every rank, or raise RINGCOMM_START_TIMEOUT / ringcomm-run --start-timeout."
+
+
+# --------------------------------------------------------------------------- message codec
+
+
+def sign(secret: bytes, body: bytes) -> bytes:
+    """HMAC-SHA256 tag of ``body`` under the job's ``secret`` (32 bytes)."""
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, tag: bytes, body: bytes) -> bool:
+    """True when ``tag`` authenticates ``body`` under ``secret`` (constant-time compare)."""
+    return hmac.compare_digest(sign(secret, body), tag)
+
+
+def _encode(secret: bytes, message: dict[str, Any]) -> list[bytes]:
+    """The two frames ``[tag, body]`` of ``message``."""
+    body = msgpack.packb(message, use_bin_type=True)
+    return [sign(secret, body), body]
+
+
+def _decode(secret: bytes, frames: list[bytes], peer: str) -> dict[str, Any] | None:
+    """Authenticate and unpack ``[tag, body]``; ``None`` (logged at DEBUG) for anything else."""
+    if len(frames) != 2:
+        log.debug("dropped a message from %s: %d frames, expected 2 [tag, body]", peer, len(frames))
+        return None
+    tag, body = frames
+    if not verify(secret, tag, body):
+        log.debug("dropped a message from %s: bad HMAC tag (wrong secret or corrupted)", peer)
+        return None
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on junk
+        log.debug("dropped an authenticated message from %s that is not msgpack: %s", peer, exc)
+        return None
+    if not isinstance(message, dict):
+        log.debug("dropped a message from %s: body is %s, not a map", peer, type(message).__name__)
+        return None
+    return message
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------- server
+
+
+class _Round:
+    """Registrations received so far for one round: rank -> (routing id, info)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[int, bytes] = {}
+        self.infos: dict[int, dict[str, Any]] = {}
+
+
+class RendezvousServer:
+    """Collects every rank's info and hands each the full table; also a tiny key-value store.
+
+    Binds a ROUTER socket on ``tcp://host:port`` (``port=0``: a free port) in
+    the constructor and serves it from a daemon thread with its own ZeroMQ
+    context.  ``close()`` (idempotent; also ``with RendezvousServer(...)``)
+    stops the thread within about 50 ms.
+
+    Example:
+        >>> with RendezvousServer(size=4, secret=secret) as server:
+        ...     spawn_workers(env={"RINGCOMM_RENDEZVOUS_ADDR": server.address})
+    """
+
+    def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+        if not _is_int(size) or size < 1:
+            raise ValueError(f"RendezvousServer size must be an int >= 1, got {size!r}")
+        if not isinstance(secret, (bytes, bytearray)) or not secret:
+            raise ValueError("RendezvousServer secret must be non-empty bytes")
+        self._size = size
+        self._secret = bytes(secret)
+        self._host = host
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if ":" in host:
+            self._socket.setsockopt(zmq.IPV6, 1)
+        bracketed = f"[{host}]" if ":" in host else host
+        try:
+            if port == 0:
+                self._port = self._socket.bind_to_random_port(f"tcp://{bracketed}")
+            else:
+                self._socket.bind(f"tcp://{bracketed}:{port}")
+                self._port = port
+        except zmq.ZMQError as exc:
+            self._socket.close(0)
+            self._context.term()
+            raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}") from exc
+        self._address = f"tcp://{bracketed}:{self._port}"
+        self._lock = threading.Lock()  # guards the state below against readers in other threads
+        self._rounds: dict[int, _Round] = {}
+        self._completed: collections.OrderedDict[int, list[dict[str, Any]]] = collections.OrderedDict()
+        self._store: dict[str, bytes] = {}
+        self._pending_gets: list[tuple[bytes, str, float]] = []
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="ringcomm-rendezvous", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` that clients connect to."""
+        return self._address
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on."""
+        return self._port
+
+    @property
+    def size(self) -> int:
+        """Number of ranks each round waits for."""
+        return self._size
+
+    def open_rounds(self) -> list[int]:
+        """Rounds that have registrations but are not complete yet."""
+        with self._lock:
+            return sorted(self._rounds)
+
+    def close(self) -> None:
+        """Stop the server thread and release the socket; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._context.term()
+
+    def __enter__(self) -> "RendezvousServer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "serving"
+        return f"<RendezvousServer {self._address} size={self._size} {state}>"
+
+    # ------------------------------------------------------------------ server thread
+
+    def _serve(self) -> None:
+        sock = self._socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                timeout = _POLL_SECONDS
+                if self._pending_gets:
+                    soonest = min(deadline for _, _, deadline in self._pending_gets)
+                    timeout = max(0.0, min(timeout, soonest - time.monotonic()))
+                if poller.poll(timeout * 1000):
+                    # Drain everything queued before checking deadlines again.
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_frames(frames)
+                self._expire_gets()
+        except Exception:  # pragma: no cover - a bug, not a peer's fault; never silent
+            log.exception("rendezvous server at %s stopped on an internal error", self._address)
+        finally:
+            sock.close(0)
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        """Route one received multipart message; never raises for a peer's misbehaviour."""
+        if len(frames) < 1:
+            return
+        route, payload = frames[0], frames[1:]
+        peer = route.hex()
+        message = _decode(self._secret, payload, peer)
+        if message is None:
+            return
+        op = message.get("op")
+        try:
+            if op == "register":
+                self._on_register(route, message)
+            elif op == "set":
+                self._on_set(route, message)
+            elif op == "get":
+                self._on_get(route, message)
+            elif op == "status":
+                self._on_status(route, message)
+            else:
+                self._reply(route, {"op": op, "ok": False, "error": f"unknown op {op!r}"})
+        except _BadRequest as exc:
+            log.debug("refused a %r request from %s: %s", op, peer, exc)
+            self._reply(route, {"op": op, "ok": False, "error": str(exc)})
+
+    def _reply(self, route: bytes, message: dict[str, Any]) -> None:
+        try:
+            self._socket.send_multipart([route, *_encode(self._secret, message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out on its side
+            log.debug("could not answer %s: %s", route.hex(), exc)
+
+    # ------------------------------------------------------------------ ops
+
+    def _on_register(self, route: bytes, msg: dict[str, Any]) -> None:
+        rnd, rank, size, info = msg.get("round"), msg.get("rank"), msg.get("size"), msg.get("info")
+        if not (_is_int(rnd) and _is_int(rank) and _is_int(size) and isinstance(info, dict)):
+            raise _BadRequest("register needs int round, rank, size and a dict info")
+        if size != self._size:
+            raise _BadRequest(
+                f"rank {rank} says the job has {size} ranks but the rendezvous at {self._address} "
+                f"was started for {self._size}: start every rank with the same RINGCOMM_SIZE / -np"
+            )
+        if not 0 <= rank < self._size:
+            raise _BadRequest(f"rank {rank} is out of range for a job of {self._size} ranks (0..{self._size - 1})")
+        with self._lock:
+            done_table = self._completed.get(rnd)
+            if done_table is not None:
+                if done_table[rank] == info:  # a late retry of a rank that already got its table
+                    self._reply(route, {"op": "register", "ok": True, "table": done_table})
+                    return
+                raise _BadRequest(
+                    f"round {rnd} of this job already completed, and rank {rank} registered with other "
+                    f"info then; each init() after a shutdown() must use the next round"
+                )
+            state = self._rounds.setdefault(rnd, _Round())
+            previous = state.infos.get(rank)
+            if previous is not None and previous != info:
+                raise _BadRequest(
+                    f"rank {rank} is already registered in round {rnd} with different info "
+                    f"({previous!r} vs {info!r}); were two processes started with RINGCOMM_RANK={rank}?"
+                )
+            state.routes[rank] = route  # a re-send of the same registration is a retry: newest route wins
+            state.infos[rank] = info
+            if len(state.infos) < self._size:
+                return
+            table = [state.infos[r] for r in range(self._size)]
+            del self._rounds[rnd]
+            self._completed[rnd] = table
+            while len(self._completed) > _COMPLETED_ROUNDS_KEPT:
+                self._completed.popitem(last=False)
+        log.debug("round %d complete: sending the table to %d ranks", rnd, self._size)
+        for r in range(self._size):
+            self._reply(state.routes[r], {"op": "register", "ok": True, "table": table})
+
+    def _on_status(self, route: bytes, msg: dict[str, Any]) -> None:
+        rnd = msg.get("round")
+        if not _is_int(rnd):
+            raise _BadRequest("status needs an int round")
+        with self._lock:
+            if rnd in self._completed:
+                arrived = list(range(self._size))
+            else:
+                state = self._rounds.get(rnd)
+                arrived = sorted(state.infos) if state else []
+        self._reply(route, {"op": "status", "ok": True, "size": self._size, "arrived": arrived})
+
+    def _on_set(self, route: bytes, msg: dict[str, Any]) -> None:
+        key, value = msg.get("key"), msg.get("value")
+        if not isinstance(key, str) or not isinstance(value, bytes):
+            raise _BadRequest("set needs a str key and a bytes value")
+        with self._lock:
+            self._store[key] = value
+        self._reply(route, {"op": "set", "ok": True})
+        still_waiting = []
+        for waiter, wanted, deadline in self._pending_gets:
+            if wanted == key:
+                self._reply(waiter, {"op": "get", "ok": True, "value": value})
+            else:
+                still_waiting.append((waiter, wanted, deadline))
+        self._pending_gets = still_waiting
+
+    def _on_get(self, route: bytes, msg: dict[str, Any]) -> None:
+        key, wait = msg.get("key"), msg.get("wait", 0.0)
+        if not isinstance(key, str) or not isinstance(wait, (int, float)) or isinstance(wait, bool):
+            raise _BadRequest("get needs a str key and a number wait")
+        with self._lock:
+            value = self._store.get(key)
+        if value is not None:
+            self._reply(route, {"op": "get", "ok": True, "value": value})
+        elif wait <= 0:
+            self._reply(route, {"op": "get", "ok": False, "error": "timeout"})
+        else:
+            self._pending_gets.append((route, key, time.monotonic() + float(wait)))
+
+    def _expire_gets(self) -> None:
+        if not self._pending_gets:
+            return
+        now = time.monotonic()
+        still_waiting = []
+        for waiter, key, deadline in self._pending_gets:
+            if deadline <= now:
+                self._reply(waiter, {"op": "get", "ok": False, "error": "timeout"})
+            else:
+                still_waiting.append((waiter, key, deadline))
+        self._pending_gets = still_waiting
+
+
+class _BadRequest(Exception):
+    """An authenticated request the server refuses; its text goes back to the client."""
+
+
+# --------------------------------------------------------------------------- client
+
+
+class _Client:
+    """One DEALER socket for one request, closed with linger 0 on every path."""
+
+    def __init__(self, address: str, secret: bytes) -> None:
+        self.address = address
+        self.secret = bytes(secret)
+        self.context = zmq.Context()
+        try:
+            self.socket = self.context.socket(zmq.DEALER)
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            if address.startswith("tcp://["):
+                self.socket.setsockopt(zmq.IPV6, 1)
+            self.socket.connect(address)
+        except zmq.ZMQError as exc:
+            self.context.destroy(linger=0)
+            raise RendezvousError(f"cannot connect to the rendezvous at {address!r}: {exc}") from exc
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.socket.send_multipart(_encode(self.secret, message))
+
+    def recv(self, deadline: float, *ops: str) -> dict[str, Any] | None:
+        """The next authenticated reply to one of ``ops`` before ``deadline`` (monotonic), or ``None``."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.socket.poll(remaining * 1000, zmq.POLLIN):
+                return None
+            reply = _decode(self.secret, self.socket.recv_multipart(), self.address)
+            if reply is not None and reply.get("op") in ops:
+                return reply
+
+    def close(self) -> None:
+        self.socket.close(0)
+        self.context.term()
+
+    def __enter__(self) -> "_Client":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _check(reply: dict[str, Any], address: str) -> dict[str, Any]:
+    if not reply.get("ok"):
+        raise RendezvousError(f"the rendezvous at {address} refused the request: {reply.get('error')}")
+    return reply
+
+
+def register(
+    address: str,
+    secret: bytes,
+    rank: int,
+    size: int,
+    info: dict,
+    timeout: float,
+    round: int = 0,  # noqa: A002 - the protocol's name for it
+) -> list[dict]:
+    """Announce this rank's ``info`` and wait for every rank's: returns ``[info_0, ..., info_{size-1}]``.
+
+    Raises :class:`RendezvousTimeoutError` when not every rank arrived within
+    ``timeout`` seconds (the message says which ranks did), and
+    :class:`RendezvousError` when the server refuses (size mismatch, rank out
+    of range, the rank registered twice with different info).
+
+    Example:
+        >>> register(addr, secret, rank, 2, {"host": "a", "port": 5000 + rank}, timeout=60.0)
+        [{'host': 'a', 'port': 5000}, {'host': 'a', 'port': 5001}]   # on both ranks
+    """
+    request = {"op": "register", "round": round, "rank": rank, "size": size, "info": info}
+    with _Client(address, secret) as client:
+        client.send(request)
+        reply = client.recv(time.monotonic() + timeout, "register")
+        if reply is None:
+            # Ask who did arrive, for the message; the table may still come in meanwhile.
+            client.send({"op": "status", "round": round})
+            got = client.recv(time.monotonic() + _STATUS_PROBE_SECONDS, "register", "status")
+            if got is not None and got.get("op") == "register":
+                reply = got
+            else:
+                raise RendezvousTimeoutError(_timeout_message(address, rank, size, round, timeout, got))
+        return list(_check(reply, address)["table"])
+
+
+def _timeout_message(
+    address: str, rank: int, size: int, rnd: int, timeout: float, status: dict[str, Any] | None
+) -> str:
+    if status is None or not status.get("ok"):
+        detail = (
+            " (the rendezvous did not answer at all: is the launcher still running, and does every "
+            "rank have the launcher's RINGCOMM_SECRET?)"
+        )
+    else:
+        arrived = [r for r in status.get("arrived", []) if _is_int(r)]
+        missing = [r for r in range(size) if r not in arrived]
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        detail = f" ({len(arrived)} of {size} ranks registered; missing: {shown})" if missing else ""
+    return (
+        f"rank {rank} timed out after {float(timeout):.1f} s waiting for the rendezvous at {address} "
+        f"(round {rnd}): the other ranks did not all arrive{detail}. {_FIX_HINT}"
+    )
+
+
+def kv_set(address: str, secret: bytes, key: str, value: bytes, timeout: float) -> None:
+    """Store ``value`` under ``key`` on the rendezvous server (overwrites)."""
+    if not isinstance(key, str) or not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(
+            f"kv_set needs a str key and a bytes value, got {type(key).__name__} and {type(value).__name__}"
+        )
+    with _Client(address, secret) as client:
+        client.send({"op": "set", "key": key, "value": bytes(value)})
+        reply = client.recv(time.monotonic() + timeout, "set")
+        if reply is None:
+            raise RendezvousTimeoutError(
+                f"the rendezvous at {address} did not answer a set of {key!r} within {float(timeout):.1f} s"
+            )
+        _check(reply, address)
+
+
+def kv_get(address: str, secret: bytes, key: str, timeout: float) -> bytes:
+    """The value under ``key``, waiting up to ``timeout`` seconds for some rank to set it."""
+    with _Client(address, secret) as client:
+        client.send({"op": "get", "key": key, "wait": float(timeout)})
+        reply = client.recv(time.monotonic() + timeout + _REPLY_GRACE_SECONDS, "get")
+        if reply is None:
+            raise RendezvousTimeoutError(
+                f"the rendezvous at {address} did not answer a get of {key!r} within {float(timeout):.1f} s"
+            )
+        if not reply.get("ok") and reply.get("error") == "timeout":
+            raise RendezvousTimeoutError(
+                f"key {key!r} was not set at the rendezvous at {address} within {float(timeout):.1f} s"
+            )
+        return bytes(_check(reply, address)["value"])
