@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from . import ring
-from .ops import ReduceOp, reduce_into, scale_inplace
+from .ops import ReduceOp, combine, reduce_into, scale_inplace
 
 
 class Link(Protocol):
@@ -46,8 +46,15 @@ def _segs(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
     return ring.segments(bounds[0], bounds[1], seg_elems)
 
 
-def _view(buf: object, dtype: np.dtype) -> np.ndarray:
-    return np.frombuffer(buf, dtype=dtype)  # type: ignore[call-overload]
+class StreamError(RuntimeError):
+    """A message of the wrong length arrived: the ranks' data streams are out of step."""
+
+
+def _view(buf: object, dtype: np.dtype, n: int) -> np.ndarray:
+    v = np.frombuffer(buf, dtype=dtype)  # type: ignore[call-overload]
+    if v.size != n:
+        raise StreamError(f"expected {n} elements of {dtype}, received {v.size}: data streams out of step")
+    return v
 
 
 def ring_allreduce(
@@ -57,8 +64,12 @@ def ring_allreduce(
     seq: int,
     seg_elems: int,
     postscale: float = 1.0,
+    src_buf: np.ndarray | None = None,
 ) -> None:
     """Reduce ``buf`` (1-D, contiguous) across ranks in place; every rank ends with the result.
+
+    With ``src_buf`` the input is read from there and ``buf`` is only written
+    (no copy-in: each chunk is first touched when it is reduced or received).
 
     Pipelined by segment: a rank forwards each segment as soon as it has folded
     in its own contribution.  ``postscale`` is applied once per chunk, by the
@@ -67,7 +78,10 @@ def ring_allreduce(
         rank 0: [1, 2, 3]   rank 1: [10, 20, 30]   ->   both: [11, 22, 33]
     """
     size, rank = link.size, link.rank
+    inp = buf if src_buf is None else src_buf
     if size == 1 or buf.size == 0:
+        if inp is not buf:
+            buf[...] = inp
         scale_inplace(buf, postscale)
         return
     bounds = ring.chunk_bounds(buf.size, size)
@@ -76,11 +90,12 @@ def ring_allreduce(
     dst, src = ring.right(rank, size), ring.left(rank, size)
     last = size - 2
     for k, (a, b) in enumerate(_segs(bounds[sr[0].send_chunk], seg_elems)):
-        link.send(dst, seq, _tag(0, k), buf[a:b])
+        link.send(dst, seq, _tag(0, k), inp[a:b])
     for s, step in enumerate(sr):
         for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
             seg = buf[a:b]
-            reduce_into(op, seg, _view(link.recv(src, seq, _tag(s, k)), buf.dtype))
+            incoming = _view(link.recv(src, seq, _tag(s, k)), buf.dtype, b - a)
+            combine(op, inp[a:b], incoming, seg)  # this rank's own contribution + the partial sum
             if s == last:
                 scale_inplace(seg, postscale)
             link.send(dst, seq, _tag(s + 1, k), seg)  # s+1 == size-1 is allgather step 0
@@ -107,7 +122,7 @@ def _gather_phase(
     for s, step in enumerate(steps):
         for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
             seg = buf[a:b]
-            seg[...] = _view(link.recv(src, seq, _tag(step_base + s, k)), buf.dtype)
+            seg[...] = _view(link.recv(src, seq, _tag(step_base + s, k)), buf.dtype, b - a)
             if s + 1 < len(steps):
                 link.send(dst, seq, _tag(step_base + s + 1, k), seg)
 
@@ -154,7 +169,7 @@ def ring_reducescatter(
     for s, step in enumerate(sr):
         for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
             seg = buf[a:b]
-            reduce_into(op, seg, _view(link.recv(src, seq, _tag(s, k)), buf.dtype))
+            reduce_into(op, seg, _view(link.recv(src, seq, _tag(s, k)), buf.dtype, b - a))
             if s < last:
                 link.send(dst, seq, _tag(s + 1, k), seg)
     scale_inplace(buf[mine[0]:mine[1]], postscale)
@@ -184,7 +199,7 @@ def broadcast(link: Link, buf: np.ndarray, root: int, seq: int, seg_elems: int) 
                         link.send(dst, seq, k, buf[a:b])
         else:
             for k, (a, b) in enumerate(segs):
-                buf[a:b] = _view(link.recv(root, seq, k), buf.dtype)
+                buf[a:b] = _view(link.recv(root, seq, k), buf.dtype, b - a)
         link.flush()
         return
     pos = (rank - root) % size
@@ -193,7 +208,7 @@ def broadcast(link: Link, buf: np.ndarray, root: int, seq: int, seg_elems: int) 
     for k, (a, b) in enumerate(segs):
         seg = buf[a:b]
         if pos > 0:
-            seg[...] = _view(link.recv(prev, seq, k), buf.dtype)
+            seg[...] = _view(link.recv(prev, seq, k), buf.dtype, b - a)
         if nxt is not None:
             link.send(nxt, seq, k, seg)
     link.flush()
@@ -221,5 +236,5 @@ def alltoall(
     for off in range(1, size):
         src = (rank - off) % size
         for k, (a, b) in enumerate(ring.segments(*rb[src], seg_elems)):
-            out[a:b] = _view(link.recv(src, seq, k), out.dtype)
+            out[a:b] = _view(link.recv(src, seq, k), out.dtype, b - a)
     link.flush()

@@ -105,11 +105,10 @@ class Engine:
 
         topo, st = self.topo, self.settings
         ctx = self._ctx = zmq.Context()
-        token = wire.job_token(topo.secret)
-        link = DataPlane(ctx, self.rank, self.size, token, st.zero_copy_min_bytes, st.peer_timeout)
+        link = DataPlane(ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout)
         ipc_dir = tempfile.gettempdir()
         base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
-        data_eps = link.bind([base + "-data", "tcp://127.0.0.1:0"])
+        data_eps = link.bind(base + "-data", "127.0.0.1")
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         }
@@ -137,8 +136,7 @@ class Engine:
             r = int(peer["rank"])
             same_host = peer["host"] == topo.hostname
             if r != self.rank:
-                ep = peer["data"][0] if same_host else peer["data"][1]
-                link.connect(r, ep, f"host {peer['host']}, pid {peer['pid']}")
+                link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}")
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -347,11 +345,12 @@ class Engine:
                 e.handle.set_error(exc)
             raise
         except Exception as exc:
+            # A data-plane failure leaves the peers' streams out of step: the job cannot go on.
             log.exception("rank %d: %s %s failed", self.rank, resp.kind, resp.names)
             err = HorovodInternalError(f"rank {self.rank}: {resp.kind} {list(resp.names)} failed: {exc!r}")
             for e in entries:
                 e.handle.set_error(err)
-            return
+            raise err from exc
         for e, result in zip(entries, results):
             e.handle.set_result(result)
         if resp.kind == wire.SHUTDOWN:
@@ -423,12 +422,15 @@ class Engine:
         total = sum(resp.numels)
         arrays = [a for e in entries for a in e.arrays]
         single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
+        src: np.ndarray | None = None
         if single:
             entry = entries[0]
             out = entry.outs[0] if entry.outs and entry.outs[0] is not None else np.empty_like(arrays[0])
-            if out is not arrays[0]:
-                np.copyto(out, arrays[0])
             buf = out.reshape(-1)
+            if resp.prescale != 1.0:
+                np.copyto(out, arrays[0])
+            elif out is not arrays[0]:
+                src = arrays[0].reshape(-1)  # the ring reads the input directly: no copy-in
         else:
             buf = self._scratch(dtype, total)
             by_name = {e.req.name: e for e in entries}
@@ -443,7 +445,7 @@ class Engine:
                     buf[pos:pos + a.size] = a.reshape(-1)
                     pos += a.size
         ops.scale_inplace(buf, resp.prescale)
-        algorithms.ring_allreduce(self._link, buf, op, seq, seg, post)
+        algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src)
         if single:
             return [out if not entries[0].grouped else [out]]
         offsets = dict(zip(resp.names, np.cumsum((0, *resp.numels[:-1])).tolist()))

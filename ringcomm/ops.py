@@ -95,6 +95,14 @@ def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
         _UFUNC[op](dst, src, out=dst)
 
 
+def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a (op) b`` elementwise (``out`` may alias neither)."""
+    if out.dtype == np.bool_:
+        _BOOL_UFUNC[op](a, b, out=out)
+    else:
+        _UFUNC[op](a, b, out=out)
+
+
 def identity_fill(op: ReduceOp, arr: np.ndarray) -> None:
     """Fill ``arr`` with the value that leaves ``op`` unchanged (what a joined rank contributes)."""
     if op in (ReduceOp.SUM, ReduceOp.AVERAGE):

@@ -123,7 +123,7 @@ def _is_int(value: object) -> bool:
 
 
 class _Round:
-    """Registrations received so far for one round: rank -> (routing id, info)."""
+    """Registrations received so far for one round: each rank's routing id and info."""
 
     def __init__(self) -> None:
         self.routes: dict[int, bytes] = {}
@@ -150,7 +150,6 @@ class RendezvousServer:
             raise ValueError("RendezvousServer secret must be non-empty bytes")
         self._size = size
         self._secret = bytes(secret)
-        self._host = host
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -159,11 +158,9 @@ class RendezvousServer:
             self._socket.setsockopt(zmq.IPV6, 1)
         bracketed = f"[{host}]" if ":" in host else host
         try:
-            if port == 0:
-                self._port = self._socket.bind_to_random_port(f"tcp://{bracketed}")
-            else:
-                self._socket.bind(f"tcp://{bracketed}:{port}")
-                self._port = port
+            self._socket.bind(f"tcp://{bracketed}:{port or '*'}")  # '*': the OS picks a free port
+            endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(endpoint.rpartition(":")[2])
         except zmq.ZMQError as exc:
             self._socket.close(0)
             self._context.term()
@@ -271,6 +268,8 @@ class RendezvousServer:
         except _BadRequest as exc:
             log.debug("refused a %r request from %s: %s", op, peer, exc)
             self._reply(route, {"op": op, "ok": False, "error": str(exc)})
+        except Exception:  # a bug or an input nobody foresaw: log it, keep serving the others
+            log.exception("rendezvous at %s failed to handle a %r request from %s", self._address, op, peer)
 
     def _reply(self, route: bytes, message: dict[str, Any]) -> None:
         try:

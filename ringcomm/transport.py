@@ -1,22 +1,24 @@
-"""Data plane over ZeroMQ: one PULL inbox per rank, one PUSH socket per peer.
+"""Data plane over ZeroMQ: one PAIR socket per pair of ranks.
 
-Owned by the engine thread.  Messages from one peer arrive in order; messages
-from different peers (or for a later op) may interleave, so ``recv`` keeps
-anything it was not asked for yet in a stash keyed by ``(src, seq, tag)``.
+Owned by the engine thread.  Every rank executes the same ops in the same
+order and, within an op, receives from each peer in exactly the order that
+peer sent (the algorithms are written so), so messages need no header: the
+next message on the socket from rank ``p`` *is* the one wanted.  A message of
+an unexpected length means the streams are out of step; the engine then fails
+the job rather than guess.
 
-Large segments are sent zero-copy and tracked; ``flush()`` waits until ZeroMQ
-has let go of them, so a buffer is never reused while it is still being read.
+Segments of at least ``zero_copy_min_bytes`` go out zero-copy and tracked;
+``flush()`` waits until ZeroMQ has released the last one sent to each peer
+(ZeroMQ writes a connection's messages in order, so earlier ones are done too).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import zmq
 
-from . import wire
 from .errors import PeerLostError
 
 log = logging.getLogger("ringcomm.transport")
@@ -25,108 +27,85 @@ log = logging.getLogger("ringcomm.transport")
 class DataPlane:
     """Point-to-point messaging between the ranks of one job (implements ``algorithms.Link``)."""
 
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        rank: int,
-        size: int,
-        token: bytes,
-        zero_copy_min_bytes: int,
-        peer_timeout: float,
-    ) -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float) -> None:
         self.rank = rank
         self.size = size
         self._ctx = ctx
-        self._token = token
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
-        self._inbox = ctx.socket(zmq.PULL)
-        self._inbox.setsockopt(zmq.LINGER, 0)
-        self._inbox.setsockopt(zmq.RCVHWM, 0)
-        self._inbox.setsockopt(zmq.MAXMSGSIZE, -1)
-        self._peers: dict[int, zmq.Socket] = {}
-        self._stash: dict[tuple[int, int, int], zmq.Frame] = {}
-        self._trackers: list[zmq.MessageTracker] = []
-        self._headers: dict[tuple[int, int, int], bytes] = {}
+        self._socks: dict[int, zmq.Socket] = {}
+        self._last_tracker: dict[int, zmq.MessageTracker] = {}
         self.peer_names: dict[int, str] = {}
+
+    def _socket(self, peer: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(self._timeout * 1000)))
+        self._socks[peer] = sock
+        return sock
 
     # -- setup ---------------------------------------------------------------
 
-    def bind(self, endpoints: list[str]) -> list[str]:
-        """Bind the inbox to each endpoint (``tcp://ip:0`` picks a port); returns the real addresses."""
-        bound = []
-        for ep in endpoints:
-            self._inbox.bind(ep)
-            bound.append(self._inbox.getsockopt_string(zmq.LAST_ENDPOINT))
-        return bound
+    def bind(self, ipc_base: str, tcp_host: str) -> list[list[str] | None]:
+        """Bind one socket for each higher-ranked peer; returns ``[ipc, tcp]`` endpoints by peer rank."""
+        table: list[list[str] | None] = [None] * self.size
+        for peer in range(self.rank + 1, self.size):
+            sock = self._socket(peer)
+            eps = []
+            for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
+                sock.bind(ep)
+                eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            table[peer] = eps
+        return table
 
-    def connect(self, peer: int, endpoint: str, description: str) -> None:
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 0)
-        sock.connect(endpoint)
-        self._peers[peer] = sock
+    def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str) -> None:
+        """Connect to a lower-ranked peer's socket for this rank (``endpoints`` is its bind table)."""
         self.peer_names[peer] = description
+        if peer > self.rank:
+            return
+        eps = endpoints[self.rank]
+        if eps is None:
+            raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
+        self._socket(peer).connect(eps[0] if same_host else eps[1])
 
     def close(self) -> None:
-        for sock in self._peers.values():
+        for sock in self._socks.values():
             sock.close(0)
-        self._peers.clear()
-        self._inbox.close(0)
-        self._stash.clear()
-        self._trackers.clear()
+        self._socks.clear()
+        self._last_tracker.clear()
 
     # -- Link ----------------------------------------------------------------
 
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
-        header = wire.pack_header(self._token, self.rank, seq, tag)
-        payload = arr.view(np.uint8) if arr.ndim == 1 else arr.reshape(-1).view(np.uint8)
-        sock = self._peers[dst]
+        payload = arr if arr.ndim == 1 else arr.reshape(-1)
+        if payload.dtype != np.uint8:
+            payload = payload.view(np.uint8)
         if payload.nbytes < self._zc_min:
-            sock.send_multipart([header, payload], copy=True)
+            self._socks[dst].send(payload, copy=True)
         else:
-            tracker = sock.send_multipart([header, payload], copy=False, track=True)
-            self._trackers.append(tracker)
+            self._last_tracker[dst] = self._socks[dst].send(payload, copy=False, track=True)
 
-    def recv(self, src: int, seq: int, tag: int) -> memoryview:
-        key = (src, seq, tag)
-        frame = self._stash.pop(key, None)
-        if frame is not None:
-            return frame.buffer
-        deadline = time.monotonic() + self._timeout
-        inbox = self._inbox
-        while True:
-            if not inbox.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                if time.monotonic() >= deadline:
-                    raise PeerLostError(
-                        f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) "
-                        f"for {self._timeout:.0f} s during op #{seq}; the peer died or hangs. "
-                        "Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                    )
-                continue
-            frames = inbox.recv_multipart(copy=False)
-            if len(frames) != 2:
-                log.debug("dropping data message with %d frames", len(frames))
-                continue
-            try:
-                got = wire.unpack_header(self._token, frames[0].bytes)
-            except ValueError as exc:
-                log.debug("dropping data message: %s", exc)
-                continue
-            if got == key:
-                return frames[1].buffer
-            self._stash[got] = frames[1]
+    def recv(self, src: int, seq: int, tag: int) -> memoryview | bytes:
+        try:
+            frame = self._socks[src].recv(copy=False)
+        except zmq.Again:
+            raise PeerLostError(
+                f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
+                f"{self._timeout:.0f} s during op #{seq}; the peer died or hangs. "
+                "Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
+            ) from None
+        return frame.buffer
 
     def flush(self) -> None:
         """Wait until ZeroMQ has released every zero-copy send."""
-        deadline = time.monotonic() + self._timeout
-        for tracker in self._trackers:
-            left = deadline - time.monotonic()
+        for dst, tracker in self._last_tracker.items():
             try:
-                tracker.wait(max(0.001, left))
+                tracker.wait(self._timeout)
             except zmq.NotDone:
                 raise PeerLostError(
-                    f"rank {self.rank}: outgoing data was not taken by a peer within {self._timeout:.0f} s"
+                    f"rank {self.rank}: rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data "
+                    f"within {self._timeout:.0f} s"
                 ) from None
-        self._trackers.clear()
+        self._last_tracker.clear()

@@ -1,0 +1,214 @@
+"""Worker processes for ``ringcomm-run``: spawn in their own process group, pump output, stop.
+
+Each worker runs in its own session (``start_new_session=True``), so
+``os.killpg(worker.pid, sig)`` reaches the worker *and* everything it spawned
+(unless a grandchild starts a session of its own, which no launcher can
+track without cgroups).  A waiter thread per worker reaps it and records the
+moment it exited, so the launcher can tell which rank failed first.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO
+
+#: Lines of each rank (stdout and stderr together) kept for the failure report.
+TAIL_LINES = 20
+#: Longest line the pump reads at once; longer lines are split (keeps memory bounded).
+_MAX_LINE_BYTES = 64 * 1024
+
+_print_lock = threading.Lock()
+
+
+def emit(stream: IO[str], text: str) -> None:
+    """Write ``text`` plus a newline to ``stream`` and flush; one writer at a time, never raises."""
+    with _print_lock:
+        try:
+            try:
+                stream.write(text + "\n")
+            except UnicodeEncodeError:  # e.g. an ASCII-only terminal: show what cannot be encoded as escapes
+                encoding = getattr(stream, "encoding", None) or "ascii"
+                stream.write(text.encode(encoding, "backslashreplace").decode(encoding) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # closed pipe (e.g. `ringcomm-run ... | head`): keep the job going
+            pass
+
+
+class Worker:
+    """One rank's process: its pipes' pump threads, its last lines, and how it ended."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes], exits: "queue.Queue[Worker]") -> None:
+        self.rank = rank
+        self.popen = popen
+        self.pid = popen.pid
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        #: True once the launcher sent this worker a signal (it is then never the root cause).
+        self.stopped_by_launcher = False
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        self.exited = threading.Event()
+        self._tail_lock = threading.Lock()
+        self._pumps = [
+            threading.Thread(target=self._pump, args=(popen.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._pump, args=(popen.stderr, "stderr"), daemon=True),
+        ]
+        for pump in self._pumps:
+            pump.name = f"ringcomm-run-rank{rank}-{pump.name}"
+            pump.start()
+        self._exits = exits
+        threading.Thread(target=self._wait, name=f"ringcomm-run-wait{rank}", daemon=True).start()
+
+    def _pump(self, pipe: IO[bytes] | None, label: str) -> None:
+        """Copy ``pipe`` line by line to the launcher's stream ``label`` as ``[rank]<label>:line``."""
+        if pipe is None:
+            return
+        try:
+            while True:
+                raw = pipe.readline(_MAX_LINE_BYTES)
+                if not raw:
+                    break
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                with self._tail_lock:
+                    self.tail.append(line)
+                # Looked up per line: the launcher's streams may be swapped (tests, redirection).
+                emit(sys.stdout if label == "stdout" else sys.stderr, f"[{self.rank}]<{label}>:{line}")
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def _wait(self) -> None:
+        self.returncode = self.popen.wait()
+        self.exited_at = time.monotonic()
+        self.exited.set()
+        self._exits.put(self)
+
+    def last_lines(self) -> list[str]:
+        """A copy of the kept lines, oldest first."""
+        with self._tail_lock:
+            return list(self.tail)
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's whole process group; no error if it is already gone."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self) -> bool:
+        """True while the worker or anything left in its process group still runs."""
+        return not self.exited.is_set() or bool(live_groups([self.pid]))
+
+    def join_output(self, deadline: float) -> None:
+        """Wait (until ``deadline``, monotonic) for the pump threads to reach end of file."""
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+
+
+def live_groups(pgids: Iterable[int]) -> set[int]:
+    """The process groups in ``pgids`` that still hold a process that is not a zombie.
+
+    ``killpg(pgid, 0)`` alone also counts zombies: a killed grandchild stays one
+    until init reaps it, which some container inits do slowly or never.  So on
+    Linux a group that ``killpg`` finds is confirmed by one scan of ``/proc``.
+    """
+    found = set()
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        found.add(pgid)
+    if not found or not os.path.isdir("/proc/self"):
+        return found
+    running = set()
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+                state, pgrp = fields[0], int(fields[2])
+            except (OSError, IndexError, ValueError):
+                continue  # exited while we looked
+            if pgrp in found and state != b"Z":
+                running.add(pgrp)
+    return running
+
+
+def spawn(
+    rank: int, command: Sequence[str], env: Mapping[str, str], exits: "queue.Queue[Worker]"
+) -> Worker:
+    """Start ``command`` as rank ``rank`` in a new session with piped output."""
+    popen = subprocess.Popen(
+        list(command),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    return Worker(rank, popen, exits)
+
+
+def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] = lambda: False) -> list[Worker]:
+    """SIGTERM every live process group, SIGKILL what is left after ``grace`` s; returns groups that needed it.
+
+    Workers still running when this is called are marked ``stopped_by_launcher``.
+    ``hurry()`` turning true (e.g. a second Ctrl-C) skips the rest of the grace.
+    """
+    workers = list(workers)
+    signalled = []
+    for worker in workers:
+        if worker.group_alive():
+            if not worker.exited.is_set():
+                worker.stopped_by_launcher = True
+            signalled.append(worker)
+            worker.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _any_alive(signalled) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.02)
+    for worker in signalled:
+        if worker.group_alive():
+            worker.signal_group(signal.SIGKILL)
+    # SIGKILL cannot be ignored; this only waits for the kernel (and for the waiter threads to reap).
+    deadline = time.monotonic() + 5.0
+    while _any_alive(signalled) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return signalled
+
+
+def _any_alive(workers: list[Worker]) -> bool:
+    if any(not w.exited.is_set() for w in workers):
+        return True
+    return bool(live_groups(w.pid for w in workers))
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` / ``was killed by signal SIGKILL``."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by signal {name}"
+
+
+def exit_status(returncode: int) -> int:
+    """Shell-style status of a child's return code: the code itself, or 128 + signal number."""
+    return returncode if returncode >= 0 else 128 - returncode

@@ -1,0 +1,270 @@
+"""``ringcomm-run``: start N workers on this machine, relay their output, stop them all on failure.
+
+Example::
+
+    $ ringcomm-run -np 2 python -c "import os; print(os.environ['RINGCOMM_RANK'])"
+    [0]<stdout>:0
+    [1]<stdout>:1
+
+The launcher runs the job's :class:`~ringcomm.rendezvous.RendezvousServer`
+on 127.0.0.1 and gives every worker its topology, the rendezvous address and
+the job's secret through ``RINGCOMM_*`` environment variables.  When a worker
+exits non-zero (or is killed), the others are sent SIGTERM, then SIGKILL
+after a grace period, and a root-cause block names the first failing rank,
+its exit code and its last lines; the launcher exits with that rank's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import secrets
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+from ._proc import Worker, describe_exit, emit, exit_status, spawn, stop_all
+from .rendezvous import RendezvousServer
+
+__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job"]
+
+#: Seconds workers get between SIGTERM and SIGKILL.
+GRACE_SECONDS = 3.0
+#: Seconds the launcher waits for the last output once every process is gone.
+_DRAIN_SECONDS = 2.0
+_PROG = "ringcomm-run"
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ringcomm-run`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog=_PROG,
+        allow_abbrev=False,
+        description="Run COMMAND as N ringcomm workers on this machine (Horovod's horovodrun, for ringcomm).",
+        epilog="example: ringcomm-run -np 4 python train.py --epochs 3",
+    )
+    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, metavar="N",
+                        help="number of worker processes to start (>= 1)")
+    parser.add_argument("-H", "--hosts", default=None, metavar="localhost:N",
+                        help="hosts and slots; only localhost:N is supported for now")
+    parser.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                        help="seconds every rank has to reach the rendezvous (default: $RINGCOMM_START_TIMEOUT "
+                             "or 60); sets RINGCOMM_START_TIMEOUT")
+    parser.add_argument("--timeline-filename", default=None, metavar="PATH",
+                        help="write a Chrome-trace timeline of the collectives to PATH (sets RINGCOMM_TIMELINE)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print the job id, the rendezvous address and each worker's pid to stderr")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with its arguments")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate ``argv``; exits with status 2 and a message that says what to pass."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.num_proc < 1:
+        parser.error(f"-np must be at least 1 (the number of worker processes, e.g. -np 4), got {args.num_proc}")
+    if args.start_timeout is not None and not args.start_timeout > 0:
+        parser.error(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
+    if args.hosts is not None:
+        slots = _local_slots(args.hosts)
+        if slots is None:
+            parser.error(
+                f"-H {args.hosts!r}: multi-host launch is not supported yet; -H accepts only localhost:N "
+                "(or leave -H out to run every rank on this machine)"
+            )
+        if slots < args.num_proc:
+            parser.error(f"-np {args.num_proc} needs {args.num_proc} slots but -H {args.hosts} gives {slots}")
+    if not args.command:
+        parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
+    return args
+
+
+def _local_slots(hosts: str) -> int | None:
+    """N for ``localhost:N`` (N >= 1), else ``None``."""
+    name, sep, slots = hosts.strip().partition(":")
+    if name != "localhost" or not sep or not slots.isdigit() or int(slots) < 1:
+        return None
+    return int(slots)
+
+
+# --------------------------------------------------------------------------- job
+
+
+def worker_env(
+    base: Mapping[str, str],
+    rank: int,
+    size: int,
+    address: str,
+    secret: bytes,
+    job_id: str,
+    start_timeout: float | None = None,
+    timeline: str | None = None,
+) -> dict[str, str]:
+    """``base`` plus the ``RINGCOMM_*`` variables rank ``rank`` of a one-host job needs."""
+    env = dict(base)
+    env.update(
+        RINGCOMM_RANK=str(rank),
+        RINGCOMM_SIZE=str(size),
+        RINGCOMM_LOCAL_RANK=str(rank),
+        RINGCOMM_LOCAL_SIZE=str(size),
+        RINGCOMM_CROSS_RANK="0",
+        RINGCOMM_CROSS_SIZE="1",
+        RINGCOMM_RENDEZVOUS_ADDR=address,
+        RINGCOMM_SECRET=secret.hex(),
+        RINGCOMM_JOB_ID=job_id,
+        PYTHONUNBUFFERED="1",
+    )
+    if start_timeout is not None:
+        env["RINGCOMM_START_TIMEOUT"] = repr(float(start_timeout))
+    if timeline is not None:
+        env["RINGCOMM_TIMELINE"] = timeline
+    return env
+
+
+class _SignalCatcher:
+    """Turns SIGINT/SIGTERM/SIGHUP into a list the main loop reads (handlers only set state)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; run_job still cleans up
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+def _say(text: str) -> None:
+    emit(sys.stderr, f"{_PROG}: {text}")
+
+
+def run_job(args: argparse.Namespace) -> int:
+    """Run the job described by parsed ``args``; returns the launcher's exit status."""
+    size = args.num_proc
+    job_id = secrets.token_hex(4)
+    secret = secrets.token_bytes(32)
+    exits: queue.Queue[Worker] = queue.Queue()
+    workers: list[Worker] = []
+    catcher = _SignalCatcher()
+    catcher.install()
+    spawn_status = 0
+    first_failure: Worker | None = None
+    leftovers: list[Worker] = []
+    try:
+        server = RendezvousServer(size=size, secret=secret, host="127.0.0.1")
+        try:
+            if args.verbose:
+                _say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
+                     f"{shlex.join(args.command)}")
+            for rank in range(size):
+                if catcher.received:
+                    break
+                env = worker_env(os.environ, rank, size, server.address, secret, job_id,
+                                 args.start_timeout, args.timeline_filename)
+                try:
+                    workers.append(spawn(rank, args.command, env, exits))
+                except OSError as exc:
+                    _say(f"cannot start {shlex.join(args.command)!s} for rank {rank}: {exc}")
+                    spawn_status = 127 if isinstance(exc, FileNotFoundError) else 126
+                    break
+                if args.verbose:
+                    _say(f"rank {rank}: pid {workers[-1].pid}")
+            first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0)
+            leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
+        finally:
+            stop_all(workers, GRACE_SECONDS, hurry=lambda: len(catcher.received) > 1)
+            server.close()
+    finally:
+        catcher.restore()
+        # If anything above raised, stop_all may not have run yet; it is idempotent.
+        stop_all(workers, 0.0)
+    deadline = time.monotonic() + _DRAIN_SECONDS
+    for worker in workers:
+        worker.join_output(deadline)
+
+    if args.verbose:
+        for worker in leftovers:
+            _say(f"rank {worker.rank} (pid {worker.pid}) exited but left processes in its group; stopped them")
+    if first_failure is not None:
+        _report_failure(first_failure, workers)
+        return exit_status(first_failure.returncode or 0) or 1
+    if catcher.received:
+        signum = catcher.received[0]
+        _say(f"received {signal.Signals(signum).name}; stopped all {len(workers)} workers")
+        return 128 + signum
+    if spawn_status:
+        return spawn_status
+    if args.verbose:
+        _say(f"job {job_id}: all {size} ranks exited with code 0")
+    return 0
+
+
+def _wait_for_end(
+    workers: list[Worker], exits: "queue.Queue[Worker]", catcher: _SignalCatcher, stop_early: bool
+) -> Worker | None:
+    """Block until every worker exited 0 (-> None), one failed (-> the first), or a signal came."""
+    finished = 0
+    while finished < len(workers) and not stop_early and not catcher.received:
+        try:
+            worker = exits.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        finished += 1
+        if worker.returncode != 0:
+            # Several may have died within a moment of each other: the earliest is the root cause.
+            failed = [w for w in workers if w.exited.is_set() and w.returncode != 0]
+            return min(failed, key=lambda w: w.exited_at or 0.0)
+    return None
+
+
+def _report_failure(root: Worker, workers: list[Worker]) -> None:
+    """Print the torchrun-style root-cause block to stderr."""
+    lines = [
+        f"{_PROG}: job failed",
+        f"  root cause: rank {root.rank} (pid {root.pid}) {describe_exit(root.returncode or 0)}",
+        f"  last lines of rank {root.rank}:",
+    ]
+    tail = root.last_lines()
+    lines += [f"    {line}" for line in tail] if tail else ["    (no output)"]
+    for worker in workers:
+        if worker is not root and not worker.stopped_by_launcher and worker.returncode not in (0, None):
+            lines.append(f"  also failed: rank {worker.rank} (pid {worker.pid}) {describe_exit(worker.returncode)}")
+    stopped = [str(w.rank) for w in workers if w.stopped_by_launcher]
+    if stopped:
+        lines.append(f"  stopped by {_PROG}: rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}")
+    emit(sys.stderr, "\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ringcomm-run``; returns the exit status (the console script passes it to ``sys.exit``)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    return run_job(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

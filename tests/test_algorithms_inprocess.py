@@ -1,0 +1,235 @@
+"""Tier 2: the collective algorithms, one thread per rank, over in-process links.
+
+``QueueLink`` is a faithful stand-in for the data plane (per-peer FIFO, no
+headers); ``zmq_links`` runs the real :class:`DataPlane` over inproc/ipc
+ZeroMQ sockets inside one process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringcomm import algorithms, ring
+from ringcomm.ops import ReduceOp
+from ringcomm.transport import DataPlane
+
+
+class QueueLink:
+    def __init__(self, rank: int, size: int, boxes: dict[tuple[int, int], queue.Queue]) -> None:
+        self.rank, self.size, self._boxes = rank, size, boxes
+
+    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
+        self._boxes[(self.rank, dst)].put(arr.tobytes())
+
+    def recv(self, src: int, seq: int, tag: int) -> bytes:
+        return self._boxes[(src, self.rank)].get(timeout=10)
+
+    def flush(self) -> None:
+        pass
+
+
+def queue_links(size: int) -> list[QueueLink]:
+    boxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+    return [QueueLink(r, size, boxes) for r in range(size)]
+
+
+def run_ranks(links: list[Any], fn: Callable[[Any, int], Any]) -> list[Any]:
+    results: list[Any] = [None] * len(links)
+    errors: list[BaseException] = []
+
+    def target(r: int) -> None:
+        try:
+            results[r] = fn(links[r], r)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(len(links))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"]
+REF = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max, ReduceOp.PRODUCT: np.prod}
+
+
+def make_inputs(size: int, n: int, dtype: str, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if dtype.startswith("float"):
+        return [rng.uniform(-2, 2, n).astype(dtype) for _ in range(size)]
+    return [rng.integers(0, 4, n).astype(dtype) for _ in range(size)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 50), st.sampled_from(DTYPES), st.sampled_from(list(REF)),
+       st.integers(1, 8), st.booleans(), st.integers(0, 2**16))
+def test_ring_allreduce_matches_numpy(size, n, dtype, op, seg, separate_input, seed) -> None:
+    inputs = make_inputs(size, n, dtype, seed)
+    expected = REF[op](np.stack(inputs), axis=0).astype(dtype) if n else np.zeros(0, dtype)
+
+    def fn(link, r):
+        if separate_input:
+            out = np.empty(n, dtype)
+            algorithms.ring_allreduce(link, out, op, 0, seg, src_buf=inputs[r])
+            return out
+        buf = inputs[r].copy()
+        algorithms.ring_allreduce(link, buf, op, 0, seg)
+        return buf
+
+    for out in run_ranks(queue_links(size), fn):
+        if dtype.startswith("float"):
+            np.testing.assert_allclose(out, expected, rtol=1e-2 if dtype == "float16" else 1e-6, atol=1e-2)
+        else:
+            np.testing.assert_array_equal(out, expected)
+    if separate_input:  # the input arrays are never written
+        assert all(np.array_equal(a, b) for a, b in zip(inputs, make_inputs(size, n, dtype, seed)))
+
+
+def test_bool_allreduce_is_logical() -> None:
+    ins = [np.array([True, False, False]), np.array([True, True, False])]
+    for op, exp in [(ReduceOp.SUM, [1, 1, 0]), (ReduceOp.MIN, [1, 0, 0]), (ReduceOp.PRODUCT, [1, 0, 0])]:
+        outs = run_ranks(queue_links(2), lambda link, r: (lambda b: (algorithms.ring_allreduce(link, b, op, 0, 2), b)[1])(ins[r].copy()))
+        for out in outs:
+            np.testing.assert_array_equal(out, np.array(exp, bool))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.lists(st.integers(0, 7), min_size=5, max_size=5), st.integers(1, 6))
+def test_allgatherv_variable_counts(size, counts5, seg) -> None:
+    counts = counts5[:size]
+    full = np.arange(sum(counts), dtype=np.int32)
+    bounds = ring.offsets(counts)
+
+    def fn(link, r):
+        out = np.full(sum(counts), -1, np.int32)
+        a, b = bounds[r]
+        out[a:b] = full[a:b]
+        algorithms.ring_allgatherv(link, out, counts, 0, seg)
+        return out
+
+    for out in run_ranks(queue_links(size), fn):
+        np.testing.assert_array_equal(out, full)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 30), st.integers(1, 6), st.data())
+def test_reducescatter_blocks(size, rows, seg, data) -> None:
+    inputs = make_inputs(size, rows, "int64", rows)
+    counts = ring.split_sizes(rows, size)
+    expected = np.sum(np.stack(inputs), axis=0) if rows else np.zeros(0, np.int64)
+
+    def fn(link, r):
+        buf = inputs[r].copy()
+        a, b = algorithms.ring_reducescatter(link, buf, counts, ReduceOp.SUM, 0, seg)
+        return buf[a:b].copy()
+
+    outs = run_ranks(queue_links(size), fn)
+    for r, out in enumerate(outs):
+        a, b = ring.offsets(counts)[r]
+        np.testing.assert_array_equal(out, expected[a:b])
+
+
+@pytest.mark.parametrize("nbytes", [0, 12, algorithms.DIRECT_BROADCAST_BYTES + 8])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_broadcast_direct_and_chain(size: int, nbytes: int) -> None:
+    for root in range(size):
+        def fn(link, r):
+            buf = np.full(nbytes, 7 if r == root else 0, np.uint8)
+            algorithms.broadcast(link, buf, root, 0, 4096)
+            return buf
+        for out in run_ranks(queue_links(size), fn):
+            assert (out == 7).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.data())
+def test_alltoall_random_splits(size, data) -> None:
+    splits = [data.draw(st.lists(st.integers(0, 4), min_size=size, max_size=size)) for _ in range(size)]
+    sends = [np.arange(sum(s), dtype=np.int16) + 100 * r for r, s in enumerate(splits)]
+
+    def fn(link, r):
+        recv_counts = [splits[i][r] for i in range(size)]
+        out = np.empty(sum(recv_counts), np.int16)
+        algorithms.alltoall(link, sends[r], splits[r], out, recv_counts, 0, 3)
+        return out
+
+    outs = run_ranks(queue_links(size), fn)
+    for r, out in enumerate(outs):
+        expected = [sends[i][ring.offsets(splits[i])[r][0]:ring.offsets(splits[i])[r][1]] for i in range(size)]
+        np.testing.assert_array_equal(out, np.concatenate(expected) if expected else out)
+
+
+def test_short_message_is_detected_as_stream_desync() -> None:
+    links = queue_links(2)
+    links[0].send(1, 0, 0, np.zeros(3, np.float32))
+    with pytest.raises(algorithms.StreamError, match="out of step"):
+        algorithms.broadcast(links[1], np.zeros(4, np.float32), 0, 0, 16)
+
+
+# ---------------------------------------------------------------------------
+# the real DataPlane over ZeroMQ sockets, ranks as threads
+
+
+@pytest.fixture
+def zmq_links(tmp_path):
+    made: list[tuple[zmq.Context, list[DataPlane]]] = []
+
+    def build(size: int, zero_copy_min: int = 64) -> list[DataPlane]:
+        ctx = zmq.Context()
+        planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0) for r in range(size)]
+        tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
+        for r, p in enumerate(planes):
+            for q in range(size):
+                if q != r:
+                    p.connect(q, tables[q], same_host=(q % 2 == 0), description=f"thread {q}")
+        made.append((ctx, planes))
+        return planes
+
+    yield build
+    for ctx, planes in made:
+        for p in planes:
+            p.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int) -> None:
+    links = zmq_links(size, zero_copy_min=256)
+
+    def fn(link, r):
+        outs = []
+        for seq, n in enumerate([0, 1, 5, 1000, 70_000]):
+            buf = np.full(n, r + 1, np.float64)
+            algorithms.ring_allreduce(link, buf, ReduceOp.SUM, seq, 4096)
+            outs.append(buf)
+        return outs
+
+    for outs in run_ranks(links, fn):
+        for out in outs:
+            assert (out == size * (size + 1) / 2).all()
+
+
+@pytest.mark.timeout(30)
+def test_zmq_dataplane_reports_a_silent_peer(zmq_links) -> None:
+    from ringcomm.errors import PeerLostError
+
+    links = zmq_links(2)
+    links[1]._timeout = 0.3
+    for s in links[1]._socks.values():
+        s.setsockopt(zmq.RCVTIMEO, 300)
+    with pytest.raises(PeerLostError, match="no data from rank 0"):
+        links[1].recv(0, 7, 0)
