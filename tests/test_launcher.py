@@ -1,0 +1,298 @@
+"""ringcomm-run with real worker processes (tiny ``python -c`` scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from _launcher_helpers import (
+    LiveLauncher,
+    alive,
+    kill_leftovers,
+    run_launcher,
+    spawned_pids,
+    wait_gone,
+    worker,
+)
+from ringcomm import launcher
+
+pytestmark = pytest.mark.multiprocess
+
+ENV_DUMP = """
+import json, os, sys
+keys = sorted(k for k in os.environ if k.startswith("RINGCOMM_")) + ["PYTHONUNBUFFERED"]
+print(json.dumps({k: os.environ.get(k) for k in keys}))
+print("err from", os.environ["RINGCOMM_RANK"], file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_three_ranks_prefix_output_and_get_their_environment(tmp_path):
+    timeline = str(tmp_path / "timeline.json")
+    result, _ = run_launcher(
+        "-np", "3", "-H", "localhost:3", "--start-timeout", "7.5", "--timeline-filename", timeline,
+        *worker(ENV_DUMP),
+    )
+    assert result.returncode == 0, result.stderr
+    envs = {}
+    for line in result.stdout.splitlines():
+        m = re.fullmatch(r"\[(\d)\]<stdout>:(.*)", line)
+        assert m, f"unprefixed stdout line {line!r}"
+        envs[int(m.group(1))] = json.loads(m.group(2))
+    assert sorted(envs) == [0, 1, 2]
+    assert sorted(re.findall(r"^\[(\d)\]<stderr>:err from (\d)$", result.stderr, re.M)) == [
+        ("0", "0"), ("1", "1"), ("2", "2")
+    ]
+    for rank, env in envs.items():
+        assert env["RINGCOMM_RANK"] == env["RINGCOMM_LOCAL_RANK"] == str(rank)
+        assert env["RINGCOMM_SIZE"] == env["RINGCOMM_LOCAL_SIZE"] == "3"
+        assert (env["RINGCOMM_CROSS_RANK"], env["RINGCOMM_CROSS_SIZE"]) == ("0", "1")
+        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", env["RINGCOMM_RENDEZVOUS_ADDR"])
+        assert re.fullmatch(r"[0-9a-f]{64}", env["RINGCOMM_SECRET"])
+        assert re.fullmatch(r"[0-9a-f]{8}", env["RINGCOMM_JOB_ID"])
+        assert float(env["RINGCOMM_START_TIMEOUT"]) == 7.5
+        assert env["RINGCOMM_TIMELINE"] == timeline
+        assert env["PYTHONUNBUFFERED"] == "1"
+    for key in ("RINGCOMM_RENDEZVOUS_ADDR", "RINGCOMM_SECRET", "RINGCOMM_JOB_ID"):
+        assert len({env[key] for env in envs.values()}) == 1, key
+
+
+@pytest.mark.timeout(30)
+def test_workers_assemble_through_the_launchers_rendezvous():
+    code = """
+import json, os
+from ringcomm.rendezvous import register
+rank, size = int(os.environ["RINGCOMM_RANK"]), int(os.environ["RINGCOMM_SIZE"])
+table = register(os.environ["RINGCOMM_RENDEZVOUS_ADDR"], bytes.fromhex(os.environ["RINGCOMM_SECRET"]),
+                 rank, size, {"rank": rank, "pid": os.getpid()}, timeout=20.0)
+print(json.dumps([entry["rank"] for entry in table]))
+"""
+    result, _ = run_launcher("-np", "3", *worker(code))
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == [f"[{r}]<stdout>:[0, 1, 2]" for r in range(3)]
+
+
+@pytest.mark.timeout(30)
+def test_partial_lines_and_undecodable_bytes():
+    code = r"""
+import sys
+sys.stdout.buffer.write(b"first\n\xff\xfe bytes\r\nno newline at the end")
+sys.stdout.flush()
+sys.stderr.write("e1\ne2")
+"""
+    result, _ = run_launcher("-np", "1", *worker(code))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "[0]<stdout>:first",
+        "[0]<stdout>:\ufffd\ufffd bytes",
+        "[0]<stdout>:no newline at the end",
+    ]
+    assert result.stderr.splitlines() == ["[0]<stderr>:e1", "[0]<stderr>:e2"]
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_rank_stops_the_others_and_is_named_as_the_root_cause():
+    code = """
+import os, sys, time
+rank = int(os.environ["RINGCOMM_RANK"])
+if rank == 1:
+    print("working on it")
+    print("Traceback: something broke on rank 1", file=sys.stderr)
+    sys.exit(3)
+time.sleep(60)
+"""
+    result, elapsed = run_launcher("-v", "-np", "3", *worker(code))
+    pids = spawned_pids(result.stderr)
+    try:
+        assert result.returncode == 3, result.stderr
+        assert elapsed < 10
+        assert sorted(pids) == [0, 1, 2]
+        assert "ringcomm-run: job failed" in result.stderr
+        assert f"root cause: rank 1 (pid {pids[1]}) exited with code 3" in result.stderr
+        block = result.stderr.split("last lines of rank 1:")[1]
+        assert "    working on it" in block and "    Traceback: something broke on rank 1" in block
+        assert "stopped by ringcomm-run: ranks 0, 2" in result.stderr
+        assert "rank 0 (pid" not in result.stderr.split("root cause")[1].split("stopped by")[0]
+        assert wait_gone(pids.values()) == []
+    finally:
+        kill_leftovers(pids.values())
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_killed_by_a_signal():
+    code = """
+import os, signal, time
+if os.environ["RINGCOMM_RANK"] == "0":
+    print("going down", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+    result, elapsed = run_launcher("-v", "-np", "2", *worker(code))
+    pids = spawned_pids(result.stderr)
+    try:
+        assert result.returncode == 128 + signal.SIGKILL, result.stderr
+        assert elapsed < 10
+        assert f"root cause: rank 0 (pid {pids[0]}) was killed by signal SIGKILL" in result.stderr
+        assert "    going down" in result.stderr
+        assert wait_gone(pids.values()) == []
+    finally:
+        kill_leftovers(pids.values())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-np", "0", "python"], "-np must be at least 1"),
+        (["-np", "-2", "python"], "-np must be at least 1"),
+        (["python", "x.py"], "-np"),
+        (["-np", "2"], "no command given"),
+        (["-np", "2", "-H", "host1:2,host2:2", "python"], "multi-host launch is not supported yet"),
+        (["-np", "2", "-H", "10.0.0.1:4", "python"], "multi-host launch is not supported yet"),
+        (["-np", "3", "-H", "localhost:2", "python"], "needs 3 slots"),
+        (["-np", "2", "--start-timeout", "0", "python"], "--start-timeout must be > 0"),
+    ],
+)
+def test_usage_errors_say_what_to_pass(argv, message, capsys):
+    assert launcher.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_np_zero_from_the_command_line():
+    result, _ = run_launcher("-np", "0", *worker("print('never')"))
+    assert result.returncode == 2
+    assert "-np must be at least 1" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(30)
+def test_missing_program_is_reported():
+    result, _ = run_launcher("-np", "2", "/nonexistent/ringcomm-test-program")
+    assert result.returncode == 127
+    assert "cannot start /nonexistent/ringcomm-test-program" in result.stderr
+
+
+SPAWN_CHILD = """
+import os, subprocess, sys, time
+rank = int(os.environ["RINGCOMM_RANK"])
+child = subprocess.Popen(["sleep", "60"])
+print(f"rank {rank} child {child.pid}", flush=True)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_children_of_workers_are_not_orphaned_when_the_job_succeeds():
+    result, elapsed = run_launcher("-v", "-np", "2", *worker(SPAWN_CHILD))  # workers exit, children keep running
+    children = [int(p) for p in re.findall(r"child (\d+)", result.stdout)]
+    try:
+        assert result.returncode == 0, result.stderr
+        assert len(children) == 2
+        assert elapsed < 10
+        assert "left processes in its group" in result.stderr
+        assert wait_gone(children) == []
+    finally:
+        kill_leftovers(children)
+
+
+@pytest.mark.timeout(30)
+def test_children_of_workers_are_not_orphaned_when_a_rank_fails(tmp_path):
+    flag = tmp_path / "rank0-ready"
+    code = SPAWN_CHILD + f"""
+flag = {str(flag)!r}
+if rank == 0:
+    open(flag, "w").close()
+    time.sleep(60)
+while not os.path.exists(flag):
+    time.sleep(0.01)
+sys.exit(4)
+"""
+    result, elapsed = run_launcher("-v", "-np", "2", *worker(code))
+    children = [int(p) for p in re.findall(r"child (\d+)", result.stdout)]
+    pids = list(spawned_pids(result.stderr).values())
+    try:
+        assert result.returncode == 4, result.stderr
+        assert elapsed < 10
+        assert "root cause: rank 1" in result.stderr
+        assert len(children) == 2 and len(pids) == 2
+        assert wait_gone(children + pids) == []
+    finally:
+        kill_leftovers(children + pids)
+
+
+READY_AND_WAIT = """
+import os, signal, subprocess, sys, time
+rank = int(os.environ["RINGCOMM_RANK"])
+if rank == 0 and len(sys.argv) > 1:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a stubborn worker: only SIGKILL stops it
+child = subprocess.Popen(["sleep", "60"])
+print(f"rank {rank} pid {os.getpid()} child {child.pid} ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _start_and_wait_ready(np_: int, *extra: str) -> tuple[LiveLauncher, list[int]]:
+    live = LiveLauncher("-np", str(np_), *worker(READY_AND_WAIT), *extra)
+    matches = live.wait_for(r"pid (\d+) child (\d+) ready", count=np_)
+    return live, [int(p) for m in matches for p in m.groups()]
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_to_the_launcher_stops_every_process():
+    live, pids = _start_and_wait_ready(3)
+    try:
+        assert all(alive(p) for p in pids)
+        live.proc.send_signal(signal.SIGINT)
+        assert live.finish(timeout=10) == 130
+        assert "received SIGINT" in "".join(live.stderr)
+        assert "job failed" not in "".join(live.stderr)  # ranks stopped by the launcher are not a failure
+        assert wait_gone(pids) == []
+    finally:
+        kill_leftovers(pids)
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_to_the_launcher_escalates_to_sigkill_after_the_grace():
+    live, pids = _start_and_wait_ready(2, "stubborn")
+    try:
+        live.proc.send_signal(signal.SIGTERM)
+        assert live.finish(timeout=15) == 143
+        assert wait_gone(pids) == []
+    finally:
+        kill_leftovers(pids)
+
+
+@pytest.mark.timeout(30)
+def test_verbose_prints_job_id_address_and_pids():
+    result, _ = run_launcher("-v", "-np", "2", *worker("pass"))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"job [0-9a-f]{8}: 2 workers, rendezvous at tcp://127\.0\.0\.1:\d+", result.stderr)
+    assert sorted(spawned_pids(result.stderr)) == [0, 1]
+
+
+@pytest.mark.timeout(10)
+def test_exit_descriptions():
+    from ringcomm._proc import describe_exit, exit_status
+
+    assert describe_exit(3) == "exited with code 3"
+    assert describe_exit(-signal.SIGSEGV) == "was killed by signal SIGSEGV"
+    assert exit_status(3) == 3 and exit_status(-signal.SIGKILL) == 137
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(10)
+def test_alive_helper_sees_our_own_process():
+    assert alive(os.getpid())
+
+
+@pytest.mark.timeout(30)
+def test_output_survives_a_launcher_that_cannot_encode_it():
+    code = 'import sys; sys.stdout.buffer.write(b"caf\\xc3\\xa9\\n")'
+    result, _ = run_launcher("-np", "1", *worker(code), PYTHONIOENCODING="ascii")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "[0]<stdout>:caf\\xe9\n"
