@@ -120,9 +120,11 @@ def _op_name(op: int) -> str:
 class Coordinator:
     """Collects requests from ``size`` ranks and emits ordered, fused responses."""
 
-    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize) -> None:
+    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize,
+                 small_bytes: int = 0) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
+        self.small_bytes = small_bytes  # small allreduces fuse only with each other (rank 0 reduces them)
         self._itemsize = itemsize
         self._pending: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
@@ -207,10 +209,10 @@ class Coordinator:
             else:
                 out.append(self._single(name, first, reqs, joined))
         if fusable:
-            items = [
-                FusionItem((q.dtype, q.op, q.prescale, q.postscale), q.numel() * self._itemsize(q.dtype))
-                for _, _, q in fusable
-            ]
+            items = []
+            for _, _, q in fusable:
+                nbytes = q.numel() * self._itemsize(q.dtype)
+                items.append(FusionItem((q.dtype, q.op, q.prescale, q.postscale, nbytes <= self.small_bytes), nbytes))
             for group in plan_fusion(items, self.fusion_threshold):
                 members = [fusable[i] for i in group]
                 q = members[0][2]

@@ -86,7 +86,9 @@ class Engine:
         self._stopping = False
         self._failed: BaseException | None = None
         self._fusion = np.empty(0, dtype=np.uint8)
-        self._coord = Coordinator(self.size, settings.fusion_threshold) if self.rank == 0 else None
+        self._small = settings.small_allreduce_bytes if self.size > 1 else 0
+        self._coord = Coordinator(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
+        self._payloads: dict[str, dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._warned_stalls: set[str] = set()
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
@@ -250,7 +252,10 @@ class Engine:
                 self._coord.submit(0, entry.req, now)
             else:
                 cid = self._cache.lookup(entry.req)
-                items.append(cid if cid is not None else list(entry.req))
+                item: Any = cid if cid is not None else list(entry.req)
+                if entry.req.kind == wire.ALLREDUCE and 0 < self._nbytes(entry) <= self._small:
+                    item = {"q": item, "d": b"".join(a.tobytes() for a in entry.arrays)}
+                items.append(item)
         if items:
             assert self._ctrl is not None
             self._ctrl.send_multipart(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
@@ -284,12 +289,22 @@ class Engine:
             kind, rank, items = msg
             if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
                 raise ValueError(f"bad request header {kind!r} from {rank!r}")
-            reqs = [self._cache.get(it) if isinstance(it, int) else wire.request_from_wire(it) for it in items]
+            reqs = []
+            for it in items:
+                data = None
+                if isinstance(it, dict):
+                    it, data = it["q"], it["d"]
+                    if not isinstance(data, bytes):
+                        raise ValueError("payload is not bytes")
+                req = self._cache.get(it) if isinstance(it, int) else wire.request_from_wire(it)
+                reqs.append((req, data))
         except (ValueError, TypeError, KeyError) as exc:
             log.debug("coordinator: dropping control message: %s", exc)
             return
         now = time.monotonic()
-        for req in reqs:
+        for req, data in reqs:
+            if data is not None:
+                self._payloads.setdefault(req.name, {})[rank] = data
             self._coord.submit(rank, req, now)
 
     def _coordinate(self) -> None:
@@ -300,6 +315,8 @@ class Engine:
             if (now - self._last_emit) * 1000 < self.settings.cycle_time:
                 return
         resps = coord.take_responses()
+        if self._payloads:
+            resps = [self._star_reduce(r) for r in resps]
         if resps:
             self._last_emit = now
             if self.size > 1:
@@ -310,6 +327,48 @@ class Engine:
             for resp in resps:
                 self._execute(resp)
         self._check_stalls(now)
+
+    @staticmethod
+    def _nbytes(entry: Entry) -> int:
+        return sum(a.nbytes for a in entry.arrays)
+
+    def _star_reduce(self, resp: Response) -> Response:
+        """Rank 0 reduces a small allreduce from the payloads sent with the requests (2 hops, no ring)."""
+        payloads = [self._payloads.pop(n, {}) for n in resp.names]
+        if resp.kind != wire.ALLREDUCE or resp.error or not resp.numels:
+            return resp
+        dtype = np.dtype(resp.dtype)
+        op = ReduceOp(resp.op)
+        joined = set(resp.joined)
+        acc: np.ndarray | None = None
+        for rank in range(self.size):
+            if rank in joined:
+                continue
+            if rank == 0:
+                chunks = []
+                for n in resp.names:
+                    entry = self._inflight.get(n)
+                    if entry is None:
+                        return resp
+                    chunks.extend(a.reshape(-1).view(np.uint8) for a in entry.arrays)
+                raw = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+                contrib = raw.view(dtype).copy()
+            else:
+                parts = [p.get(rank) for p in payloads]
+                if any(p is None for p in parts):
+                    return resp  # some rank sent no payload: run the ring
+                contrib = np.frombuffer(b"".join(parts), dtype=dtype).copy()  # type: ignore[arg-type]
+            if contrib.size != sum(resp.numels):
+                return resp
+            ops.scale_inplace(contrib, resp.prescale)
+            if acc is None:
+                acc = contrib
+            else:
+                ops.reduce_into(op, acc, contrib)
+        if acc is None:
+            return resp
+        ops.scale_inplace(acc, ops.postscale(op, self.size, resp.postscale))
+        return resp._replace(data=acc.tobytes())
 
     def _check_stalls(self, now: float) -> None:
         assert self._coord is not None
@@ -423,7 +482,12 @@ class Engine:
         arrays = [a for e in entries for a in e.arrays]
         single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
         src: np.ndarray | None = None
-        if single:
+        if resp.data:  # rank 0 already reduced it
+            buf = np.frombuffer(resp.data, dtype=dtype)
+            if buf.size != total:
+                raise HorovodInternalError(f"allreduce {list(resp.names)}: result of {buf.size} elements, expected {total}")
+            single = False
+        elif single:
             entry = entries[0]
             out = entry.outs[0] if entry.outs and entry.outs[0] is not None else np.empty_like(arrays[0])
             buf = out.reshape(-1)
@@ -444,8 +508,9 @@ class Engine:
                 for a in e.arrays:
                     buf[pos:pos + a.size] = a.reshape(-1)
                     pos += a.size
-        ops.scale_inplace(buf, resp.prescale)
-        algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src)
+        if not resp.data:
+            ops.scale_inplace(buf, resp.prescale)
+            algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src)
         if single:
             return [out if not entries[0].grouped else [out]]
         offsets = dict(zip(resp.names, np.cumsum((0, *resp.numels[:-1])).tolist()))

@@ -67,7 +67,9 @@ class Response(NamedTuple):
     name.  ``numels`` gives each name's element count (what a joined rank must
     contribute).  ``first_dims[r]`` is rank r's dim 0 (allgather);
     ``splits[r]`` is rank r's split vector (alltoall).  ``error`` set means the
-    op failed on every rank with that message.
+    op failed on every rank with that message.  ``data`` set means rank 0
+    already reduced the (small) payloads the ranks sent with their requests:
+    every rank just unpacks it, no ring.
     """
 
     kind: str
@@ -83,6 +85,7 @@ class Response(NamedTuple):
     joined: tuple[int, ...] = ()
     last_joined: int = -1
     error: str = ""
+    data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
 
 
 def _tuplify(x: Any) -> Any:

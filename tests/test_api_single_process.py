@@ -1,0 +1,176 @@
+"""The public API in a single-process job (no launcher): semantics and input validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ringcomm as rc
+from ringcomm import topology
+
+
+@pytest.fixture
+def job(monkeypatch):
+    for key in list(__import__("os").environ):
+        if key.startswith("RINGCOMM_") or key in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    rc.init()
+    yield rc
+    rc.shutdown()
+
+
+def test_topology_of_a_single_process(job) -> None:
+    assert (rc.rank(), rc.size(), rc.local_rank(), rc.local_size(), rc.cross_rank(), rc.cross_size()) == (0, 1, 0, 1, 0, 1)
+    assert rc.is_initialized()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"])
+def test_every_collective_every_dtype(job, dtype: str) -> None:
+    a = (np.arange(12) % 5).astype(dtype).reshape(3, 4)
+    for op in (rc.Sum, rc.Average, rc.Min, rc.Max, rc.Product):
+        np.testing.assert_array_equal(rc.allreduce(a, op=op), a)
+    np.testing.assert_array_equal(rc.allgather(a), a)
+    np.testing.assert_array_equal(rc.broadcast(a, 0), a)
+    out, splits = rc.alltoall(a)
+    np.testing.assert_array_equal(out, a)
+    assert splits.tolist() == [3]
+    np.testing.assert_array_equal(rc.reducescatter(a, op=rc.Sum), a)
+
+
+def test_zero_d_and_empty(job) -> None:
+    assert rc.allreduce(np.array(2.5)).shape == ()
+    assert rc.allgather(np.array(7)).tolist() == [7]
+    assert rc.allreduce(np.zeros((0, 3))).shape == (0, 3)
+    assert rc.allgather(np.zeros((0, 2), np.int8)).shape == (0, 2)
+    assert rc.broadcast(np.zeros(0), 0).shape == (0,)
+
+
+def test_scale_factors_and_integer_average(job) -> None:
+    np.testing.assert_allclose(rc.allreduce(np.ones(3), prescale_factor=2.0, postscale_factor=0.5), np.ones(3))
+    assert rc.allreduce(np.array([7], np.int32), op=rc.Sum, postscale_factor=0.5).tolist() == [3]
+
+
+def test_bool_ops(job) -> None:
+    b = np.array([True, False])
+    assert rc.allreduce(b, op=rc.Sum).tolist() == [True, False]
+    with pytest.raises(TypeError, match="Average is not defined for bool"):
+        rc.allreduce(b)
+
+
+def test_async_poll_synchronize_and_out(job) -> None:
+    a = np.arange(4.0)
+    out = np.empty_like(a)
+    h = rc.allreduce_async(a, out=out, name="x")
+    assert rc.synchronize(h) is out
+    assert rc.poll(h)
+    np.testing.assert_array_equal(out, a)
+    res = rc.grouped_allreduce([np.ones(2), np.zeros(3)])
+    assert [r.tolist() for r in res] == [[1, 1], [0, 0, 0]]
+    assert [r.tolist() for r in rc.grouped_allgather([np.ones(1), np.zeros(1)])] == [[1], [0]]
+    assert [r.tolist() for r in rc.grouped_reducescatter([np.ones(2)], op=rc.Sum)] == [[1, 1]]
+
+
+def test_objects_barrier_join(job) -> None:
+    assert rc.broadcast_object({"a": [1, 2]}) == {"a": [1, 2]}
+    assert rc.allgather_object(("x", 1)) == [("x", 1)]
+    rc.barrier()
+    assert rc.join() == 0
+
+
+def test_buffers_other_than_ndarray(job) -> None:
+    assert rc.allreduce(bytearray(b"\x01\x02"), op=rc.Sum).tolist() == [1, 2]
+    assert rc.allreduce(memoryview(np.arange(3, dtype=np.int16)), op=rc.Max).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "call,exc,pattern",
+    [
+        (lambda: rc.allreduce(np.ones((4, 4))[:, ::2]), ValueError, "C-contiguous.*ascontiguousarray"),
+        (lambda: rc.allreduce(np.array([object()])), TypeError, "object arrays"),
+        (lambda: rc.allreduce(np.ones(2, np.complex64)), TypeError, "complex64.*not supported"),
+        (lambda: rc.allreduce([1.0, 2.0]), TypeError, "expected a NumPy array.*np.asarray"),
+        (lambda: rc.allreduce(np.ones(2), op=rc.Adasum), TypeError, "Adasum is not supported"),
+        (lambda: rc.allreduce(np.ones(2), op=42), TypeError, "not a reduce op"),
+        (lambda: rc.broadcast(np.ones(2), 3), ValueError, "root_rank=3 is out of range.*0..0"),
+        (lambda: rc.broadcast(np.ones(2), 0.5), TypeError, "root_rank must be an int"),
+        (lambda: rc.alltoall(np.ones(3), splits=[1, 2]), ValueError, "one entry per rank"),
+        (lambda: rc.alltoall(np.ones(3), splits=[-3]), ValueError, ">= 0"),
+        (lambda: rc.alltoall(np.ones(3), splits=[2]), ValueError, "sum to 2 but dim 0 of the array is 3"),
+        (lambda: rc.alltoall(np.ones(3), splits=np.array([3.0])), TypeError, "integers"),
+        (lambda: rc.alltoall(np.array(1.0)), ValueError, "at least one dimension"),
+        (lambda: rc.reducescatter(np.array(1.0)), ValueError, "at least one dimension"),
+        (lambda: rc.allreduce(np.ones(2), out=np.ones(3)), ValueError, "out= must be"),
+        (lambda: rc.allreduce(np.ones(2), name=""), ValueError, "non-empty string"),
+        (lambda: rc.grouped_allreduce([np.ones(2), np.ones(2, np.int8)]), TypeError, "share a dtype"),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_the_job_keeps_working(job, call, exc, pattern) -> None:
+    with pytest.raises(exc, match=pattern):
+        call()
+    assert rc.allreduce(np.ones(2), op=rc.Sum).tolist() == [1, 1]
+
+
+def test_duplicate_in_flight_name(job, monkeypatch) -> None:
+    # hold the engine so the first op stays in flight
+    engine = rc.api._runtime.engine
+    real = engine.submit
+    held = []
+    monkeypatch.setattr(engine, "submit", lambda e: held.append(e) or e.handle)
+    rc.allreduce_async(np.ones(2), name="dup")
+    with pytest.raises(rc.DuplicateNameError, match="'dup' is already in flight on rank 0"):
+        rc.allreduce_async(np.ones(2), name="dup")
+    monkeypatch.setattr(engine, "submit", real)
+    for e in held:
+        real(e)
+    rc.synchronize(held[0].handle)
+    rc.allreduce(np.ones(2), name="dup")  # free again once finished
+
+
+def test_collectives_before_init_and_after_shutdown(monkeypatch) -> None:
+    if rc.is_initialized():
+        rc.shutdown()
+    with pytest.raises(rc.NotInitializedError, match=r"init\(\) first"):
+        rc.allreduce(np.ones(1))
+    with pytest.raises(ValueError):
+        rc.rank()
+    rc.init()
+    rc.shutdown()
+    with pytest.raises(rc.NotInitializedError):
+        rc.barrier()
+
+
+@pytest.mark.parametrize(
+    "env,pattern",
+    [
+        ({"RINGCOMM_RANK": "0", "RINGCOMM_SIZE": "0"}, "world size .* is 0; it must be >= 1"),
+        ({"RINGCOMM_RANK": "4", "RINGCOMM_SIZE": "4", "RINGCOMM_RENDEZVOUS_ADDR": "tcp://127.0.0.1:1"}, "rank .* is 4 but the world size is 4"),
+        ({"RINGCOMM_RANK": "x", "RINGCOMM_SIZE": "2"}, "not an integer"),
+        ({"RINGCOMM_RANK": "1", "RINGCOMM_SIZE": "2"}, "RINGCOMM_RENDEZVOUS_ADDR is not set"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "torchrun"),
+    ],
+)
+def test_bad_launch_environment(env: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        topology.from_env(env)
+
+
+def test_unknown_setting_is_an_error(monkeypatch) -> None:
+    from ringcomm.config import Settings
+
+    with pytest.raises(ValueError, match="unknown setting RINGCOMM_FUSION_TRESHOLD"):
+        Settings.from_env({"RINGCOMM_FUSION_TRESHOLD": "1"})
+    assert Settings.from_env({"RINGCOMM_CYCLE_TIME": "2.5"}).cycle_time == 2.5
+
+
+def test_torchrun_environment_is_understood() -> None:
+    topo = topology.from_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (topo.rank, topo.size, topo.local_rank, topo.cross_rank, topo.cross_size) == (1, 4, 1, 0, 2)
+    assert topo.rendezvous == "tcp://127.0.0.1:29501" and not topo.host_rendezvous
+
+
+def test_reinit_many_times_in_one_process(job) -> None:
+    for _ in range(5):
+        rc.shutdown()
+        rc.init()
+        assert rc.allreduce(np.ones(1), op=rc.Sum).tolist() == [1.0]

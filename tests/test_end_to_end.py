@@ -1,0 +1,84 @@
+"""Tier 3: whole jobs through ringcomm-run, as a user runs them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import ROOT, WORKERS, launch
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_numpy_example_runs_at_np4_and_converges() -> None:
+    proc = launch(4, [str(ROOT / "examples" / "numpy_linear_regression.py"), "--steps", "100"], timeout=100)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "[0]<stdout>:4 ranks, 100 steps" in proc.stdout
+    err = float(proc.stdout.split("max |w - truth| = ")[1].split()[0])
+    assert err < 0.05
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_failing_rank_stops_the_job_and_is_named() -> None:
+    start = time.monotonic()
+    proc = launch(3, [str(WORKERS / "fail_worker.py")], timeout=50)
+    assert proc.returncode == 1
+    assert time.monotonic() - start < 30
+    assert "root cause: rank 1" in proc.stderr
+    assert "rank 1 failed on purpose" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_single_process_without_launcher(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    code = (
+        "import numpy as np, ringcomm as rc; rc.init(); assert rc.size() == 1;"
+        "print(rc.allreduce(np.arange(3.0)).tolist(), rc.alltoall(np.arange(2))[1].tolist());"
+        "rc.shutdown(); rc.init(); print(rc.rank()); rc.shutdown()"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=job_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[0.0, 1.0, 2.0] [2]", "0"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_torchrun_style_environment_without_the_launcher(tmp_path) -> None:
+    """Processes started with torchrun's variables find each other (rank 0 hosts the rendezvous)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps([{"kind": "allreduce", "dtype": "float32", "op": "sum", "shape": [5], "seed": 1},
+                                 {"kind": "concurrent", "count": 5, "seed": 2}]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "collectives_worker.py"), str(cases)],
+            env=job_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: {out}"
+        assert "CASE 1 OK" in out
