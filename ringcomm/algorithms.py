@@ -8,6 +8,7 @@ the rank's own data) and talks only through ``link``:
   (may be zero-copy: the caller must not change ``arr`` until ``link.flush()``
   returns or the data provably arrived)
 - ``link.recv(src, seq, tag) -> buffer``: the payload ``src`` sent with that tag
+- ``link.recv_any(src, seq) -> (tag, buffer)``: the next payload of op ``seq`` from ``src``
 - ``link.flush()``: wait until every queued send has left this process
 
 ``seq`` numbers the op (the same on every rank) and ``tag`` numbers the message
@@ -18,7 +19,7 @@ over ZeroMQ.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +35,8 @@ class Link(Protocol):
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None: ...
 
     def recv(self, src: int, seq: int, tag: int) -> object: ...
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, object]: ...
 
     def flush(self) -> None: ...
 
@@ -55,6 +58,64 @@ def _view(buf: object, dtype: np.dtype, n: int) -> np.ndarray:
     if v.size != n:
         raise StreamError(f"expected {n} elements of {dtype}, received {v.size}: data streams out of step")
     return v
+
+
+#: How many first-step segments a rank sends before the first one arrives from its left
+#: (afterwards one more per arrival), which bounds what is in flight on each link.
+LOOKAHEAD = 2
+_STEP_SHIFT = 20
+_SEG_MASK = (1 << _STEP_SHIFT) - 1
+
+
+class _Feeder:
+    """Sends a step's segments lazily, paced by arrivals, so few are ever in flight."""
+
+    def __init__(self, link: Link, dst: int, seq: int, step: int, src: np.ndarray, segs: list[tuple[int, int]]) -> None:
+        self.link, self.dst, self.seq, self.step, self.src, self.segs = link, dst, seq, step, src, segs
+        self.sent = 0
+
+    def advance(self, upto: int) -> None:
+        upto = min(upto, len(self.segs))
+        while self.sent < upto:
+            a, b = self.segs[self.sent]
+            self.link.send(self.dst, self.seq, _tag(self.step, self.sent), self.src[a:b])
+            self.sent += 1
+
+    def finish(self) -> None:
+        self.advance(len(self.segs))
+
+
+def _ring_pass(
+    link: Link,
+    seq: int,
+    bounds: Sequence[tuple[int, int]],
+    seg_elems: int,
+    recv_chunks: Sequence[int],
+    first: _Feeder,
+    on_segment: Callable[[int, int, int, object], None],
+) -> None:
+    """Receive every segment the left neighbour sends in this op, in whatever order it arrives.
+
+    ``recv_chunks[s]`` is the chunk received at ring step ``s``; ``on_segment(s, a, b, payload)``
+    handles one segment (and forwards it).  Processing in arrival order keeps every link
+    drained, so shared-memory slots are handed back promptly.
+    """
+    src = ring.left(link.rank, link.size)
+    segs = [_segs(bounds[c], seg_elems) for c in recv_chunks]
+    remaining = sum(len(x) for x in segs)
+    first_expected = len(segs[0]) if segs else 0
+    first_seen = 0
+    first.advance(LOOKAHEAD if first_expected else len(first.segs))
+    while remaining:
+        tag, payload = link.recv_any(src, seq)
+        s, k = tag >> _STEP_SHIFT, tag & _SEG_MASK
+        a, b = segs[s][k]
+        on_segment(s, a, b, payload)
+        remaining -= 1
+        if s == 0:
+            first_seen += 1
+            first.advance(first_seen + LOOKAHEAD if first_seen < first_expected else len(first.segs))
+    first.finish()
 
 
 def ring_allreduce(
@@ -87,44 +148,30 @@ def ring_allreduce(
     bounds = ring.chunk_bounds(buf.size, size)
     sr = ring.scatter_reduce_steps(rank, size)
     ag = ring.allgather_steps(rank, size)
-    dst, src = ring.right(rank, size), ring.left(rank, size)
-    last = size - 2
-    for k, (a, b) in enumerate(_segs(bounds[sr[0].send_chunk], seg_elems)):
-        link.send(dst, seq, _tag(0, k), inp[a:b])
-    for s, step in enumerate(sr):
-        for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
-            seg = buf[a:b]
-            incoming = _view(link.recv(src, seq, _tag(s, k)), buf.dtype, b - a)
-            combine(op, inp[a:b], incoming, seg)  # this rank's own contribution + the partial sum
-            if s == last:
-                scale_inplace(seg, postscale)
-            link.send(dst, seq, _tag(s + 1, k), seg)  # s+1 == size-1 is allgather step 0
-    _gather_phase(link, buf, bounds, ag, seq, seg_elems, step_base=size - 1, first_sent=True)
+    dst = ring.right(rank, size)
+    n_sr = size - 1
+
+    def on_segment(s: int, a: int, b: int, payload: object) -> None:
+        seg = buf[a:b]
+        incoming = _view(payload, buf.dtype, b - a)
+        if s < n_sr:  # scatter-reduce: own contribution + the partial sum from the left
+            combine(op, inp[a:b], incoming, seg)
+            if s == n_sr - 1:
+                scale_inplace(seg, postscale)  # this rank owns the chunk now
+            link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)  # s+1 == n_sr is allgather step 0
+        else:  # allgather: a finished segment
+            seg[...] = incoming
+            if s + 1 < 2 * n_sr:
+                link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)
+
+    recv_chunks = [st.recv_chunk for st in sr] + [st.recv_chunk for st in ag]
+
+    def k_of(a: int, s: int) -> int:
+        return (a - bounds[recv_chunks[s]][0]) // seg_elems
+
+    first = _Feeder(link, dst, seq, 0, inp, _segs(bounds[sr[0].send_chunk], seg_elems))
+    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
     link.flush()
-
-
-def _gather_phase(
-    link: Link,
-    buf: np.ndarray,
-    bounds: Sequence[tuple[int, int]],
-    steps: Sequence[ring.Step],
-    seq: int,
-    seg_elems: int,
-    step_base: int,
-    first_sent: bool,
-) -> None:
-    """Pass finished chunks around the ring; each received segment is forwarded at once."""
-    size, rank = link.size, link.rank
-    dst, src = ring.right(rank, size), ring.left(rank, size)
-    if not first_sent:
-        for k, (a, b) in enumerate(_segs(bounds[steps[0].send_chunk], seg_elems)):
-            link.send(dst, seq, _tag(step_base, k), buf[a:b])
-    for s, step in enumerate(steps):
-        for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
-            seg = buf[a:b]
-            seg[...] = _view(link.recv(src, seq, _tag(step_base + s, k)), buf.dtype, b - a)
-            if s + 1 < len(steps):
-                link.send(dst, seq, _tag(step_base + s + 1, k), seg)
 
 
 def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int, seg_elems: int) -> None:
@@ -138,7 +185,17 @@ def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int
         return
     bounds = ring.offsets(counts)
     steps = ring.allgather_steps(rank, size, ring.OWN_CHUNK_SHIFT)
-    _gather_phase(link, out, bounds, steps, seq, seg_elems, step_base=0, first_sent=False)
+    dst = ring.right(rank, size)
+    recv_chunks = [st.recv_chunk for st in steps]
+
+    def on_segment(s: int, a: int, b: int, payload: object) -> None:
+        seg = out[a:b]
+        seg[...] = _view(payload, out.dtype, b - a)
+        if s + 1 < len(steps):
+            link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
+
+    first = _Feeder(link, dst, seq, 0, out, _segs(bounds[steps[0].send_chunk], seg_elems))
+    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
     link.flush()
 
 
@@ -162,16 +219,17 @@ def ring_reducescatter(
         scale_inplace(buf[mine[0]:mine[1]], postscale)
         return mine
     sr = ring.scatter_reduce_steps(rank, size, ring.OWN_CHUNK_SHIFT)
-    dst, src = ring.right(rank, size), ring.left(rank, size)
-    last = size - 2
-    for k, (a, b) in enumerate(_segs(bounds[sr[0].send_chunk], seg_elems)):
-        link.send(dst, seq, _tag(0, k), buf[a:b])
-    for s, step in enumerate(sr):
-        for k, (a, b) in enumerate(_segs(bounds[step.recv_chunk], seg_elems)):
-            seg = buf[a:b]
-            reduce_into(op, seg, _view(link.recv(src, seq, _tag(s, k)), buf.dtype, b - a))
-            if s < last:
-                link.send(dst, seq, _tag(s + 1, k), seg)
+    dst = ring.right(rank, size)
+    recv_chunks = [st.recv_chunk for st in sr]
+
+    def on_segment(s: int, a: int, b: int, payload: object) -> None:
+        seg = buf[a:b]
+        reduce_into(op, seg, _view(payload, buf.dtype, b - a))
+        if s + 1 < len(sr):
+            link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
+
+    first = _Feeder(link, dst, seq, 0, buf, _segs(bounds[sr[0].send_chunk], seg_elems))
+    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
     scale_inplace(buf[mine[0]:mine[1]], postscale)
     link.flush()
     return mine

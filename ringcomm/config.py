@@ -41,6 +41,14 @@ class Settings:
     segment_bytes: int = 1024 * 1024
     #: Segments smaller than this are copied into ZeroMQ messages; larger ones are sent zero-copy.
     zero_copy_min_bytes: int = 64 * 1024
+    #: ZeroMQ I/O threads per process.
+    io_threads: int = 1
+    #: Kernel socket buffer size for data-plane sockets, in bytes (0: the OS default).
+    socket_buffer_bytes: int = 0
+    #: Shared-memory slots per direction between ranks on one host (0: sockets only).
+    shm_slots: int = 8
+    #: Segments smaller than this travel inside ZeroMQ messages even on one host.
+    shm_min_bytes: int = 64 * 1024
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring.
     small_allreduce_bytes: int = 32 * 1024
     #: Seconds to wait for a peer's data before declaring it lost.

@@ -106,8 +106,12 @@ class Engine:
         from . import rendezvous
 
         topo, st = self.topo, self.settings
-        ctx = self._ctx = zmq.Context()
-        link = DataPlane(ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout)
+        ctx = self._ctx = zmq.Context(io_threads=st.io_threads)
+        link = DataPlane(
+            ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
+            shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
+            job_id=topo.job_id, round_=round_,
+        )
         ipc_dir = tempfile.gettempdir()
         base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
         data_eps = link.bind(base + "-data", "127.0.0.1")

@@ -160,6 +160,19 @@ def _say(text: str) -> None:
     emit(sys.stderr, f"{_PROG}: {text}")
 
 
+def _remove_job_files(job_id: str) -> None:
+    """Shared-memory rings and ipc sockets of a job whose workers died before cleaning up."""
+    import glob
+    import tempfile
+
+    for pattern in (f"/dev/shm/ringcomm-{job_id}-*", os.path.join(tempfile.gettempdir(), f"ringcomm-{job_id}-*")):
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def run_job(args: argparse.Namespace) -> int:
     """Run the job described by parsed ``args``; returns the launcher's exit status."""
     size = args.num_proc
@@ -200,6 +213,7 @@ def run_job(args: argparse.Namespace) -> int:
         catcher.restore()
         # If anything above raised, stop_all may not have run yet; it is idempotent.
         stop_all(workers, 0.0)
+        _remove_job_files(job_id)
     deadline = time.monotonic() + _DRAIN_SECONDS
     for worker in workers:
         worker.join_output(deadline)

@@ -1,41 +1,64 @@
-"""Data plane over ZeroMQ: one PAIR socket per pair of ranks.
+"""Data plane: one ZeroMQ PAIR socket per pair of ranks, shared memory on the same host.
 
-Owned by the engine thread.  Every rank executes the same ops in the same
-order and, within an op, receives from each peer in exactly the order that
-peer sent (the algorithms are written so), so messages need no header: the
-next message on the socket from rank ``p`` *is* the one wanted.  A message of
-an unexpected length means the streams are out of step; the engine then fails
-the job rather than guess.
+Owned by the engine thread.  Messages on a pair's socket:
 
-Segments of at least ``zero_copy_min_bytes`` go out zero-copy and tracked;
-``flush()`` waits until ZeroMQ has released the last one sent to each peer
-(ZeroMQ writes a connection's messages in order, so earlier ones are done too).
+- ``S`` notification (same host): the payload is in shared-memory slot
+  ``slot`` of the sender's ring to this rank; the receiver acks the slot once
+  it has used it.
+- ``I`` inline: the payload travels in a second ZeroMQ frame (other hosts,
+  small payloads, or no free slot).  Large inline payloads go zero-copy and
+  tracked; ``flush()`` waits until ZeroMQ has released them.
+- ``A`` ack: the sender may reuse that slot.
+
+Data messages carry ``(seq, tag)``; one that arrives before it is asked for
+(another segment or op from the same peer) waits in a per-peer stash.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import struct
 
 import numpy as np
 import zmq
 
+from . import shm
 from .errors import PeerLostError
 
 log = logging.getLogger("ringcomm.transport")
+
+_NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag
+_INLINE = struct.Struct("<cQI")  # b"I", seq, tag
+_ACK = struct.Struct("<cH")  # b"A", slot
 
 
 class DataPlane:
     """Point-to-point messaging between the ranks of one job (implements ``algorithms.Link``)."""
 
-    def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float) -> None:
+    def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
+                 socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
+                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0) -> None:
         self.rank = rank
         self.size = size
         self._ctx = ctx
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
+        self._sockbuf = socket_buffer_bytes
+        self._slots = shm_slots if shm.available() else 0
+        self._slot_bytes = shm_slot_bytes
+        self._shm_min = shm_min_bytes
+        self._job, self._round = job_id, round_
         self._socks: dict[int, zmq.Socket] = {}
-        self._last_tracker: dict[int, zmq.MessageTracker] = {}
+        self._trackers: dict[int, zmq.MessageTracker] = {}
+        self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
+        self._out_rings: dict[int, shm.SlotRing] = {}
+        self._free: dict[int, collections.deque[int]] = {}
+        self._in_rings: dict[int, shm.SlotRing] = {}
+        self._held: dict[int, list[int]] = collections.defaultdict(list)
         self.peer_names: dict[int, str] = {}
+        #: messages sent through shared memory / inline, for the benchmark and the README's numbers
+        self.stats: collections.Counter[str] = collections.Counter()
 
     def _socket(self, peer: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PAIR)
@@ -43,6 +66,9 @@ class DataPlane:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(self._timeout * 1000)))
+        if self._sockbuf > 0:
+            sock.setsockopt(zmq.SNDBUF, self._sockbuf)
+            sock.setsockopt(zmq.RCVBUF, self._sockbuf)
         self._socks[peer] = sock
         return sock
 
@@ -61,20 +87,32 @@ class DataPlane:
         return table
 
     def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str) -> None:
-        """Connect to a lower-ranked peer's socket for this rank (``endpoints`` is its bind table)."""
+        """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
         self.peer_names[peer] = description
-        if peer > self.rank:
-            return
-        eps = endpoints[self.rank]
-        if eps is None:
-            raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
-        self._socket(peer).connect(eps[0] if same_host else eps[1])
+        if peer < self.rank:
+            eps = endpoints[self.rank]
+            if eps is None:
+                raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
+            self._socket(peer).connect(eps[0] if same_host else eps[1])
+        if same_host and self._slots > 0:
+            path = shm.ring_path(self._job, self._round, self.rank, peer)
+            try:
+                self._out_rings[peer] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
+                self._free[peer] = collections.deque(range(self._slots))
+            except OSError as exc:
+                log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, peer, exc)
 
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
-        self._last_tracker.clear()
+        self._trackers.clear()
+        self._stash.clear()
+        for ring in (*self._out_rings.values(), *self._in_rings.values()):
+            ring.unlink()
+            ring.close()
+        self._out_rings.clear()
+        self._in_rings.clear()
 
     # -- Link ----------------------------------------------------------------
 
@@ -82,25 +120,99 @@ class DataPlane:
         payload = arr if arr.ndim == 1 else arr.reshape(-1)
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
-        if payload.nbytes < self._zc_min:
-            self._socks[dst].send(payload, copy=True)
+        n = payload.nbytes
+        sock = self._socks[dst]
+        ring = self._out_rings.get(dst)
+        if ring is not None and self._shm_min <= n <= ring.slot_bytes:
+            free = self._free[dst]
+            if not free:
+                self._pump(dst, block=False)
+            if free:
+                slot = free.popleft()
+                ring.slot(slot, n)[...] = payload
+                sock.send(_NOTE.pack(b"S", slot, n, seq, tag), copy=True)
+                self.stats["shm"] += 1
+                return
+            self.stats["shm_full"] += 1
+        header = _INLINE.pack(b"I", seq, tag)
+        self.stats["inline"] += 1
+        if n < self._zc_min:
+            sock.send_multipart([header, payload], copy=True)
         else:
-            self._last_tracker[dst] = self._socks[dst].send(payload, copy=False, track=True)
+            self._trackers[dst] = sock.send_multipart([header, payload], copy=False, track=True)
 
-    def recv(self, src: int, seq: int, tag: int) -> memoryview | bytes:
+    def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
+        """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
+        sock = self._socks[src]
         try:
-            frame = self._socks[src].recv(copy=False)
+            frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
         except zmq.Again:
-            raise PeerLostError(
-                f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
-                f"{self._timeout:.0f} s during op #{seq}; the peer died or hangs. "
-                "Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-            ) from None
-        return frame.buffer
+            if block:
+                raise PeerLostError(
+                    f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
+                    f"{self._timeout:.0f} s; the peer died or hangs. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
+                ) from None
+            return None
+        head = frames[0].bytes
+        kind = head[:1]
+        if kind == b"A":
+            self._free[src].append(_ACK.unpack(head)[1])
+            return None
+        if kind == b"S":
+            _, slot, n, seq, tag = _NOTE.unpack(head)
+            self._stash[src][(seq, tag)] = [slot, n]
+            return (seq, tag)
+        if kind == b"I" and len(frames) == 2:
+            _, seq, tag = _INLINE.unpack(head)
+            self._stash[src][(seq, tag)] = frames[1]
+            return (seq, tag)
+        raise PeerLostError(f"rank {self.rank}: malformed data message from rank {src}: {head[:16]!r}")
+
+    def _ack_held(self, src: int) -> None:
+        held = self._held.get(src)
+        if held:
+            sock = self._socks[src]
+            for slot in held:
+                sock.send(_ACK.pack(b"A", slot), copy=True)
+            held.clear()
+
+    def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
+        self._ack_held(src)  # the view returned last time has been used by now
+        key = (seq, tag)
+        stash = self._stash[src]
+        while key not in stash:
+            self._pump(src, block=True)
+        return self._open(src, stash.pop(key))
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, memoryview | np.ndarray]:
+        """The next payload of op ``seq`` from ``src``, whichever tag arrives first."""
+        self._ack_held(src)
+        stash = self._stash[src]
+        for key in stash:
+            if key[0] == seq:
+                return key[1], self._open(src, stash.pop(key))
+        while True:
+            key = self._pump(src, block=True)
+            if key is not None and key[0] == seq:
+                return key[1], self._open(src, stash.pop(key))
+
+    def _open(self, src: int, item: object) -> memoryview | np.ndarray:
+        if isinstance(item, list):
+            slot, n = item
+            ring = self._in_rings.get(src)
+            if ring is None:
+                path = shm.ring_path(self._job, self._round, src, self.rank)
+                ring = self._in_rings[src] = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
+                ring.unlink()  # both sides have it mapped now
+            self._held[src].append(slot)
+            return ring.slot(slot, n)
+        return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
-        """Wait until ZeroMQ has released every zero-copy send."""
-        for dst, tracker in self._last_tracker.items():
+        """Hand back every used slot and wait until ZeroMQ has released every zero-copy send."""
+        for src in list(self._held):
+            self._ack_held(src)
+        for dst, tracker in self._trackers.items():
             try:
                 tracker.wait(self._timeout)
             except zmq.NotDone:
@@ -108,4 +220,4 @@ class DataPlane:
                     f"rank {self.rank}: rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data "
                     f"within {self._timeout:.0f} s"
                 ) from None
-        self._last_tracker.clear()
+        self._trackers.clear()

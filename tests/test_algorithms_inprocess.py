@@ -24,14 +24,30 @@ from ringcomm.transport import DataPlane
 
 
 class QueueLink:
+    """Per-pair FIFO queues; messages are matched by (seq, tag) like the real data plane."""
+
     def __init__(self, rank: int, size: int, boxes: dict[tuple[int, int], queue.Queue]) -> None:
         self.rank, self.size, self._boxes = rank, size, boxes
+        self._stash: dict[tuple[int, int, int], bytes] = {}
 
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
-        self._boxes[(self.rank, dst)].put(arr.tobytes())
+        self._boxes[(self.rank, dst)].put((seq, tag, arr.tobytes()))
 
     def recv(self, src: int, seq: int, tag: int) -> bytes:
-        return self._boxes[(src, self.rank)].get(timeout=10)
+        while (src, seq, tag) not in self._stash:
+            s, t, data = self._boxes[(src, self.rank)].get(timeout=10)
+            self._stash[(src, s, t)] = data
+        return self._stash.pop((src, seq, tag))
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, bytes]:
+        for (s, q, t) in list(self._stash):
+            if s == src and q == seq:
+                return t, self._stash.pop((s, q, t))
+        while True:
+            q, t, data = self._boxes[(src, self.rank)].get(timeout=10)
+            if q == seq:
+                return t, data
+            self._stash[(src, q, t)] = data
 
     def flush(self) -> None:
         pass
@@ -187,9 +203,10 @@ def test_short_message_is_detected_as_stream_desync() -> None:
 def zmq_links(tmp_path):
     made: list[tuple[zmq.Context, list[DataPlane]]] = []
 
-    def build(size: int, zero_copy_min: int = 64) -> list[DataPlane]:
+    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0) -> list[DataPlane]:
         ctx = zmq.Context()
-        planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0) for r in range(size)]
+        planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0, shm_slots=shm_slots, shm_slot_bytes=4096,
+                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}") for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
         for r, p in enumerate(planes):
             for q in range(size):
@@ -206,9 +223,10 @@ def zmq_links(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_slots", [0, 2, 8])
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int) -> None:
-    links = zmq_links(size, zero_copy_min=256)
+def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int, shm_slots: int) -> None:
+    links = zmq_links(size, zero_copy_min=256, shm_slots=shm_slots)
 
     def fn(link, r):
         outs = []
@@ -227,9 +245,20 @@ def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int) -> 
 def test_zmq_dataplane_reports_a_silent_peer(zmq_links) -> None:
     from ringcomm.errors import PeerLostError
 
-    links = zmq_links(2)
+    links = zmq_links(2, shm_slots=2)
     links[1]._timeout = 0.3
     for s in links[1]._socks.values():
         s.setsockopt(zmq.RCVTIMEO, 300)
     with pytest.raises(PeerLostError, match="no data from rank 0"):
         links[1].recv(0, 7, 0)
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_rings_are_unlinked_once_mapped(zmq_links) -> None:
+    import os
+
+    links = zmq_links(2, shm_slots=2)
+    paths = [ring.path for link in links for ring in link._out_rings.values()]
+    assert paths and all(os.path.exists(p) for p in paths)
+    run_ranks(links, lambda link, r: algorithms.ring_allreduce(link, np.ones(20_000), ReduceOp.SUM, 0, 512))
+    assert not any(os.path.exists(p) for p in paths)

@@ -82,3 +82,16 @@ def test_torchrun_style_environment_without_the_launcher(tmp_path) -> None:
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}: {out}"
         assert "CASE 1 OK" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_no_shared_memory_or_socket_files_left_after_a_failed_job() -> None:
+    import glob
+    import tempfile
+
+    proc = launch(3, [str(WORKERS / "fail_worker.py")], timeout=50)
+    assert proc.returncode == 1
+    job = proc.stdout.split("[0]<stdout>:job ")[1].split()[0]
+    left = glob.glob(f"/dev/shm/ringcomm-{job}-*") + glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*")
+    assert left == []

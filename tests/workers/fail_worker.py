@@ -1,5 +1,6 @@
 """Rank 1 raises after a few allreduces while the others wait inside the next one."""
 
+import os
 import sys
 
 import numpy as np
@@ -7,6 +8,7 @@ import numpy as np
 import ringcomm as rc
 
 rc.init()
+print(f"job {os.environ.get('RINGCOMM_JOB_ID')}", flush=True)
 for _ in range(3):
     rc.allreduce(np.ones(8), name="warm")
 if rc.rank() == 1:
