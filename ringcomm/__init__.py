@@ -38,6 +38,8 @@ from .api import (
     reducescatter_async,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from .errors import (
@@ -53,6 +55,7 @@ from .errors import (
     RendezvousTimeoutError,
     RingcommError,
     ShutdownError,
+    StallError,
 )
 from .handles import GroupHandle, Handle
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum

@@ -116,6 +116,16 @@ def shutdown() -> None:
         rt.shutdown()
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome-trace timeline of rank 0's ops to ``file_path`` until :func:`stop_timeline`."""
+    _rt("start_timeline").engine.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Finish and close the timeline file."""
+    _rt("stop_timeline").engine.stop_timeline()
+
+
 def is_initialized() -> bool:
     return _runtime is not None
 

@@ -130,6 +130,7 @@ class Coordinator:
         self._first_seen: dict[str, float] = {}
         self._ready: list[str] = []
         self._errors: dict[str, str] = {}
+        self._stalled: set[str] = set()
         self._joined: list[int] = []
 
     # -- input ---------------------------------------------------------------
@@ -197,7 +198,11 @@ class Coordinator:
             error = self._errors.pop(name, "") or check_agreement(name, reqs)
             first = reqs[min(reqs)]
             if error:
-                out.append(Response(first.kind, (name,), error=error))
+                if first.kind == wire.JOIN:
+                    self._joined = []
+                kind = "stall" if name in self._stalled else "mismatch"
+                self._stalled.discard(name)
+                out.append(Response(first.kind, (name,), error=error, error_kind=kind))
                 continue
             if first.kind == wire.JOIN:
                 last = self._joined[-1]
@@ -254,6 +259,13 @@ class Coordinator:
             missing = tuple(r for r in range(self.size) if r not in slot and r not in self._joined)
             stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
         return stalls
+
+    def fail(self, name: str, message: str) -> None:
+        """Release ``name`` now as an error on every rank (a stall that lasted too long)."""
+        if name in self._pending and name not in self._ready:
+            self._errors[name] = message
+            self._stalled.add(name)
+            self._ready.append(name)
 
     def pending_names(self) -> list[str]:
         return list(self._pending)

@@ -32,9 +32,10 @@ from . import algorithms, ops, ring, wire
 from .cache import ResponseCache
 from .config import Settings
 from .coordinator import Coordinator
-from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError
+from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
 from .handles import Handle
 from .ops import ReduceOp
+from .timeline import Timeline
 from .topology import Topology
 from .transport import DataPlane
 from .wire import Request, Response
@@ -90,8 +91,12 @@ class Engine:
         self._coord = Coordinator(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[str, dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._warned_stalls: set[str] = set()
+        self._phases: list[tuple[str, float, float]] = []
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
+        self.timeline: Timeline | None = None
+        if settings.timeline and self.rank == 0:
+            self.timeline = Timeline(settings.timeline, self.rank)
         self._server = None
         self._ctx: zmq.Context | None = None
         self._ctrl: zmq.Socket | None = None
@@ -159,7 +164,7 @@ class Engine:
             raise self._failed
         if self._stopping:
             raise ShutdownError("ringcomm is shutting down; no new ops are accepted")
-        entry.submitted_at = time.monotonic()
+        entry.submitted_at = time.perf_counter()
         self._queue.append(entry)
         os.write(self._wake_w, b"x")
         return entry.handle
@@ -196,6 +201,8 @@ class Engine:
             self._ctrl.close(0)
         if self._server is not None:
             self._server.close()
+        if self.timeline is not None:
+            self.timeline.close()
         if self._ctx is not None:
             self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
@@ -323,6 +330,8 @@ class Engine:
             resps = [self._star_reduce(r) for r in resps]
         if resps:
             self._last_emit = now
+            if self.timeline is not None and self.timeline.mark_cycles:
+                self.timeline.marker("CYCLE", time.perf_counter())
             if self.size > 1:
                 assert self._ctrl is not None
                 frames = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
@@ -374,17 +383,34 @@ class Engine:
         ops.scale_inplace(acc, ops.postscale(op, self.size, resp.postscale))
         return resp._replace(data=acc.tobytes())
 
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        """Start writing a timeline (rank 0 only, as Horovod does); replaces one already running."""
+        if self.rank != 0:
+            return
+        old, self.timeline = self.timeline, Timeline(path, self.rank, mark_cycles)
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        old, self.timeline = self.timeline, None
+        if old is not None:
+            old.close()
+
     def _check_stalls(self, now: float) -> None:
         assert self._coord is not None
-        for stall in self._coord.stalled(now, self.settings.stall_check_seconds):
-            if stall.name in self._warned_stalls:
+        st = self.settings
+        after = min(st.stall_check_seconds, st.stall_shutdown_seconds or st.stall_check_seconds)
+        for stall in self._coord.stalled(now, after):
+            text = (f"{stall.kind} '{stall.name}' was submitted by ranks {list(stall.submitted)} "
+                    f"{stall.waited:.0f} s ago but ranks {list(stall.missing)} have not submitted it")
+            if st.stall_shutdown_seconds and stall.waited >= st.stall_shutdown_seconds:
+                self._coord.fail(stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
+                                             f"{st.stall_shutdown_seconds:g})")
+                continue
+            if stall.name in self._warned_stalls or stall.waited < st.stall_check_seconds:
                 continue
             self._warned_stalls.add(stall.name)
-            log.warning(
-                "stall: %s '%s' was submitted by ranks %s %.0f s ago but ranks %s have not submitted it; "
-                "every rank must run the same collectives",
-                stall.kind, stall.name, list(stall.submitted), stall.waited, list(stall.missing),
-            )
+            log.warning("stall: %s; every rank must run the same collectives in the end", text)
 
     # -- execution -----------------------------------------------------------
 
@@ -392,8 +418,15 @@ class Engine:
         seq = self._seq
         self._seq += 1
         entries = [self._inflight.pop(n) for n in resp.names if n in self._inflight]
+        tl = self.timeline
+        start = time.perf_counter()
+        if tl is not None:
+            for e in entries:
+                tl.span(e.req.name, "NEGOTIATE", e.submitted_at, start)
+            self._phases = []
         if resp.error:
-            err = MismatchError(f"{resp.error} [raised on rank {self.rank}]")
+            cls = StallError if resp.error_kind == "stall" else MismatchError
+            err = cls(f"{resp.error} [raised on rank {self.rank}]")
             for e in entries:
                 e.handle.set_error(err)
             return
@@ -414,6 +447,15 @@ class Engine:
             for e in entries:
                 e.handle.set_error(err)
             raise err from exc
+        if tl is not None:
+            end = time.perf_counter()
+            args = {"op": seq, "fused": len(resp.names), "dtype": resp.dtype}
+            for e in entries:
+                if self._phases:
+                    for phase, a, b in self._phases:
+                        tl.span(e.req.name, phase, a, b, args)
+                else:
+                    tl.span(e.req.name, resp.kind.upper(), start, end, args)
         for e, result in zip(entries, results):
             e.handle.set_result(result)
         if resp.kind == wire.SHUTDOWN:
@@ -486,6 +528,7 @@ class Engine:
         arrays = [a for e in entries for a in e.arrays]
         single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
         src: np.ndarray | None = None
+        t0 = time.perf_counter()
         if resp.data:  # rank 0 already reduced it
             buf = np.frombuffer(resp.data, dtype=dtype)
             if buf.size != total:
@@ -512,9 +555,13 @@ class Engine:
                 for a in e.arrays:
                     buf[pos:pos + a.size] = a.reshape(-1)
                     pos += a.size
+        t1 = time.perf_counter()
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
             algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src)
+        t2 = time.perf_counter()
+        if self.timeline is not None:
+            self._phases = [("PACK", t0, t1), ("RANK0_REDUCE" if resp.data else "RING", t1, t2)]
         if single:
             return [out if not entries[0].grouped else [out]]
         offsets = dict(zip(resp.names, np.cumsum((0, *resp.numels[:-1])).tolist()))
@@ -528,4 +575,6 @@ class Engine:
                 pos += a.size
                 outs.append(dst)
             results.append(outs if e.grouped else outs[0])
+        if self.timeline is not None:
+            self._phases.append(("UNPACK", t2, time.perf_counter()))
         return results

@@ -37,6 +37,10 @@ class MismatchError(HorovodInternalError):
     """Ranks submitted the same named op with different shapes, dtypes, ops or roots."""
 
 
+class StallError(HorovodInternalError):
+    """Some ranks never submitted an op within RINGCOMM_STALL_SHUTDOWN_SECONDS."""
+
+
 class PeerLostError(HorovodInternalError):
     """A peer process died or stopped answering."""
 

@@ -86,6 +86,7 @@ class Response(NamedTuple):
     last_joined: int = -1
     error: str = ""
     data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
+    error_kind: str = ""  # "stall" for a stall turned into an error; otherwise a mismatch
 
 
 def _tuplify(x: Any) -> Any:

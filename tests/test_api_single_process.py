@@ -174,3 +174,39 @@ def test_reinit_many_times_in_one_process(job) -> None:
         rc.shutdown()
         rc.init()
         assert rc.allreduce(np.ones(1), op=rc.Sum).tolist() == [1.0]
+
+
+def test_timeline_records_the_phases_of_an_allreduce_in_order(job, tmp_path) -> None:
+    import json
+
+    path = tmp_path / "tl.json"
+    rc.start_timeline(str(path), mark_cycles=True)
+    rc.allreduce(np.ones(1000), name="grad.w")
+    rc.grouped_allreduce([np.ones(3), np.ones(4)], name="g")
+    rc.broadcast(np.ones(2), 0, name="b")
+    rc.stop_timeline()
+    events = json.loads(path.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert {"grad.w", "g", "b"} <= set(names.values())
+    pid = next(p for p, n in names.items() if n == "grad.w")
+    phases = [e for e in events if e.get("pid") == pid and e["ph"] == "X"]
+    assert [e["name"] for e in phases] == ["NEGOTIATE", "PACK", "RING", "UNPACK"][: len(phases)]
+    assert [e["name"] for e in phases][:3] == ["NEGOTIATE", "PACK", "RING"]
+    starts = [e["ts"] for e in phases]
+    assert starts == sorted(starts) and all(e["dur"] >= 0 for e in phases)
+    assert any(e["name"] == "CYCLE" for e in events)
+    assert any(e.get("name") == "BROADCAST" for e in events)
+
+
+def test_timeline_from_the_environment(monkeypatch, tmp_path) -> None:
+    import json
+
+    if rc.is_initialized():
+        rc.shutdown()
+    path = tmp_path / "env.json"
+    monkeypatch.setenv("RINGCOMM_TIMELINE", str(path))
+    rc.init()
+    rc.allreduce(np.ones(3), name="t")
+    rc.shutdown()
+    events = json.loads(path.read_text())
+    assert any(e.get("args", {}).get("name") == "t" for e in events)

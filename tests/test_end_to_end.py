@@ -95,3 +95,16 @@ def test_no_shared_memory_or_socket_files_left_after_a_failed_job() -> None:
     job = proc.stdout.split("[0]<stdout>:job ")[1].split()[0]
     left = glob.glob(f"/dev/shm/ringcomm-{job}-*") + glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*")
     assert left == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_stall_is_reported_then_turned_into_an_error() -> None:
+    proc = launch(3, [str(WORKERS / "stall_worker.py")], timeout=50,
+                  RINGCOMM_STALL_CHECK_SECONDS="1", RINGCOMM_STALL_SHUTDOWN_SECONDS="3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "stall: allreduce 'lonely' was submitted by ranks [0]" in proc.stderr
+    assert "ranks [1, 2] have not submitted it" in proc.stderr
+    assert "[0]<stdout>:stall error: stalled: allreduce 'lonely'" in proc.stdout
+    assert "StallError" not in proc.stderr
+    assert proc.stdout.count("after ok") == 3
