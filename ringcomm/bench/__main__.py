@@ -1,0 +1,176 @@
+"""Command line of ``python -m ringcomm.bench``; see the package docstring and ``--help``.
+
+Examples::
+
+    python -m ringcomm.bench allreduce --np 2 4 --sizes 4K 64K 1M 16M 64M --repeats 3
+    python -m ringcomm.bench allgather --np 2 --sizes 4K 1M
+    python -m ringcomm.bench broadcast --np 4
+    python -m ringcomm.bench ceiling
+    python -m ringcomm.bench training --np 2
+    python -m ringcomm.bench all --json results.json --plot busbw.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from . import _util, ceiling, collectives, report, training
+
+COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
+#: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
+ALL_SIZES = {"allreduce": ("4K", "64K", "1M", "16M", "64M"), "allgather": ("4K", "1M", "16M"),
+             "broadcast": ("4K", "1M", "16M")}
+
+
+def _size(text: str) -> int:
+    try:
+        return _util.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one subcommand per benchmark."""
+    output = argparse.ArgumentParser(add_help=False)
+    out = output.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write every raw number (and machine info) here "
+                     "(default: OUT_DIR/<command>-<time>.json)")
+    out.add_argument("--plot", metavar="PATH", help="draw bus bandwidth vs size here "
+                     "(default: OUT_DIR/<command>-<time>.png; needs matplotlib)")
+    out.add_argument("--no-plot", action="store_true", help="draw no plot")
+    out.add_argument("--out-dir", default="bench-results", metavar="DIR",
+                     help="where files not named by --json/--plot go, with a Markdown copy (default: bench-results)")
+    out.add_argument("--job-timeout", type=float, default=300.0, metavar="S",
+                     help="seconds one job may run before it is killed (default: 300)")
+
+    coll = argparse.ArgumentParser(add_help=False)
+    g = coll.add_argument_group("collective")
+    g.add_argument("--np", type=_positive, nargs="+", default=list(collectives.DEFAULT_NPS), metavar="N",
+                   help="world sizes (default: 2 4)")
+    g.add_argument("--sizes", type=_size, nargs="+", metavar="SIZE", default=None,
+                   help="message sizes in bytes, K/M/G suffixes (default: 4K 64K 1M 16M 64M); "
+                        "for allgather, the gathered total")
+    g.add_argument("--iters", type=_positive, default=None,
+                   help="timed iterations per size and job (default: 50 up to 1 MiB, 20 up to 16 MiB, else 10)")
+    g.add_argument("--warmup", type=int, default=3, help="untimed iterations per size and job (default: 3)")
+    g.add_argument("--repeats", type=_positive, default=3,
+                   help="alternating rounds (one job per system each) per world size (default: 3)")
+    g.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo", "horovod"),
+                   default=["ringcomm", "gloo", "horovod"],
+                   help="systems to run (default: all; Horovod only if importable)")
+
+    parser = argparse.ArgumentParser(prog="python -m ringcomm.bench",
+                                     description="Benchmark ringcomm side by side with torch.distributed gloo.",
+                                     epilog="A measuring tool: absolute numbers drift, compare ratios from one run.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for op in COLLECTIVE_OPS:
+        sub.add_parser(op, parents=[coll, output], help=f"{op} latency and bus bandwidth, ringcomm vs gloo")
+
+    ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
+    ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")
+    ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
+    ceil.add_argument("--message-size", type=_size, default=16 << 20, help="message size (default: 16M)")
+
+    train = sub.add_parser("training", parents=[output], help="small-CNN img/s: one process, DDP, ringcomm_torch")
+    train.add_argument("--np", type=_positive, nargs="+", default=[2], metavar="N", help="world sizes (default: 2)")
+    train.add_argument("--steps", type=_positive, default=30, help="timed steps per job (default: 30)")
+    train.add_argument("--warmup", type=int, default=5, help="untimed steps per job (default: 5)")
+    train.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
+    train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+
+    everything = sub.add_parser("all", parents=[output],
+                                help="all collectives, the ceilings and training, with moderate defaults")
+    everything.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N",
+                            help="world sizes of the collectives (default: 2 4); training uses the smallest")
+    everything.add_argument("--repeats", type=_positive, default=2, help="alternating rounds everywhere (default: 2)")
+    return parser
+
+
+def _collective_config(op: str, args: argparse.Namespace) -> collectives.CollectiveConfig:
+    sizes = args.sizes or [_util.parse_size(s) for s in collectives.DEFAULT_SIZES]
+    return collectives.CollectiveConfig(op=op, nps=args.np, sizes=sizes, iters=args.iters, warmup=args.warmup,
+                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=args.systems)
+
+
+def run_command(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmarks ``args`` ask for; returns the results (without ``meta``)."""
+    results: dict[str, Any] = {}
+    if args.command in COLLECTIVE_OPS:
+        results["collectives"] = {args.command: collectives.run(_collective_config(args.command, args))}
+    elif args.command == "ceiling":
+        results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
+                                                               repeats=args.repeats, job_timeout=args.job_timeout))
+    elif args.command == "training":
+        results["training"] = training.run(training.TrainingConfig(
+            nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+            job_timeout=args.job_timeout))
+    elif args.command == "all":
+        results["collectives"] = {}
+        for op in COLLECTIVE_OPS:
+            results["collectives"][op] = collectives.run(collectives.CollectiveConfig(
+                op=op, nps=args.np, sizes=[_util.parse_size(s) for s in ALL_SIZES[op]], repeats=args.repeats,
+                job_timeout=args.job_timeout))
+        results["ceiling"] = ceiling.run(ceiling.CeilingConfig(repeats=args.repeats, job_timeout=args.job_timeout))
+        results["training"] = training.run(training.TrainingConfig(nps=[min(args.np)], repeats=args.repeats,
+                                                                   job_timeout=args.job_timeout))
+    return results
+
+
+def _failures(results: dict[str, Any]) -> int:
+    runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
+    runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
+    return sum(not r["ok"] for r in runs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 0, or 1 if any job failed (the report still shows what worked)."""
+    args = build_parser().parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(args.out_dir, f"{args.command}-{stamp}")
+    started = time.monotonic()
+    try:
+        results = {"meta": _util.machine_info(), "command": ["python", "-m", "ringcomm.bench",
+                                                            *(sys.argv[1:] if argv is None else argv)]}
+        results.update(run_command(args))
+    except KeyboardInterrupt:
+        _util.log("interrupted; every job was stopped")
+        return 130
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    text = report.markdown(results)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+    json_path = args.json or base + ".json"
+    report.write_json(results, json_path)
+    _util.log(f"raw numbers: {json_path}")
+    if not args.json:
+        with open(base + ".md", "w", encoding="utf-8") as f:
+            f.write(text)
+        _util.log(f"report: {base}.md")
+    sections = list(results.get("collectives", {}).values())
+    if sections and not args.no_plot:
+        plot_path = args.plot or base + ".png"
+        why = report.plot(sections, plot_path, report.short_machine_line(results["meta"]))
+        _util.log(f"plot skipped: {why}" if why else f"plot: {plot_path}")
+    _util.log(f"finished in {results['elapsed_s']:.0f} s")
+    failed = _failures(results)
+    if failed:
+        _util.log(f"{failed} job(s) failed; their errors are in the JSON")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

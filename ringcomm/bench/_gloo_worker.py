@@ -1,0 +1,97 @@
+"""Collective benchmark worker for torch.distributed with the gloo backend; one plain process per rank.
+
+    python -m ringcomm.bench._gloo_worker --rank 0 --world-size 2 --port 29500 \\
+        --op allreduce --plan 4096:50 --out /tmp/gloo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _timing
+
+
+class GlooBackend:
+    """torch.distributed (gloo) on float32 CPU tensors; allreduce and broadcast are in place."""
+
+    name = "gloo"
+
+    def __init__(self, rank: int, world_size: int, port: int, timeout_s: float) -> None:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def prepare(self, op: str, count: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        buf = torch.zeros(count, dtype=torch.float32)
+        n = self.size
+        if op == "allreduce":
+            def step() -> None:
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+
+            def check() -> None:
+                buf.fill_(self.rank + 1)
+                step()
+                _expect(bool(torch.all(buf == n * (n + 1) / 2)), op)
+                buf.zero_()
+        elif op == "allgather":
+            out = torch.empty(count * n, dtype=torch.float32)
+            chunks = list(out.chunk(n))
+
+            def step() -> None:
+                dist.all_gather(chunks, buf)
+
+            def check() -> None:
+                buf.fill_(self.rank)
+                step()
+                want = torch.arange(n, dtype=torch.float32).repeat_interleave(count)
+                _expect(bool(torch.equal(out, want)), op)
+                buf.zero_()
+        elif op == "broadcast":
+            def step() -> None:
+                dist.broadcast(buf, 0)
+
+            def check() -> None:
+                buf.fill_(self.rank + 1)
+                step()
+                _expect(bool(torch.all(buf == 1)), op)
+                buf.zero_()
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return step, check
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+def _expect(ok: bool, op: str) -> None:
+    if not ok:
+        raise AssertionError(f"gloo {op} returned a wrong result")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ringcomm.bench._gloo_worker", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    return _timing.main(lambda a: GlooBackend(a.rank, a.world_size, a.port, a.deadline), parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

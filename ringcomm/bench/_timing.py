@@ -1,0 +1,135 @@
+"""Worker side of the collective benchmarks: the timing loop every backend shares.
+
+A backend (ringcomm, gloo, Horovod) supplies a :class:`Backend`; the loop,
+per size: checks the result of one op, runs the warmup iterations, then
+times each iteration on every rank after a barrier, gathers the times to
+rank 0 and keeps, per iteration, the slowest rank's time.  Rank 0 writes
+the results as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+OPS = ("allreduce", "allgather", "broadcast")
+
+
+class Backend(Protocol):
+    """What a benchmarked system offers the timing loop."""
+
+    name: str
+    rank: int
+    size: int
+
+    def barrier(self) -> None: ...
+
+    def prepare(self, op: str, count: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """For ``op`` on ``count`` float32 elements per rank: ``(step, check)``.
+
+        ``step()`` runs the op once (the timed part); ``check()`` fills the
+        buffers with rank-dependent values, runs the op, raises if the result
+        is wrong, then zeroes the buffers so repeated in-place sums stay finite.
+        """
+        ...
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (in rank order); ``None`` elsewhere."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def elements_per_rank(op: str, nbytes: int, size: int) -> int:
+    """float32 elements each rank contributes: allgather sizes are the gathered total."""
+    count = max(1, nbytes // 4)
+    return max(1, count // size) if op == "allgather" else count
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments every collective worker takes."""
+    parser.add_argument("--op", choices=OPS, required=True)
+    parser.add_argument("--plan", required=True,
+                        help="comma-separated BYTES:ITERS pairs, e.g. 4096:50,16777216:10")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
+    parser.add_argument("--deadline", type=float, default=600.0,
+                        help="seconds after which the worker exits on its own (a safety net)")
+
+
+def parse_plan(text: str) -> list[tuple[int, int]]:
+    """``"4096:50,65536:20"`` -> ``[(4096, 50), (65536, 20)]``."""
+    plan = []
+    for item in text.split(","):
+        nbytes, _, iters = item.partition(":")
+        plan.append((int(nbytes), int(iters)))
+    return plan
+
+
+def start_watchdog(seconds: float) -> None:
+    """Exit the process (status 124) after ``seconds``, or as soon as its parent is gone."""
+    parent = os.getppid()
+    deadline = time.monotonic() + seconds
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.25)
+            if time.monotonic() > deadline or os.getppid() != parent:
+                os._exit(124)
+
+    threading.Thread(target=watch, name="bench-watchdog", daemon=True).start()
+
+
+def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int) -> list[dict[str, Any]] | None:
+    """Time ``op`` for every ``(bytes, iters)`` in ``plan``; rank 0 gets the per-size results."""
+    results: list[dict[str, Any]] = []
+    for nbytes, iters in plan:
+        count = elements_per_rank(op, nbytes, backend.size)
+        step, check = backend.prepare(op, count)
+        check()
+        for _ in range(warmup):
+            step()
+        times: list[float] = []
+        for _ in range(iters):
+            backend.barrier()
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        gathered = backend.gather(times)
+        if gathered is not None:
+            results.append({
+                "bytes": nbytes,
+                "elements_per_rank": count,
+                "iters": iters,
+                "times_s": [max(per_rank) for per_rank in zip(*gathered)],
+                "rank_median_s": [sorted(t)[len(t) // 2] for t in gathered],
+            })
+    return results if backend.rank == 0 else None
+
+
+def main(backend_factory: Callable[[argparse.Namespace], Backend], parser: argparse.ArgumentParser,
+         argv: Sequence[str] | None = None) -> int:
+    """Parse arguments, build the backend, run the loop, write rank 0's JSON; returns the exit status."""
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    start_watchdog(args.deadline)
+    started = time.perf_counter()
+    backend = backend_factory(args)
+    init_s = time.perf_counter() - started
+    try:
+        results = run(backend, args.op, parse_plan(args.plan), args.warmup)
+        if results is not None:
+            payload = {"system": backend.name, "op": args.op, "np": backend.size, "warmup": args.warmup,
+                       "init_s": init_s, "results": results}
+            tmp = args.out + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+            os.replace(tmp, args.out)
+    finally:
+        backend.close()
+    return 0

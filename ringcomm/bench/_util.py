@@ -1,0 +1,155 @@
+"""Small helpers shared by the benchmark's orchestrators: sizes, statistics, environments, machine info."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+#: Directory holding the ``ringcomm`` package; put on workers' PYTHONPATH so a plain checkout works too.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"64M"`` -> 67108864, ``"1G"``, ``"512"`` (bytes); binary units, case-insensitive."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4K, 64K, 1M, 16M, 64M, 4096)")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    """4096 -> ``"4 KiB"``, 67108864 -> ``"64 MiB"``, 1000 -> ``"1000 B"``."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor} {unit}"
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor:
+            return f"{nbytes / factor:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def median(values: Iterable[float]) -> float:
+    """Median of ``values`` (NaN when empty)."""
+    data = list(values)
+    return statistics.median(data) if data else float("nan")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the caller retries if it got taken since)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_env(keep_ringcomm_knobs: bool, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for benchmark workers: one thread per rank, this package importable.
+
+    ``RINGCOMM_*`` job variables are always dropped (the launcher sets them); the
+    tuning knobs are kept only for ringcomm jobs (``keep_ringcomm_knobs``).
+    """
+    from ringcomm.config import TOPOLOGY_VARS
+
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith("RINGCOMM_") or (keep_ringcomm_knobs and k not in TOPOLOGY_VARS)
+    }
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = "1"
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]))
+    if extra:
+        env.update(extra)
+    return env
+
+
+def ringcomm_knobs() -> dict[str, str]:
+    """The ``RINGCOMM_*`` tuning knobs set in this environment (recorded with the results)."""
+    from ringcomm.config import TOPOLOGY_VARS
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGCOMM_") and k not in TOPOLOGY_VARS}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PACKAGE_ROOT, capture_output=True,
+                             text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PACKAGE_ROOT,
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def machine_info() -> dict[str, object]:
+    """Where and with what the numbers were taken: cores, CPU, Python and library versions, date."""
+    try:
+        import zmq
+
+        libzmq: str | None = zmq.zmq_version()
+    except ImportError:
+        libzmq = None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable,
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "ringcomm": _version("ringcomm"),
+        "ringcomm_git": _git_commit(),
+        "torch": _version("torch"),
+        "pyzmq": _version("pyzmq"),
+        "libzmq": libzmq,
+        "numpy": _version("numpy"),
+        "msgpack": _version("msgpack"),
+        "horovod": _version("horovod"),
+        "matplotlib": _version("matplotlib"),
+        "ringcomm_knobs": ringcomm_knobs(),
+    }
+
+
+def log(text: str) -> None:
+    """Progress line on stderr (stdout is kept for the Markdown report)."""
+    print(f"[bench] {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,177 @@
+"""Turn benchmark results into a Markdown report, a JSON file and a bus-bandwidth plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from . import _util
+
+SYSTEM_LABELS = {"ringcomm": "ringcomm", "gloo": "gloo", "horovod": "Horovod"}
+
+
+def sig(value: float | None, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits, no exponent for everyday magnitudes; ``n/a`` if missing."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if value == 0:
+        return "0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:.{decimals}f}"
+
+
+def short_machine_line(meta: dict[str, Any]) -> str:
+    """A plot-title-sized version of :func:`machine_line`."""
+    return (f"{str(meta.get('date', ''))[:10]}, {meta.get('usable_cores')} cores, Python {meta.get('python')}, "
+            f"torch {meta.get('torch')}, pyzmq {meta.get('pyzmq')}, ringcomm {meta.get('ringcomm_git')}")
+
+
+def machine_line(meta: dict[str, Any]) -> str:
+    """One sentence saying where and with what the numbers were taken."""
+    cpu = f" ({meta['cpu_model']})" if meta.get("cpu_model") else ""
+    knobs = meta.get("ringcomm_knobs") or {}
+    knob_text = f"; ringcomm knobs: {', '.join(f'{k}={v}' for k, v in knobs.items())}" if knobs else ""
+    return (f"Measured {meta.get('date')} on {meta.get('usable_cores')} cores{cpu}; Python {meta.get('python')}, "
+            f"torch {meta.get('torch')}, pyzmq {meta.get('pyzmq')} (libzmq {meta.get('libzmq')}), "
+            f"numpy {meta.get('numpy')}; ringcomm {meta.get('ringcomm')} ({meta.get('ringcomm_git')}){knob_text}.")
+
+
+def collective_markdown(section: dict[str, Any]) -> str:
+    """The table of one collective op: latency and bus bandwidth per system, ringcomm/gloo ratios."""
+    systems = section["systems"]
+    iters = sorted(set(section["iters"].values()))
+    iter_text = "/".join(str(i) for i in iters)
+    lines = [
+        f"### {section['op']}, {section['dtype']}, one thread per rank",
+        "",
+        f"Median per-op time over {section['repeats']} alternating round(s) x {iter_text} timed iterations "
+        f"(each iteration: the slowest rank, after a barrier); bus bandwidth = {section['busbw_formula']}. "
+        "Ratios are ringcomm/gloo: latency below 1 and bus bandwidth above 1 mean ringcomm is faster.",
+        "",
+    ]
+    head = ["np", "size"] + [f"{SYSTEM_LABELS[s]} ms" for s in systems] \
+        + [f"{SYSTEM_LABELS[s]} GB/s" for s in systems] + ["latency ratio", "bus bw ratio"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in section["summary"]:
+        cells = [str(row["np"]), _util.format_size(row["bytes"])]
+        cells += [sig(row["systems"].get(s, {}).get("median_ms")) for s in systems]
+        cells += [sig(row["systems"].get(s, {}).get("busbw_gbps")) for s in systems]
+        ratio = row["ratio_ringcomm_over_gloo"] or {}
+        cells += [sig(ratio.get("latency"), 2), sig(ratio.get("busbw"), 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in section["runs"] if not r["ok"]]
+    notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
+    lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+    return "\n".join(lines)
+
+
+def ceiling_markdown(section: dict[str, Any]) -> str:
+    """The ceilings table."""
+    msg = _util.format_size(section["message_bytes"])
+    copy = section["numpy_copy"]
+    lines = [
+        "### Ceilings on this machine",
+        "",
+        f"One ZeroMQ PUSH->PULL stream between two processes, {msg} messages sent zero-copy "
+        f"(median of {section['repeats']} runs of {section['count']} messages); NumPy copy of "
+        f"{_util.format_size(copy['bytes'])} (bytes copied / time).",
+        "",
+        "| what | GB/s |",
+        "|---|---|",
+        f"| ZeroMQ PUSH->PULL, ipc | {sig(section['zmq']['ipc']['median_gbps'])} |",
+        f"| ZeroMQ PUSH->PULL, tcp loopback | {sig(section['zmq']['tcp']['median_gbps'])} |",
+        f"| NumPy {_util.format_size(copy['bytes'])} copy | {sig(copy['gbps'])} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def training_markdown(section: dict[str, Any]) -> str:
+    """The training-step table: img/s and scaling efficiency per setup."""
+    lines = [
+        "### Training step (small CNN, 32x32x3 synthetic images)",
+        "",
+        f"Batch {section['batch_per_rank']} per rank, one thread per rank; median img/s over "
+        f"{section['repeats']} alternating round(s) of {section['steps']} timed steps. "
+        "Efficiency = img/s / (np x img/s of one process).",
+        "",
+        "| setup | np | img/s | scaling efficiency |",
+        "|---|---|---|---|",
+    ]
+    for row in section["summary"]:
+        eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
+        lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
+    failed = [r for r in section["runs"] if not r["ok"]]
+    notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
+    lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The whole report."""
+    parts = ["## ringcomm benchmark", "", machine_line(results["meta"]), ""]
+    for section in results.get("collectives", {}).values():
+        parts.append(collective_markdown(section))
+    if "ceiling" in results:
+        parts.append(ceiling_markdown(results["ceiling"]))
+    if "training" in results:
+        parts.append(training_markdown(results["training"]))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def write_json(results: dict[str, Any], path: str) -> None:
+    """Write ``results`` (all raw numbers) to ``path``, creating its directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+
+
+def plot(sections: Sequence[dict[str, Any]], path: str, title: str = "") -> str | None:
+    """Bus bandwidth vs size (log x), one line per system per np, one panel per op.
+
+    Returns ``None`` on success, else why no plot was drawn (matplotlib missing, no data).
+    """
+    if not sections:
+        return "no collective results to plot"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib); no plot drawn"
+    colors = {"ringcomm": "C0", "gloo": "C1", "horovod": "C2"}
+    styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "D", "v", "x"]
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)
+    for ax, section in zip(axes[0], sections):
+        for i, np_ in enumerate(section["nps"]):
+            for system in section["systems"]:
+                pts = [(r["bytes"], r["systems"][system]["busbw_gbps"]) for r in section["summary"]
+                       if r["np"] == np_ and system in r["systems"]]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, linestyle=styles[i % len(styles)], marker=markers[i % len(markers)],
+                        color=colors.get(system, "C3"), label=f"{SYSTEM_LABELS[system]} np={np_}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        sizes = section["sizes"]
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([_util.format_size(s).replace(" ", "") for s in sizes])
+        ax.set_xlabel("message size")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"{section['op']} (float32)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="small")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

@@ -1,0 +1,133 @@
+"""Training-step benchmark: img/s of one process, DDP (gloo) and ringcomm_torch's DistributedOptimizer.
+
+The small CNN of :mod:`._train_worker` (32x32x3 synthetic images, batch 32 per
+rank, one thread per rank).  Each round runs one job per setup in turn
+(single, DDP, ringcomm[, Horovod]) so drift hits them alike; the summary takes
+the median img/s over rounds and the scaling efficiency
+``img/s at np / (np * img/s of one process)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from . import _launch, _procs, _util
+
+MODULE = "ringcomm.bench._train_worker"
+#: Rows of the report, in order: (setup key, system that runs it).
+SETUPS = (("ddp", "gloo"), ("ringcomm", "ringcomm"), ("horovod", "horovod"))
+LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ringcomm": "ringcomm_torch DistributedOptimizer",
+          "horovod": "Horovod DistributedOptimizer"}
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """World sizes, steps and rounds."""
+
+    nps: Sequence[int] = (2,)
+    batch: int = 32
+    steps: int = 30
+    warmup: int = 5
+    repeats: int = 3
+    job_timeout: float = 300.0
+
+
+def ringcomm_torch_status() -> str | None:
+    """``None`` if ``ringcomm_torch.DistributedOptimizer`` imports, else why the row is skipped."""
+    code = "import ringcomm_torch; ringcomm_torch.DistributedOptimizer"
+    try:
+        probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                               env=_util.worker_env(True))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot check for ringcomm_torch: {exc}"
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
+        return f"ringcomm_torch.DistributedOptimizer unavailable ({last})"
+    return None
+
+
+def _job(setup: str, system: str, np_: int, cfg: TrainingConfig, out: str) -> _procs.JobResult:
+    args = ["--mode", setup, "--batch", str(cfg.batch), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
+            "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+    if setup == "single":
+        return _procs.run_job([[sys.executable, "-m", MODULE, *args]], _util.worker_env(False), cfg.job_timeout)
+    return _launch.run_system(system, np_, MODULE, args, cfg.job_timeout)
+
+
+def _record(setup: str, np_: int, repeat: int, job: _procs.JobResult, out: str) -> dict[str, Any]:
+    record: dict[str, Any] = {"setup": setup, "np": np_, "repeat": repeat, "ok": job.ok,
+                              "wall_s": round(job.wall_s, 3), "error": None}
+    if job.ok:
+        try:
+            with open(out, encoding="utf-8") as f:
+                record.update(json.load(f))
+        except (OSError, ValueError) as exc:
+            record.update(ok=False, error=f"no result from rank 0: {exc}")
+    else:
+        record["error"] = job.describe()
+    return record
+
+
+def run(cfg: TrainingConfig) -> dict[str, Any]:
+    """Measure every setup; returns the JSON-ready section (config, raw runs, summary, notes)."""
+    notes: list[str] = []
+    setups = [(s, sys_) for s, sys_ in SETUPS]
+    why_rc = ringcomm_torch_status()
+    if why_rc is not None:
+        setups = [x for x in setups if x[0] != "ringcomm"]
+        notes.append(f"ringcomm_torch row skipped: {why_rc}")
+    why_hvd = _launch.horovod_status()
+    if why_hvd is not None:
+        setups = [x for x in setups if x[0] != "horovod"]
+        notes.append(f"Horovod row skipped: {why_hvd}")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
+        for repeat in range(cfg.repeats):
+            jobs = [("single", "single", 1)] + [(s, sys_, np_) for np_ in cfg.nps for s, sys_ in setups]
+            for setup, system, np_ in jobs:
+                _util.log(f"training {LABELS[setup]} np={np_} (round {repeat + 1}/{cfg.repeats}) ...")
+                out = os.path.join(tmp, f"{setup}-np{np_}-r{repeat}.json")
+                record = _record(setup, np_, repeat, _job(setup, system, np_, cfg, out), out)
+                if record["ok"]:
+                    _util.log(f"  {record['img_per_s']:.0f} img/s")
+                else:
+                    _util.log(f"  FAILED: {record['error']}")
+                runs.append(record)
+    return {
+        "model": "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096->128), fc(128->10); SGD momentum",
+        "batch_per_rank": cfg.batch,
+        "steps": cfg.steps,
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "nps": list(cfg.nps),
+        "notes": notes,
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median img/s per (setup, np) and scaling efficiency against one process."""
+    keys: list[tuple[str, int]] = []
+    for r in runs:
+        if (r["setup"], r["np"]) not in keys:
+            keys.append((r["setup"], r["np"]))
+    rates = {k: [r["img_per_s"] for r in runs if (r["setup"], r["np"]) == k and r["ok"]] for k in keys}
+    single = _util.median(rates.get(("single", 1), [])) if rates.get(("single", 1)) else None
+    rows = []
+    for setup, np_ in keys:
+        vals = rates[(setup, np_)]
+        med = _util.median(vals) if vals else None
+        rows.append({
+            "setup": setup, "label": LABELS[setup], "np": np_,
+            "img_per_s": med, "runs_img_per_s": vals,
+            "efficiency": med / (np_ * single) if med and single else None,
+        })
+    return rows

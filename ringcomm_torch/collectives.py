@@ -1,0 +1,413 @@
+"""The asynchronous and in-place collectives on torch tensors (no autograd).
+
+Each ``*_async`` function validates its arguments on the calling thread,
+stages the tensor as a host array (:mod:`.tensors`), submits it to the
+ringcomm core and returns a :class:`~.handles.Handle`; ``synchronize(handle)``
+returns the torch result.  The differentiable, blocking versions
+(``allreduce``, ``allgather``...) live in :mod:`.autograd` and are built on these.
+
+What each rank sees (size 2, rank r holds ``t = torch.full((2,), r + 1.)``)::
+
+    hvd.synchronize(hvd.allreduce_async(t))              # every rank: [1.5, 1.5]
+    hvd.allreduce_(t, op=hvd.Sum)                        # every rank: t is now [3., 3.]
+    hvd.synchronize(hvd.allgather_async(t[:1]))          # every rank: [1., 2.]
+    hvd.broadcast_(t, root_rank=1)                       # every rank: t is now [2., 2.]
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import ringcomm as _rc
+from ringcomm.errors import InvalidInputError, InvalidTypeError
+from ringcomm.ops import ReduceOp
+
+from .basics import check_process_set, global_process_set, size
+from .handles import Handle, completed, poll, synchronize
+from .tensors import Staged, empty_result, stage, to_tensor
+
+__all__ = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
+    "allreduce_async", "allreduce_async_", "allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
+    "allgather_async", "grouped_allgather_async",
+    "broadcast_async", "broadcast_async_", "broadcast_",
+    "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
+    "barrier", "join", "poll", "synchronize",
+]
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Any:
+    """Horovod's legacy ``average=`` flag -> an op (``op`` wins; giving both is an error)."""
+    if op is not None:
+        if average is not None:
+            raise InvalidInputError(
+                f"{what}: the op parameter supersedes average; please provide only one of them"
+            )
+        return op
+    if average is not None:
+        warnings.warn(f"{what}: parameter `average` has been replaced with `op`; "
+                      "use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+def _core_name(kind: str, name: str | None) -> str | None:
+    """The name the core negotiates on: ``kind.name`` as Horovod does, so that e.g. an allreduce and
+    an allgather may share a user name (the core's names form one namespace across kinds).
+    None lets the core number the op (``allreduce.noname.N``)."""
+    return None if name is None else f"{kind}.{name}"
+
+
+class _Several:
+    """Several core handles finished as one; ``wait()`` returns their results in order."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)
+
+    def wait(self) -> list[Any]:
+        results, error = [], None
+        for h in self._handles:  # wait for all, so no buffer is still in use when this raises
+            try:
+                results.append(h.wait())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
+
+
+def _nbytes(staged: Sequence[Staged]) -> int:
+    return int(sum(s.array.nbytes for s in staged))
+
+
+def _release_all(staged: Sequence[Staged]) -> Any:
+    def cleanup() -> None:
+        for s in staged:
+            s.release()
+    return cleanup
+
+
+def _as_list(tensors: Any, what: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        raise InvalidTypeError(f"{what}: expected a list of tensors, got a single tensor; use the non-grouped op")
+    return list(tensors)
+
+
+# ---------------------------------------------------------------- allreduce
+
+def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None, op: Any,
+               prescale_factor: float, postscale_factor: float, process_set: Any) -> Handle:
+    """Allreduce ``tensor`` into ``output`` (None: a new tensor; ``tensor`` itself: in place)."""
+    what = "allreduce"
+    check_process_set(process_set, what)
+    s = stage(tensor, reduce=True, what=what)
+    in_place = output is tensor
+    if not in_place and s.direct:
+        # the staged array aliases the caller's tensor: reduce into a fresh tensor instead
+        result_t = empty_result(tensor)
+        out = result_t.numpy()
+
+        def finish(_raw: Any) -> torch.Tensor:
+            return result_t
+    else:
+        out = s.array  # a private staging copy (or the tensor itself, in place)
+        target = tensor if in_place else None
+
+        def finish(_raw: Any) -> torch.Tensor:
+            dest = target if target is not None else empty_result(tensor)
+            return s.write_back(dest)
+    core = _rc.allreduce_async(s.array, op=op, name=_core_name("allreduce", name),
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=out)
+    return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = global_process_set) -> Handle:
+    """Start reducing ``tensor`` over all ranks; ``synchronize`` returns a new tensor.  Input unchanged.
+
+    Example (size 2, rank r holds ``[r + 1.]``)::
+
+        hvd.synchronize(hvd.allreduce_async(t))              # every rank: [1.5]
+        hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum))  # every rank: [3.]
+    """
+    op = resolve_op(op, average)
+    return _allreduce(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = global_process_set) -> Handle:
+    """In-place :func:`allreduce_async`: ``synchronize`` returns ``tensor`` itself, now reduced."""
+    op = resolve_op(op, average)
+    return _allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` in place over all ranks and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
+
+
+def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, prescale_factor: float,
+                       postscale_factor: float, process_set: Any) -> Handle:
+    what = "grouped_allreduce"
+    check_process_set(process_set, what)
+    tensors = _as_list(tensors, what)
+    if not tensors:
+        return completed("allreduce", [])
+    staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
+    base = _core_name("allreduce", name)
+    # the core fuses one dtype per group: split a mixed group by dtype, one core op each
+    by_dtype: dict[str, list[int]] = {}
+    for i, s in enumerate(staged):
+        by_dtype.setdefault(s.array.dtype.name, []).append(i)
+    order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
+    subs = [_rc.grouped_allreduce_async([staged[i].array for i in by_dtype[dt]], op=op,
+                                        name=base if base is None or len(by_dtype) == 1 else f"{base}.{dt}",
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            for dt in sorted(by_dtype)]
+    core = _Several(subs)
+
+    def finish(raw: Any) -> list[torch.Tensor]:
+        flat = [r for sub in raw for r in sub]
+        by_index = dict(zip(order, flat))
+        outs = []
+        for i, (t, s) in enumerate(zip(tensors, staged)):
+            r = by_index[i]
+            dest = t if in_place else empty_result(t)
+            outs.append(s.write_back(dest, np.asarray(r)))
+        return outs
+    return Handle("allreduce", name, core, finish, _release_all(staged), _nbytes(staged))
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
+    """Start reducing a list of tensors as one op; ``synchronize`` returns a list of new tensors."""
+    op = resolve_op(op, average, "grouped_allreduce")
+    return _grouped_allreduce(tensors, False, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
+    """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns the same tensors, reduced."""
+    op = resolve_op(op, average, "grouped_allreduce")
+    return _grouped_allreduce(tensors, True, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """Reduce a list of tensors in place as one op and return them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# ---------------------------------------------------------------- allgather
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: Any = global_process_set) -> Handle:
+    """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank).
+
+    Example (size 2, rank r holds ``r + 1`` rows of ``[r]``)::
+
+        hvd.synchronize(hvd.allgather_async(t))   # every rank: [[0], [1], [1]]
+    """
+    what = "allgather"
+    check_process_set(process_set, what)
+    s = stage(tensor, reduce=False, what=what)
+    core = _rc.allgather_async(s.array, name=_core_name("allgather", name))
+
+    def finish(raw: Any) -> torch.Tensor:
+        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
+    return Handle("allgather", name, core, finish, s.release, s.array.nbytes)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: Any = global_process_set) -> Handle:
+    """Start allgathering a list of tensors as one op; ``synchronize`` returns a list."""
+    what = "grouped_allgather"
+    check_process_set(process_set, what)
+    tensors = _as_list(tensors, what)
+    if not tensors:
+        return completed("allgather", [])
+    staged = [stage(t, reduce=False, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
+    core = _rc.grouped_allgather_async([s.array for s in staged], name=_core_name("allgather", name))
+
+    def finish(raw: Any) -> list[torch.Tensor]:
+        return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
+    return Handle("allgather", name, core, finish, _release_all(staged), _nbytes(staged))
+
+
+# ---------------------------------------------------------------- broadcast
+
+def _check_root(root_rank: Any, what: str) -> int:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
+    n = size()
+    if not 0 <= int(root_rank) < n:
+        raise InvalidInputError(f"{what}: root_rank={root_rank} is not a rank of this job (size {n})")
+    return int(root_rank)
+
+
+def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place: bool,
+               process_set: Any) -> Handle:
+    what = "broadcast_" if in_place else "broadcast"
+    check_process_set(process_set, what)
+    root = _check_root(root_rank, what)
+    s = stage(tensor, reduce=False, what=what)
+    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name))
+
+    def finish(raw: Any) -> torch.Tensor:
+        if in_place:
+            return s.write_back(tensor, np.asarray(raw))
+        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device).view(tensor.shape)
+    return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = global_process_set) -> Handle:
+    """Start copying ``root_rank``'s tensor to every rank; ``synchronize`` returns a new tensor."""
+    return _broadcast(tensor, root_rank, name, False, process_set)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = global_process_set) -> Handle:
+    """In-place :func:`broadcast_async`: ``synchronize`` returns ``tensor``, now holding root's values."""
+    return _broadcast(tensor, root_rank, name, True, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s values on every rank and return it.
+
+    Example (size 2, rank r holds ``[r]``)::
+
+        hvd.broadcast_(t, root_rank=1)   # every rank: t is now [1]
+    """
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ---------------------------------------------------------------- alltoall
+
+def _splits_array(splits: Any, what: str) -> np.ndarray | None:
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype is torch.bool:
+            raise InvalidTypeError(f"{what}: splits must hold integers, got dtype {splits.dtype}")
+        return splits.detach().cpu().to(torch.int64).contiguous().numpy()
+    arr = np.asarray(splits)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidTypeError(f"{what}: splits must hold integers, got {splits!r}")
+    return arr.astype(np.int64).reshape(-1)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = global_process_set) -> Handle:
+    """Start sending ``splits[j]`` rows of ``tensor`` to rank j (equal parts when ``splits`` is None).
+
+    ``synchronize`` returns ``(output, received_splits)``: the rows every rank
+    sent here, in rank order, and how many came from each rank (an int32 CPU
+    tensor, or the dtype of ``splits`` when that is a tensor).
+
+    Example (size 2, rank r holds ``[10r, 10r + 1]``)::
+
+        out, recv = hvd.synchronize(hvd.alltoall_async(t))   # rank 0: [0, 10]  rank 1: [1, 11]; recv [1, 1]
+    """
+    what = "alltoall"
+    check_process_set(process_set, what)
+    s = stage(tensor, reduce=False, what=what)
+    split_arr = _splits_array(splits, what)
+    splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
+    core = _rc.alltoall_async(s.array, splits=split_arr, name=_core_name("alltoall", name))
+
+    def finish(raw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        output, received = raw
+        out_t = to_tensor(np.asarray(output), tensor.dtype, tensor.device)
+        recv_t = torch.from_numpy(np.array(received, dtype=np.int64)).to(splits_dtype)
+        return out_t, recv_t
+    return Handle("alltoall", name, core, finish, s.release, s.array.nbytes)
+
+
+# ---------------------------------------------------------------- reducescatter
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start reducing ``tensor`` over ranks and keeping this rank's part of dim 0.
+
+    Dim 0 is split as evenly as possible, lower ranks getting the extra rows.
+
+    Example (size 2, every rank holds ``[[1.], [2.], [3.]]``, op=Sum)::
+
+        hvd.synchronize(hvd.reducescatter_async(t, op=hvd.Sum))   # rank 0: [[2.], [4.]]  rank 1: [[6.]]
+    """
+    what = "reducescatter"
+    check_process_set(process_set, what)
+    s = stage(tensor, reduce=True, what=what)
+    core = _rc.reducescatter_async(s.array, op=op, name=_core_name("reducescatter", name),
+                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def finish(raw: Any) -> torch.Tensor:
+        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
+    return Handle("reducescatter", name, core, finish, s.release, s.array.nbytes)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = Average,
+                                process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter of a list of tensors as one op; ``synchronize`` returns a list."""
+    what = "grouped_reducescatter"
+    check_process_set(process_set, what)
+    tensors = _as_list(tensors, what)
+    if not tensors:
+        return completed("reducescatter", [])
+    staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
+    core = _rc.grouped_reducescatter_async([s.array for s in staged], op=op,
+                                           name=_core_name("reducescatter", name),
+                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+    def finish(raw: Any) -> list[torch.Tensor]:
+        return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
+    return Handle("reducescatter", name, core, finish, _release_all(staged), _nbytes(staged))
+
+
+# ---------------------------------------------------------------- control
+
+def barrier(process_set: Any = global_process_set) -> None:
+    """Block until every rank has called ``barrier()``."""
+    check_process_set(process_set, "barrier")
+    token = Handle("barrier", None, None, lambda _raw: None)
+    _rc.barrier()
+    token.wait()
+
+
+def join(device: int = -1) -> int:
+    """Say this rank has no more data; blocks until every rank joins.  Returns the last rank to join.
+
+    Until then, this rank contributes identity values (zeros for Sum/Average)
+    to the other ranks' allreduces, as Horovod does.  ``device`` is accepted for
+    Horovod compatibility and ignored.
+    """
+    return int(_rc.join())

@@ -1,0 +1,80 @@
+"""Smoke test of ``python -m ringcomm.bench``: it runs, measures both systems and writes sane JSON.
+
+No timing thresholds: the benchmark is a measuring tool, and this machine is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringcomm.bench import _util, collectives, report
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def test_sizes_and_bandwidth_formulas() -> None:
+    assert [_util.parse_size(s) for s in ("4K", "64k", "1M", "16MiB", "1G", "512")] == [
+        4096, 65536, 1 << 20, 16 << 20, 1 << 30, 512]
+    with pytest.raises(ValueError):
+        _util.parse_size("4Q")
+    assert _util.format_size(4096) == "4 KiB" and _util.format_size(64 << 20) == "64 MiB"
+    # 16 MiB allreduce at np=2 in 10.3 ms: 1.63 GB/s (ANCHORS.md)
+    assert collectives.bus_bandwidth("allreduce", 16 << 20, 2, 0.0103) / 1e9 == pytest.approx(1.63, abs=0.01)
+    assert collectives.bus_bandwidth("allgather", 4000, 4, 1.0) == pytest.approx(3000)
+    assert collectives.bus_bandwidth("broadcast", 4000, 4, 2.0) == pytest.approx(2000)
+    assert report.sig(0.0123456) == "0.0123" and report.sig(293.4) == "293" and report.sig(None) == "n/a"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "allreduce", "--np", "2", "--sizes", "4K", "64K",
+           "--iters", "3", "--repeats", "1", "--warmup", "1", "--job-timeout", "50",
+           "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["cpu_count"] >= 1 and data["meta"]["python"] and data["meta"]["date"]
+    section = data["collectives"]["allreduce"]
+    assert section["op"] == "allreduce" and section["nps"] == [2] and section["sizes"] == [4096, 65536]
+    assert {"ringcomm", "gloo"} <= set(section["systems"])
+
+    runs = {r["system"]: r for r in section["runs"]}
+    for system in ("ringcomm", "gloo"):
+        run = runs[system]
+        assert run["ok"] and run["np"] == 2, run
+        assert [r["bytes"] for r in run["results"]] == [4096, 65536]
+        for res in run["results"]:
+            assert len(res["times_s"]) == 3 and all(t > 0 for t in res["times_s"])
+
+    assert [(row["np"], row["bytes"]) for row in section["summary"]] == [(2, 4096), (2, 65536)]
+    for row in section["summary"]:
+        rc_, gloo = row["systems"]["ringcomm"], row["systems"]["gloo"]
+        for stats in (rc_, gloo):
+            assert stats["median_ms"] > 0 and stats["busbw_gbps"] > 0 and stats["samples"] == 3
+        # bus bandwidth from the median latency: 2(N-1)/N * bytes / time
+        assert rc_["busbw_gbps"] == pytest.approx(row["bytes"] / (rc_["median_ms"] / 1e3) / 1e9)
+        ratio = row["ratio_ringcomm_over_gloo"]
+        assert ratio["latency"] == pytest.approx(rc_["median_ms"] / gloo["median_ms"])
+        assert ratio["busbw"] == pytest.approx(rc_["busbw_gbps"] / gloo["busbw_gbps"])
+        assert math.isclose(ratio["latency"] * ratio["busbw"], 1.0, rel_tol=1e-9)
+        # the median is the median of the raw per-iteration times
+        raw = next(r for r in runs["ringcomm"]["results"] if r["bytes"] == row["bytes"])["times_s"]
+        assert rc_["median_ms"] == pytest.approx(sorted(raw)[1] * 1e3)
+
+    assert "| 2 | 4 KiB |" in proc.stdout and "latency ratio" in proc.stdout

@@ -1,0 +1,75 @@
+"""CUDA tensors through ringcomm_torch (staged through pinned host memory).  Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available on this machine (torch.cuda.is_available() is False)",
+                allow_module_level=True)
+
+import ringcomm_torch as hvd  # noqa: E402
+from ringcomm_torch.tensors import pinned_pool  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    yield
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64], ids=str)
+def test_collectives_keep_device_dtype_and_values(dtype):
+    t = (torch.arange(24, device="cuda") % 5).reshape(6, 4).to(dtype)
+    n = hvd.size()
+    for out in (hvd.allreduce(t, op=hvd.Max), hvd.broadcast(t, 0), hvd.allreduce(t, op=hvd.Min)):
+        assert out.device == t.device and out.dtype == dtype and torch.equal(out, t)
+    assert torch.equal(hvd.allreduce(t, op=hvd.Sum), t * n)
+    assert hvd.allgather(t).device == t.device and hvd.alltoall(t).device == t.device
+    assert hvd.reducescatter(t, op=hvd.Sum).device == t.device
+    y = t.clone()
+    assert hvd.allreduce_(y, op=hvd.Max) is y and torch.equal(y, t)
+    assert hvd.broadcast_(y, 0) is y and y.device == t.device
+
+
+def test_pinned_buffers_are_reused():
+    t = torch.randn(1000, device="cuda")
+    hvd.allreduce_(t)
+    before = pinned_pool.allocations
+    for _ in range(20):
+        hvd.allreduce_(t)
+        hvd.allreduce(t)
+    torch.cuda.synchronize()
+    assert pinned_pool.allocations == before
+
+
+def test_results_are_ordered_on_the_current_stream():
+    t = torch.zeros(1 << 20, device="cuda")
+    for i in range(5):
+        t.add_(1.0)  # queued on the current stream before the staging copy
+        hvd.allreduce_(t, op=hvd.Max)
+    assert float(t[-1]) == 5.0
+
+
+def test_autograd_and_optimizer_on_cuda():
+    x = torch.randn(4, 3, device="cuda", requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum) * 2).sum().backward()
+    assert torch.allclose(x.grad, torch.full_like(x, 2.0 * hvd.size()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 2).cuda()
+    ref = torch.nn.Linear(5, 2).cuda()
+    ref.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = torch.randn(8, 5, device="cuda")
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(data).pow(2).mean().backward()
+        o.step()
+    if hvd.size() == 1:
+        assert torch.allclose(model.weight, ref.weight)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
