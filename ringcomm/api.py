@@ -19,6 +19,11 @@ from __future__ import annotations
 import atexit
 import collections
 import pickle
+
+try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use it when installed
+    import cloudpickle as _pickler
+except ImportError:  # pragma: no cover - depends on the environment
+    _pickler = pickle
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -257,8 +262,9 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
 
 
 def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """Reduce a list of arrays (one dtype) as one fused op; the result is a list."""
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            outs: Sequence[np.ndarray | None] | None = None) -> Handle:
+    """Reduce a list of arrays (one dtype) as one fused op; the result is a list (``outs`` if given)."""
     rt = _rt("grouped_allreduce")
     name = rt.auto_name("grouped_allreduce", name)
     what = f"grouped_allreduce {name!r}"
@@ -272,12 +278,16 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1,
                        _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
-    return rt.submit(req, arrays, None, grouped=True)
+    if outs is not None and len(outs) != len(arrays):
+        raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
+    checked = [_check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
+    return rt.submit(req, arrays, checked, grouped=True)
 
 
 def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
-    return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor).wait()
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      outs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs).wait()
 
 
 def allgather_async(arr: Any, name: str | None = None) -> Handle:
@@ -436,7 +446,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     rt = _rt("broadcast_object")
     name = rt.auto_name("broadcast_object", name)
     _check_root(root_rank, f"broadcast_object {name!r}", rt.topo.size)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
+    payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.len")
     data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
@@ -448,7 +458,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """A list with every rank's Python object, in rank order."""
     rt = _rt("allgather_object")
     name = rt.auto_name("allgather_object", name)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
     data = allgather(payload, f"{name}.data")
     out, pos = [], 0

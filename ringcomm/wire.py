@@ -105,10 +105,16 @@ def request_from_wire(obj: Any) -> Request:
     return req
 
 
+_RESP_TUPLE_FIELDS = tuple(Response._fields.index(f) for f in ("names", "numels", "first_dims", "splits", "joined"))
+
+
 def response_from_wire(obj: Any) -> Response:
     if not isinstance(obj, list) or not 2 <= len(obj) <= len(Response._fields):
         raise ValueError(f"malformed response: {obj!r:.200}")
-    resp = Response(*(_tuplify(v) for v in obj))
+    for i in _RESP_TUPLE_FIELDS:
+        if i < len(obj):
+            obj[i] = _tuplify(obj[i])
+    resp = Response(*obj)
     if resp.kind not in KINDS:
         raise ValueError(f"malformed response: {obj!r:.200}")
     return resp

@@ -48,16 +48,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             "hvd.init(process_sets=...): process sets other than the global one are not supported yet"
         )
     _rc.init()
-    from .timeline import start_from_settings
-
-    start_from_settings()
 
 
 def shutdown() -> None:
     """Stop the background engine; pending ops fail with ``ShutdownError``.  Safe to call twice."""
-    from .timeline import stop_timeline
-
-    stop_timeline()
     _rc.shutdown()
 
 

@@ -21,8 +21,6 @@ from typing import Any
 
 from ringcomm.errors import InvalidTypeError
 
-from . import timeline
-
 __all__ = ["Handle", "poll", "synchronize", "completed"]
 
 _UNSET = object()
@@ -31,8 +29,7 @@ _UNSET = object()
 class Handle:
     """An op in flight.  Pass it to :func:`poll` or :func:`synchronize`."""
 
-    __slots__ = ("kind", "name", "_core", "_finish", "_cleanup", "_result", "_error", "_lock", "_token",
-                 "_token_lock")
+    __slots__ = ("kind", "name", "_core", "_finish", "_cleanup", "_result", "_error", "_lock")
 
     def __init__(self, kind: str, name: str | None, core: Any, finish: Callable[[Any], Any],
                  cleanup: Callable[[], None] | None = None, nbytes: int = 0) -> None:
@@ -44,26 +41,13 @@ class Handle:
         self._result: Any = _UNSET
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # held by wait() while it blocks
-        self._token_lock = threading.Lock()  # never held while blocking, so done() stays non-blocking
-        label = getattr(core, "name", None) or (f"{kind}.{name}" if name else kind)
-        self._token = timeline.op_started(kind, str(label), nbytes)
-
-    def _record_end(self, error: str | None = None) -> None:
-        """Close this op's timeline span (once, from whichever thread first sees it finish)."""
-        with self._token_lock:
-            token, self._token = self._token, None
-        if token is not None:
-            timeline.op_finished(token, error)
 
     def done(self) -> bool:
         """True once the op has finished (``synchronize`` will not block)."""
         if self._result is not _UNSET or self._error is not None:
             return True
         core = self._core
-        finished = core is None or bool(core.done())
-        if finished:
-            self._record_end()
-        return finished
+        return core is None or bool(core.done())
 
     def wait(self) -> Any:
         """Block until done; return the torch result (or raise the op's error, on every call)."""
@@ -77,7 +61,6 @@ class Handle:
                 self._result = self._finish(raw)
             except BaseException as exc:
                 self._error = exc
-                self._record_end(error=str(exc))
                 raise
             finally:
                 if self._cleanup is not None:
@@ -85,7 +68,6 @@ class Handle:
                     cleanup()
                 self._core = None
                 self._finish = _drop
-            self._record_end()
             return self._result
 
     def __repr__(self) -> str:
