@@ -79,6 +79,7 @@ class Engine:
         self.settings = settings
         self.rank, self.size = topo.rank, topo.size
         self._queue: collections.deque[Entry] = collections.deque()
+        self._wake_pending = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._inflight: dict[str, Entry] = {}
@@ -166,7 +167,9 @@ class Engine:
             raise ShutdownError("ringcomm is shutting down; no new ops are accepted")
         entry.submitted_at = time.perf_counter()
         self._queue.append(entry)
-        os.write(self._wake_w, b"x")
+        if not self._wake_pending:  # one byte per engine wake-up, not per op: bursts share a wake
+            self._wake_pending = True
+            os.write(self._wake_w, b"x")
         return entry.handle
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -222,6 +225,7 @@ class Engine:
             while not self._stopping:
                 events = dict(poller.poll(self._poll_timeout()))
                 if self._wake_r in events:
+                    self._wake_pending = False  # before draining: a later submit must wake us again
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:
