@@ -10,6 +10,8 @@ the rank's own data) and talks only through ``link``:
 - ``link.recv(src, seq, tag) -> buffer``: the payload ``src`` sent with that tag
 - ``link.recv_any(src, seq) -> (tag, buffer)``: the next payload of op ``seq`` from ``src``
 - ``link.flush()``: wait until every queued send has left this process
+- ``link.reserve(dst, nbytes) -> uint8 array | None`` and ``link.commit(dst, seq, tag, view)``:
+  write a payload straight into the outgoing buffer (shared memory) instead of sending a copy
 
 ``seq`` numbers the op (the same on every rank) and ``tag`` numbers the message
 within it, so messages that arrive early are kept until asked for.
@@ -39,6 +41,10 @@ class Link(Protocol):
     def recv_any(self, src: int, seq: int) -> tuple[int, object]: ...
 
     def flush(self) -> None: ...
+
+    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None: ...
+
+    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None: ...
 
 
 def _tag(step: int, seg: int) -> int:
@@ -154,11 +160,18 @@ def ring_allreduce(
     def on_segment(s: int, a: int, b: int, payload: object) -> None:
         seg = buf[a:b]
         incoming = _view(payload, buf.dtype, b - a)
-        if s < n_sr:  # scatter-reduce: own contribution + the partial sum from the left
+        if s < n_sr - 1:  # scatter-reduce: own contribution + the partial sum, on to the right
+            slot = link.reserve(dst, seg.nbytes)
+            if slot is not None:  # the partial sum is only needed by the right neighbour: write it there
+                combine(op, inp[a:b], incoming, slot.view(buf.dtype))
+                link.commit(dst, seq, _tag(s + 1, k_of(a, s)), slot)
+            else:
+                combine(op, inp[a:b], incoming, seg)
+                link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)
+        elif s == n_sr - 1:  # the last contribution: this rank owns the finished chunk
             combine(op, inp[a:b], incoming, seg)
-            if s == n_sr - 1:
-                scale_inplace(seg, postscale)  # this rank owns the chunk now
-            link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)  # s+1 == n_sr is allgather step 0
+            scale_inplace(seg, postscale)
+            link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)  # allgather step 0
         else:  # allgather: a finished segment
             seg[...] = incoming
             if s + 1 < 2 * n_sr:

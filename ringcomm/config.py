@@ -50,7 +50,7 @@ class Settings:
     #: Segments smaller than this travel inside ZeroMQ messages even on one host.
     shm_min_bytes: int = 64 * 1024
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring.
-    small_allreduce_bytes: int = 32 * 1024
+    small_allreduce_bytes: int = 128 * 1024
     #: Seconds to wait for a peer's data before declaring it lost.
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.

@@ -56,6 +56,7 @@ class DataPlane:
         self._free: dict[int, collections.deque[int]] = {}
         self._in_rings: dict[int, shm.SlotRing] = {}
         self._held: dict[int, list[int]] = collections.defaultdict(list)
+        self._reserved: dict[int, int] = {}
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
         self.stats: collections.Counter[str] = collections.Counter()
@@ -115,6 +116,29 @@ class DataPlane:
         self._in_rings.clear()
 
     # -- Link ----------------------------------------------------------------
+
+    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
+        """A free shared-memory slot to ``dst`` to write a payload into directly, or None.
+
+        The caller fills it and calls :meth:`commit`; that saves the copy ``send`` makes.
+        """
+        ring = self._out_rings.get(dst)
+        if ring is None or not self._shm_min <= nbytes <= ring.slot_bytes:
+            return None
+        free = self._free[dst]
+        if not free:
+            self._pump(dst, block=False)
+            if not free:
+                return None
+        slot = free.popleft()
+        self._reserved[dst] = slot
+        return ring.slot(slot, nbytes)
+
+    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
+        """Send the slot filled after :meth:`reserve`."""
+        slot = self._reserved.pop(dst)
+        self._socks[dst].send(_NOTE.pack(b"S", slot, view.nbytes, seq, tag), copy=True)
+        self.stats["shm_direct"] += 1
 
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
         payload = arr if arr.ndim == 1 else arr.reshape(-1)

@@ -52,6 +52,9 @@ class QueueLink:
     def flush(self) -> None:
         pass
 
+    def reserve(self, dst: int, nbytes: int) -> None:
+        return None
+
 
 def queue_links(size: int) -> list[QueueLink]:
     boxes = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
@@ -232,13 +235,19 @@ def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int, shm
         outs = []
         for seq, n in enumerate([0, 1, 5, 1000, 70_000]):
             buf = np.full(n, r + 1, np.float64)
-            algorithms.ring_allreduce(link, buf, ReduceOp.SUM, seq, 4096)
+            src = np.full(n, r + 1, np.float64) if seq % 2 else None
+            algorithms.ring_allreduce(link, buf, ReduceOp.SUM, seq, 256, src_buf=src)  # 2 KiB segments
             outs.append(buf)
         return outs
 
     for outs in run_ranks(links, fn):
         for out in outs:
             assert (out == size * (size + 1) / 2).all()
+    stats = sum((link.stats for link in links), start=__import__("collections").Counter())
+    if shm_slots:
+        assert stats["shm"] > 0 and (size == 2 or stats["shm_direct"] > 0)
+    else:
+        assert stats["shm"] == stats["shm_direct"] == 0
 
 
 @pytest.mark.timeout(30)
