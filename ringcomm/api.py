@@ -174,8 +174,13 @@ def cross_size() -> int:
 # validation
 
 
+_FAST_DTYPES = frozenset(np.dtype(n) for n in ops.SUPPORTED_DTYPES)
+
+
 def as_array(x: Any, what: str) -> np.ndarray:
     """A C-contiguous ndarray view of ``x`` (no copy), or a clear error."""
+    if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype in _FAST_DTYPES:
+        return x  # the hot path: nothing to convert or check
     if isinstance(x, np.ndarray):
         arr = x
     elif isinstance(x, (bytes, bytearray)):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import tempfile
@@ -95,6 +96,7 @@ class Engine:
         self._phases: list[tuple[str, float, float]] = []
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
+        self._idents = [f"rank{r}".encode() for r in range(1, self.size)]
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank)
@@ -273,34 +275,35 @@ class Engine:
                 items.append(item)
         if items:
             assert self._ctrl is not None
-            self._ctrl.send_multipart(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+            self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
 
     def _drain_control(self) -> None:
+        """Handle one control message (the poller is level-triggered: it reports the next one)."""
         assert self._ctrl is not None
         secret = self.topo.secret
-        while True:
-            try:
-                frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if self._coord is not None:
-                self._on_request(frames[1:], secret)
-            else:
-                try:
-                    msg = wire.unpack_control(secret, frames)
-                    if msg[0] != "resp":
-                        raise ValueError(f"unexpected control message {msg[0]!r}")
-                    resps = [wire.response_from_wire(r) for r in msg[1]]
-                except (ValueError, TypeError, IndexError) as exc:
-                    log.debug("rank %d: dropping control message: %s", self.rank, exc)
-                    continue
-                for resp in resps:
-                    self._execute(resp)
+        try:
+            frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if self._coord is not None:
+            if len(frames) == 2:  # ROUTER: [sender identity, message]
+                self._on_request(frames[1], secret)
+            return
+        try:
+            msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
+            if msg[0] != "resp":
+                raise ValueError(f"unexpected control message {msg[0]!r}")
+            resps = [wire.response_from_wire(r) for r in msg[1]]
+        except (ValueError, TypeError, IndexError) as exc:
+            log.debug("rank %d: dropping control message: %s", self.rank, exc)
+            return
+        for resp in resps:
+            self._execute(resp)
 
-    def _on_request(self, frames: list[bytes], secret: bytes) -> None:
+    def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
         try:
-            msg = wire.unpack_control(secret, frames)
+            msg = wire.unpack_control(secret, frame)
             kind, rank, items = msg
             if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
                 raise ValueError(f"bad request header {kind!r} from {rank!r}")
@@ -338,9 +341,9 @@ class Engine:
                 self.timeline.marker("CYCLE", time.perf_counter())
             if self.size > 1:
                 assert self._ctrl is not None
-                frames = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
-                for r in range(1, self.size):
-                    self._ctrl.send_multipart([f"rank{r}".encode(), *frames])
+                frame = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
+                for ident in self._idents:
+                    self._ctrl.send_multipart([ident, frame])
             for resp in resps:
                 self._execute(resp)
         self._check_stalls(now)
@@ -358,28 +361,31 @@ class Engine:
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
         acc: np.ndarray | None = None
+        total = sum(resp.numels)
         for rank in range(self.size):
             if rank in joined:
                 continue
             if rank == 0:
-                chunks = []
+                arrays = []
                 for n in resp.names:
                     entry = self._inflight.get(n)
                     if entry is None:
                         return resp
-                    chunks.extend(a.reshape(-1).view(np.uint8) for a in entry.arrays)
-                raw = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-                contrib = raw.view(dtype).copy()
+                    arrays.extend(entry.arrays)
+                contrib = arrays[0].reshape(-1) if len(arrays) == 1 else np.concatenate([a.reshape(-1) for a in arrays])
             else:
                 parts = [p.get(rank) for p in payloads]
                 if any(p is None for p in parts):
                     return resp  # some rank sent no payload: run the ring
-                contrib = np.frombuffer(b"".join(parts), dtype=dtype).copy()  # type: ignore[arg-type]
-            if contrib.size != sum(resp.numels):
+                raw = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
+                contrib = np.frombuffer(raw, dtype=dtype)  # type: ignore[arg-type]
+            if contrib.size != total:
                 return resp
-            ops.scale_inplace(contrib, resp.prescale)
+            if resp.prescale != 1.0:
+                contrib = contrib.copy()
+                ops.scale_inplace(contrib, resp.prescale)
             if acc is None:
-                acc = contrib
+                acc = contrib.copy()
             else:
                 ops.reduce_into(op, acc, contrib)
         if acc is None:
@@ -568,7 +574,7 @@ class Engine:
             self._phases = [("PACK", t0, t1), ("RANK0_REDUCE" if resp.data else "RING", t1, t2)]
         if single:
             return [out if not entries[0].grouped else [out]]
-        offsets = dict(zip(resp.names, np.cumsum((0, *resp.numels[:-1])).tolist()))
+        offsets = dict(zip(resp.names, itertools.accumulate(resp.numels[:-1], initial=0)))
         results = []
         for e in entries:
             pos = offsets[e.req.name]

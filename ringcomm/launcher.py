@@ -125,6 +125,9 @@ def worker_env(
         RINGCOMM_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
+    if size > 1 and "OMP_NUM_THREADS" not in base:
+        # as torchrun does: N ranks x all-core thread pools oversubscribe the machine
+        env["OMP_NUM_THREADS"] = "1"
     if start_timeout is not None:
         env["RINGCOMM_START_TIMEOUT"] = repr(float(start_timeout))
     if timeline is not None:

@@ -41,8 +41,14 @@ SUPPORTED_DTYPES: tuple[str, ...] = (
 _INTEGER = frozenset({"uint8", "int8", "int16", "int32", "int64"})
 
 
+_NAMES = {np.dtype(n): n for n in SUPPORTED_DTYPES}
+
+
 def check_dtype(dtype: np.dtype, what: str) -> str:
     """Return the dtype's wire name, or raise InvalidTypeError naming the supported ones."""
+    name = _NAMES.get(dtype)  # type: ignore[call-overload]
+    if name is not None:
+        return name
     name = np.dtype(dtype).name
     if name not in SUPPORTED_DTYPES:
         raise InvalidTypeError(

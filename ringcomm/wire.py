@@ -1,7 +1,7 @@
 """Wire codec: requests, responses and data-plane headers.  Pure (no sockets).
 
-Control messages are two ZeroMQ frames ``[tag, body]``: ``body`` is msgpack,
-``tag`` is HMAC-SHA256(secret, body).  The tag is checked before the body is
+A control message is one ZeroMQ frame ``tag + body``: ``body`` is msgpack,
+``tag`` is the 32-byte HMAC-SHA256(secret, body).  The tag is checked before the body is
 parsed, and parsing never executes anything (no pickle), so a stranger's bytes
 are dropped without effect.
 
@@ -128,23 +128,29 @@ def sign(secret: bytes, body: bytes) -> bytes:
     return hmac.digest(secret, body, hashlib.sha256)
 
 
-def pack_control(secret: bytes, msg: Any) -> list[bytes]:
-    """Encode ``msg`` (msgpack-able) as authenticated frames ``[tag, body]``."""
+TAG_BYTES = 32
+
+
+def pack_control(secret: bytes, msg: Any) -> bytes:
+    """Encode ``msg`` (msgpack-able) as one authenticated frame: 32-byte HMAC tag, then the body."""
     body = msgpack.packb(msg, use_bin_type=True)
-    return [sign(secret, body), body]
+    return sign(secret, body) + body
 
 
 #: Largest control body accepted (a request list of thousands of tensors fits easily).
 MAX_CONTROL_BYTES = 64 * 1024 * 1024
 
 
-def unpack_control(secret: bytes, frames: list[bytes]) -> Any:
-    """Verify and decode control frames; raises ValueError for anything not from the job."""
-    if len(frames) != 2:
-        raise ValueError(f"expected 2 frames, got {len(frames)}")
-    tag, body = bytes(frames[0]), bytes(frames[1])
-    if len(body) > MAX_CONTROL_BYTES:
+def unpack_control(secret: bytes, frame: bytes) -> Any:
+    """Verify and decode a control frame; raises ValueError for anything not from the job."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ValueError("control message must be one frame")
+    frame = bytes(frame)
+    if len(frame) < TAG_BYTES:
+        raise ValueError(f"control frame of {len(frame)} bytes is too short")
+    if len(frame) > MAX_CONTROL_BYTES + TAG_BYTES:
         raise ValueError("control message too large")
+    tag, body = frame[:TAG_BYTES], frame[TAG_BYTES:]
     if not hmac.compare_digest(tag, sign(secret, body)):
         raise ValueError("bad authentication tag")
     try:
