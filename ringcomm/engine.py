@@ -227,11 +227,14 @@ class Engine:
             while not self._stopping:
                 events = dict(poller.poll(self._poll_timeout()))
                 if self._wake_r in events:
-                    self._wake_pending = False  # before draining: a later submit must wake us again
+                    # Order matters: consume the wake-up bytes, then clear the flag, then drain.  A
+                    # submit after the clear writes a new byte (at worst a spurious wake); clearing
+                    # before the read could swallow that byte and leave the flag set: a lost wake-up.
                     try:
                         os.read(self._wake_r, 65536)
                     except BlockingIOError:
                         pass
+                    self._wake_pending = False
                     self._drain_queue()
                 if self._ctrl is not None and self._ctrl in events:
                     self._drain_control()

@@ -210,3 +210,30 @@ def test_timeline_from_the_environment(monkeypatch, tmp_path) -> None:
     rc.shutdown()
     events = json.loads(path.read_text())
     assert any(e.get("args", {}).get("name") == "t" for e in events)
+
+
+@pytest.mark.timeout(120)
+def test_no_lost_wakeups_under_concurrent_submission(job) -> None:
+    """Two threads submit thousands of ops while the engine drains; every one must complete.
+
+    A lost wake-up (the engine asleep with ops queued) shows as a handle that never finishes.
+    """
+    import threading
+
+    errors: list[BaseException] = []
+
+    def worker(tag: str) -> None:
+        try:
+            for i in range(3000):
+                handles = [rc.allreduce_async(np.ones(4), name=f"{tag}.{i}.{j}") for j in range(3)]
+                for h in handles:
+                    h.wait(timeout=20)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not errors, errors[0]
