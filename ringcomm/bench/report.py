@@ -49,18 +49,19 @@ def collective_markdown(section: dict[str, Any]) -> str:
         "",
         f"Median per-op time over {section['repeats']} alternating round(s) x {iter_text} timed iterations "
         f"(each iteration: the slowest rank, after a barrier); bus bandwidth = {section['busbw_formula']}. "
-        "Ratios are ringcomm/gloo: latency below 1 and bus bandwidth above 1 mean ringcomm is faster.",
+        "Ratios are ringcomm/gloo: latency below 1 and bus bandwidth above 1 mean ringcomm is faster; "
+        "the mean-latency ratio compares mean per-op times (what a loop of ops experiences).",
         "",
     ]
     head = ["np", "size"] + [f"{SYSTEM_LABELS[s]} ms" for s in systems] \
-        + [f"{SYSTEM_LABELS[s]} GB/s" for s in systems] + ["latency ratio", "bus bw ratio"]
+        + [f"{SYSTEM_LABELS[s]} GB/s" for s in systems] + ["latency ratio", "mean-latency ratio", "bus bw ratio"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in section["summary"]:
         cells = [str(row["np"]), _util.format_size(row["bytes"])]
         cells += [sig(row["systems"].get(s, {}).get("median_ms")) for s in systems]
         cells += [sig(row["systems"].get(s, {}).get("busbw_gbps")) for s in systems]
         ratio = row["ratio_ringcomm_over_gloo"] or {}
-        cells += [sig(ratio.get("latency"), 2), sig(ratio.get("busbw"), 2)]
+        cells += [sig(ratio.get("latency"), 2), sig(ratio.get("mean_latency"), 2), sig(ratio.get("busbw"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
