@@ -106,7 +106,11 @@ class Engine:
         self._link: Any = _NullLink()
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
         if self.size > 1:
-            self._connect(round_)
+            try:
+                self._connect(round_)
+            except BaseException:
+                self._close()  # a failed init() leaves no socket, context or file behind
+                raise
 
     # -- setup ---------------------------------------------------------------
 
@@ -120,6 +124,7 @@ class Engine:
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
             job_id=topo.job_id, round_=round_,
         )
+        self._link = link  # from here on, _close() closes it
         ipc_dir = tempfile.gettempdir()
         base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
         data_eps = link.bind(base + "-data", "127.0.0.1")
@@ -127,7 +132,7 @@ class Engine:
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         }
         if self.rank == 0:
-            ctrl = ctx.socket(zmq.ROUTER)
+            ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
             ctrl.bind(base + "-ctrl")
@@ -138,7 +143,7 @@ class Engine:
                 host, port = topo.rendezvous[len("tcp://"):].rsplit(":", 1)
                 self._server = rendezvous.RendezvousServer(self.size, topo.secret, host=host, port=int(port))
         else:
-            ctrl = ctx.socket(zmq.DEALER)
+            ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
         self._ctrl = ctrl
@@ -154,7 +159,6 @@ class Engine:
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
-        self._link = link
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"ringcomm-engine-{self.rank}", daemon=True)

@@ -41,12 +41,7 @@ __all__ = [
     "barrier", "join", "poll", "synchronize",
 ]
 
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
+from ringcomm.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: E402  (re-exported)
 
 
 def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Any:

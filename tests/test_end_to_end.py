@@ -108,3 +108,31 @@ def test_stall_is_reported_then_turned_into_an_error() -> None:
     assert "[0]<stdout>:stall error: stalled: allreduce 'lonely'" in proc.stdout
     assert "StallError" not in proc.stderr
     assert proc.stdout.count("after ok") == 3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
+    """init() times out with a message naming the missing ranks, and leaves no socket open."""
+    import subprocess
+    import sys
+
+    from conftest import job_env
+    from ringcomm.rendezvous import RendezvousServer
+
+    secret = b"s" * 32
+    with RendezvousServer(size=2, secret=secret) as server:
+        code = (
+            "import ringcomm as rc, threading\n"
+            "try:\n"
+            "    rc.init()\n"
+            "except rc.RendezvousTimeoutError as e:\n"
+            "    print('TIMEOUT', e)\n"
+            "print('threads', sorted(t.name for t in threading.enumerate()))\n"
+        )
+        env = job_env(RINGCOMM_RANK="0", RINGCOMM_SIZE="2", RINGCOMM_RENDEZVOUS_ADDR=server.address,
+                      RINGCOMM_SECRET=secret.hex(), RINGCOMM_JOB_ID="cafe0001", RINGCOMM_START_TIMEOUT="2")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=40, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "TIMEOUT" in out.stdout and "missing: 1" in out.stdout and "RINGCOMM_START_TIMEOUT" in out.stdout
+    assert "threads ['MainThread']" in out.stdout
