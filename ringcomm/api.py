@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import pickle
+import sys
 
 try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use it when installed
     import cloudpickle as _pickler
@@ -86,13 +87,28 @@ class Runtime:
         return handle
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine.shutdown(timeout=0.0 if _dying.is_set() else 10.0)
 
 
 _runtime: Runtime | None = None
 _rounds = 0
 _init_lock = threading.Lock()
 _atexit_registered = False
+_dying = threading.Event()  # the main thread died of an uncaught exception
+
+
+def _install_excepthook() -> None:
+    """Note an uncaught exception, so the exit-time shutdown leaves at once instead of waiting for peers.
+
+    The peers then see this rank's connections close and fail with PeerLostError naming it.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _dying.set()
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 def init() -> None:
@@ -109,6 +125,7 @@ def init() -> None:
         _rounds += 1
         if not _atexit_registered:
             atexit.register(shutdown)
+            _install_excepthook()
             _atexit_registered = True
 
 

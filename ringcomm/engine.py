@@ -181,7 +181,7 @@ class Engine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Collective shutdown (waits up to ``timeout`` for the other ranks), then close."""
         thread = self._thread
-        if thread is not None and thread.is_alive() and self._failed is None:
+        if thread is not None and thread.is_alive() and self._failed is None and timeout > 0:
             handle = Handle("__shutdown__")
             try:
                 self.submit(Entry(Request("__shutdown__", wire.SHUTDOWN), [], handle))
@@ -227,6 +227,9 @@ class Engine:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._ctrl is not None:
             poller.register(self._ctrl, zmq.POLLIN)
+        monitors = self._link.monitor_sockets if isinstance(self._link, DataPlane) else []
+        for mon in monitors:
+            poller.register(mon, zmq.POLLIN)
         try:
             while not self._stopping:
                 events = dict(poller.poll(self._poll_timeout()))
@@ -244,10 +247,27 @@ class Engine:
                     self._drain_control()
                 if self._coord is not None:
                     self._coordinate()
+                if monitors and any(m in events for m in monitors):
+                    self._on_connection_events()
         except BaseException as exc:  # the engine must never die silently
-            log.exception("rank %d: engine failed", self.rank)
+            if isinstance(exc, PeerLostError):
+                log.error("%s", exc)
+            else:
+                log.exception("rank %d: engine failed", self.rank)
             self._fail_all(exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
                 f"rank {self.rank}: ringcomm engine failed: {exc!r}"))
+
+    def _on_connection_events(self) -> None:
+        """A peer's connection closed: unless the job is shutting down, every pending op fails."""
+        link = self._link
+        assert isinstance(link, DataPlane)
+        lost = link.check_peers()
+        if not lost or self._stopping:
+            return
+        peer = min(lost)
+        pending = sorted(self._inflight) + [e.req.name for e in self._queue]
+        shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
+        raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
     def _poll_timeout(self) -> int | None:
         if self._coord is None:

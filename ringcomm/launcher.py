@@ -35,6 +35,8 @@ __all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job"]
 
 #: Seconds workers get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 3.0
+#: After the first failure, how long the launcher waits for other ranks to exit on their own.
+SETTLE_SECONDS = 1.0
 #: Seconds the launcher waits for the last output once every process is gone.
 _DRAIN_SECONDS = 2.0
 _PROG = "ringcomm-run"
@@ -225,6 +227,7 @@ def run_job(args: argparse.Namespace) -> int:
         for worker in leftovers:
             _say(f"rank {worker.rank} (pid {worker.pid}) exited but left processes in its group; stopped them")
     if first_failure is not None:
+        first_failure = _root_cause(first_failure, workers)
         _report_failure(first_failure, workers)
         return exit_status(first_failure.returncode or 0) or 1
     if catcher.received:
@@ -250,10 +253,33 @@ def _wait_for_end(
             continue
         finished += 1
         if worker.returncode != 0:
-            # Several may have died within a moment of each other: the earliest is the root cause.
+            # When one rank dies its peers fail moments later (PeerLostError), and the rank that
+            # really failed may still be exiting: let them settle briefly, so every rank that
+            # exits on its own is seen with its own exit code before the rest are stopped.
+            deadline = time.monotonic() + SETTLE_SECONDS
+            while time.monotonic() < deadline and not all(w.exited.is_set() for w in workers):
+                time.sleep(0.05)
             failed = [w for w in workers if w.exited.is_set() and w.returncode != 0]
             return min(failed, key=lambda w: w.exited_at or 0.0)
     return None
+
+
+def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
+    """The rank that failed on its own, not one that only reported losing a peer.
+
+    When a rank dies, its peers raise PeerLostError within moments and may exit
+    at nearly the same time; the earliest such exit is not the cause.
+    """
+    # a rank signalled by the launcher may still have exited with its own error code first
+    failed = sorted(
+        (w for w in workers if w.returncode is not None and w.returncode != 0
+         and (not w.stopped_by_launcher or w.returncode > 0)),
+        key=lambda w: w.exited_at or 0.0,
+    )
+    for worker in failed:
+        if not any("PeerLostError" in line for line in worker.last_lines()):
+            return worker
+    return first
 
 
 def _report_failure(root: Worker, workers: list[Worker]) -> None:

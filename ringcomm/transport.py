@@ -22,6 +22,7 @@ import struct
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import shm
 from .errors import PeerLostError
@@ -31,6 +32,7 @@ log = logging.getLogger("ringcomm.transport")
 _NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag
 _INLINE = struct.Struct("<cQI")  # b"I", seq, tag
 _ACK = struct.Struct("<cH")  # b"A", slot
+_SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
 
 
 class DataPlane:
@@ -57,6 +59,8 @@ class DataPlane:
         self._in_rings: dict[int, shm.SlotRing] = {}
         self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
+        self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
+        self.lost: dict[int, str] = {}  # peers whose connection closed
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
         self.stats: collections.Counter[str] = collections.Counter()
@@ -66,12 +70,38 @@ class DataPlane:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RCVTIMEO, max(1, int(self._timeout * 1000)))
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(min(self._timeout, _SLICE) * 1000)))
         if self._sockbuf > 0:
             sock.setsockopt(zmq.SNDBUF, self._sockbuf)
             sock.setsockopt(zmq.RCVBUF, self._sockbuf)
         self._socks[peer] = sock
+        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         return sock
+
+    # -- peer loss -----------------------------------------------------------
+
+    @property
+    def monitor_sockets(self) -> list[zmq.Socket]:
+        return list(self._monitors.values())
+
+    def check_peers(self) -> dict[int, str]:
+        """Read pending connection events; returns the peers found lost by this call."""
+        found: dict[int, str] = {}
+        for peer, mon in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
+                    self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
+        return found
+
+    def lost_error(self, peer: int, context: str = "") -> PeerLostError:
+        return PeerLostError(
+            f"rank {self.rank}: lost rank {peer} ({self.peer_names.get(peer, '?')}): its connection closed, "
+            f"so the process died or left the job{context}"
+        )
 
     # -- setup ---------------------------------------------------------------
 
@@ -104,6 +134,13 @@ class DataPlane:
                 log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, peer, exc)
 
     def close(self) -> None:
+        for peer, mon in self._monitors.items():
+            try:
+                self._socks[peer].disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(0)
+        self._monitors.clear()
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
@@ -168,15 +205,25 @@ class DataPlane:
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
         sock = self._socks[src]
-        try:
-            frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
-        except zmq.Again:
-            if block:
+        waited = 0.0
+        while True:
+            try:
+                frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if not block:
+                    return None
+            # a slice passed with no data: has a peer gone?
+            waited += _SLICE
+            self.check_peers()
+            if self.lost:
+                peer = src if src in self.lost else min(self.lost)
+                raise self.lost_error(peer, f" while rank {self.rank} waited for data from rank {src}")
+            if waited >= self._timeout:
                 raise PeerLostError(
                     f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
-                    f"{self._timeout:.0f} s; the peer died or hangs. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                ) from None
-            return None
+                    f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
+                )
         head = frames[0].bytes
         kind = head[:1]
         if kind == b"A":

@@ -136,3 +136,48 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     assert "TIMEOUT" in out.stdout and "missing: 1" in out.stdout and "RINGCOMM_START_TIMEOUT" in out.stdout
     assert "threads ['MainThread']" in out.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", [0, 1])
+def test_survivors_of_a_killed_rank_raise_naming_it(victim: int) -> None:
+    """Without a launcher to stop them, the survivors notice within seconds and name the lost rank."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "peer_loss_worker.py")],
+            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        procs[victim].send_signal(signal.SIGKILL)
+        outs = {}
+        for r, p in enumerate(procs):
+            if r != victim:
+                outs[r] = p.communicate(timeout=30)[0]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert elapsed < 15
+    for r, out in outs.items():
+        assert procs[r].returncode == 3, out
+        assert f"lost rank {victim}" in out or f"no data from rank {victim}" in out, out
+        assert "PeerLostError" in out
