@@ -32,7 +32,7 @@ import zmq
 from . import algorithms, ops, ring, wire
 from .cache import ResponseCache
 from .config import Settings
-from .coordinator import Coordinator
+from .coordinator import SHUTDOWN_NAME, Coordinator
 from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
 from .handles import Handle
 from .ops import ReduceOp
@@ -182,9 +182,9 @@ class Engine:
         """Collective shutdown (waits up to ``timeout`` for the other ranks), then close."""
         thread = self._thread
         if thread is not None and thread.is_alive() and self._failed is None and timeout > 0:
-            handle = Handle("__shutdown__")
+            handle = Handle(SHUTDOWN_NAME)
             try:
-                self.submit(Entry(Request("__shutdown__", wire.SHUTDOWN), [], handle))
+                self.submit(Entry(Request(SHUTDOWN_NAME, wire.SHUTDOWN), [], handle))
                 handle.wait(timeout)
             except Exception as exc:  # other ranks gone: close anyway
                 log.debug("rank %d: shutdown did not complete collectively: %s", self.rank, exc)
@@ -263,6 +263,13 @@ class Engine:
         assert isinstance(link, DataPlane)
         lost = link.check_peers()
         if not lost or self._stopping:
+            return
+        leaving = self._inflight.pop(SHUTDOWN_NAME, None)
+        if leaving is not None:
+            # This rank is shutting down too: a peer that left has most likely finished the
+            # collective shutdown before this rank received its response.  Finish quietly.
+            self._stopping = True
+            leaving.handle.set_result(None)
             return
         peer = min(lost)
         pending = sorted(self._inflight) + [e.req.name for e in self._queue]
