@@ -10,6 +10,7 @@ on the wire for floating-point tensors and leaves the others alone::
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -17,18 +18,18 @@ import torch
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "Compression"]
 
 
-class Compressor:
-    """Interface for compressing and decompressing a tensor."""
+class Compressor(abc.ABC):
+    """Interface for compressing and decompressing a tensor (Horovod's; subclass it for your own)."""
 
     @staticmethod
+    @abc.abstractmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Return the tensor to communicate and the context :meth:`decompress` needs."""
-        raise NotImplementedError
 
     @staticmethod
+    @abc.abstractmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Undo :meth:`compress` on the communicated tensor."""
-        raise NotImplementedError
 
 
 class NoneCompressor(Compressor):
