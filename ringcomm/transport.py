@@ -71,6 +71,12 @@ class DataPlane:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(min(self._timeout, _SLICE) * 1000)))
+        # ZMTP heartbeats, answered by the peer's ZeroMQ I/O thread (no GIL involved): a peer
+        # process that is stopped or wedged as a whole stops answering, its connection is
+        # closed after the peer timeout, and the monitor below reports it as lost.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(min(1.0, self._timeout / 3) * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._timeout * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(self._timeout * 1000)))
         if self._sockbuf > 0:
             sock.setsockopt(zmq.SNDBUF, self._sockbuf)
             sock.setsockopt(zmq.RCVBUF, self._sockbuf)
@@ -99,8 +105,9 @@ class DataPlane:
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         return PeerLostError(
-            f"rank {self.rank}: lost rank {peer} ({self.peer_names.get(peer, '?')}): its connection closed, "
-            f"so the process died or left the job{context}"
+            f"rank {self.rank}: lost rank {peer} ({self.peer_names.get(peer, '?')}): its connection closed or it "
+            f"stopped answering heartbeats for {self._timeout:g} s (RINGCOMM_PEER_TIMEOUT), so the process died, "
+            f"hangs or left the job{context}"
         )
 
     # -- setup ---------------------------------------------------------------

@@ -191,3 +191,44 @@ def test_clean_shutdowns_report_no_lost_peers() -> None:
         proc = launch(4, [str(ROOT / "examples" / "numpy_linear_regression.py"), "--steps", "5"], timeout=60)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "lost rank" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_stopped_rank_is_detected_by_heartbeats() -> None:
+    """SIGSTOP keeps the process and its sockets alive; heartbeats still expose it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "peer_loss_worker.py")],
+            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
+                        RINGCOMM_PEER_TIMEOUT="3"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        stopped_at = time.monotonic()
+        procs[1].send_signal(signal.SIGSTOP)
+        outs = {r: procs[r].communicate(timeout=40)[0] for r in (0, 2)}
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert elapsed < 15
+    for r, out in outs.items():
+        assert procs[r].returncode == 3 and "PeerLostError" in out, out
+    assert any("lost rank 1" in out for out in outs.values()), outs
