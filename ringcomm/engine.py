@@ -38,7 +38,7 @@ from .handles import Handle
 from .ops import ReduceOp
 from .timeline import Timeline
 from .topology import Topology
-from .transport import DataPlane
+from .transport import DataPlane, remove_files
 from .wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -101,6 +101,7 @@ class Engine:
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank)
         self._server = None
+        self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
@@ -137,6 +138,7 @@ class Engine:
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._ipc_paths.append(ipc_ep[len("ipc://"):])
             ctrl.bind("tcp://127.0.0.1:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
@@ -208,6 +210,7 @@ class Engine:
             self._link.close()
         if self._ctrl is not None:
             self._ctrl.close(0)
+        remove_files(self._ipc_paths)
         if self._server is not None:
             self._server.close()
         if self.timeline is not None:

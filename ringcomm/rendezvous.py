@@ -428,6 +428,9 @@ def _check(reply: dict[str, Any], address: str) -> dict[str, Any]:
     return reply
 
 
+_RESEND_SECONDS = 1.0
+
+
 def register(
     address: str,
     secret: bytes,
@@ -450,8 +453,16 @@ def register(
     """
     request = {"op": "register", "round": round, "rank": rank, "size": size, "info": info}
     with _Client(address, secret) as client:
-        client.send(request)
-        reply = client.recv(time.monotonic() + timeout, "register")
+        deadline = time.monotonic() + timeout
+        reply = None
+        wait = 0.1
+        while reply is None and time.monotonic() < deadline:
+            # Re-sent every second (the server treats a repeat as a retry): a request that reached
+            # a server which then closed -- rank 0 re-hosting the rendezvous after shutdown() and
+            # init() under torchrun -- is not lost.
+            client.send(request)
+            reply = client.recv(min(deadline, time.monotonic() + wait), "register")
+            wait = min(_RESEND_SECONDS, wait * 2)
         if reply is None:
             # Ask who did arrive, for the message; the table may still come in meanwhile.
             client.send({"op": "status", "round": round})

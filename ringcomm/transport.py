@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import struct
 
 import numpy as np
@@ -59,6 +60,8 @@ class DataPlane:
         self._in_rings: dict[int, shm.SlotRing] = {}
         self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
+        self._shm_peers: set[int] = set()
+        self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self.lost: dict[int, str] = {}  # peers whose connection closed
         self.peer_names: dict[int, str] = {}
@@ -121,6 +124,8 @@ class DataPlane:
             for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
                 sock.bind(ep)
                 eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                if ep.startswith("ipc://"):
+                    self.ipc_paths.append(ep[len("ipc://"):])
             table[peer] = eps
         return table
 
@@ -133,12 +138,20 @@ class DataPlane:
                 raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
             self._socket(peer).connect(eps[0] if same_host else eps[1])
         if same_host and self._slots > 0:
-            path = shm.ring_path(self._job, self._round, self.rank, peer)
+            self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
+
+    def _out_ring(self, dst: int) -> shm.SlotRing | None:
+        """This rank's ring to ``dst``, created the first time a payload could use it."""
+        ring = self._out_rings.get(dst)
+        if ring is None and dst in self._shm_peers:
+            self._shm_peers.discard(dst)
+            path = shm.ring_path(self._job, self._round, self.rank, dst)
             try:
-                self._out_rings[peer] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
-                self._free[peer] = collections.deque(range(self._slots))
+                ring = self._out_rings[dst] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
+                self._free[dst] = collections.deque(range(self._slots))
             except OSError as exc:
-                log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, peer, exc)
+                log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, dst, exc)
+        return ring
 
     def close(self) -> None:
         for peer, mon in self._monitors.items():
@@ -158,6 +171,8 @@ class DataPlane:
             ring.close()
         self._out_rings.clear()
         self._in_rings.clear()
+        remove_files(self.ipc_paths)
+        self.ipc_paths.clear()
 
     # -- Link ----------------------------------------------------------------
 
@@ -166,8 +181,10 @@ class DataPlane:
 
         The caller fills it and calls :meth:`commit`; that saves the copy ``send`` makes.
         """
-        ring = self._out_rings.get(dst)
-        if ring is None or not self._shm_min <= nbytes <= ring.slot_bytes:
+        if not self._shm_min <= nbytes <= self._slot_bytes:
+            return None
+        ring = self._out_ring(dst)
+        if ring is None:
             return None
         free = self._free[dst]
         if not free:
@@ -190,8 +207,8 @@ class DataPlane:
             payload = payload.view(np.uint8)
         n = payload.nbytes
         sock = self._socks[dst]
-        ring = self._out_rings.get(dst)
-        if ring is not None and self._shm_min <= n <= ring.slot_bytes:
+        ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
+        if ring is not None:
             free = self._free[dst]
             if not free:
                 self._pump(dst, block=False)
@@ -299,3 +316,13 @@ class DataPlane:
                     f"within {self._timeout:.0f} s"
                 ) from None
         self._trackers.clear()
+
+
+
+def remove_files(paths: list[str]) -> None:
+    """Unlink files, ignoring ones already gone."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -29,3 +29,16 @@ def launch(np_: int, args: list[str], timeout: float = 60, **env: str) -> subpro
 @pytest.fixture
 def run_job():
     return launch
+
+
+def remove_files_of(pids: list[int]) -> None:
+    """Remove the ipc socket files of killed ranks (a killed process cannot remove its own)."""
+    import glob
+    import tempfile
+
+    for pid in pids:
+        for path in glob.glob(f"{tempfile.gettempdir()}/ringcomm-*-{pid}-*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

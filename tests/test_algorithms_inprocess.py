@@ -267,7 +267,8 @@ def test_shared_memory_rings_are_unlinked_once_mapped(zmq_links) -> None:
     import os
 
     links = zmq_links(2, shm_slots=2)
-    paths = [ring.path for link in links for ring in link._out_rings.values()]
-    assert paths and all(os.path.exists(p) for p in paths)
+    assert not any(link._out_rings for link in links)  # created on first use only
     run_ranks(links, lambda link, r: algorithms.ring_allreduce(link, np.ones(20_000), ReduceOp.SUM, 0, 512))
+    paths = [ring.path for link in links for ring in link._out_rings.values()]
+    assert len(paths) == 1  # the fixture puts only even ranks on "this host" for each rank
     assert not any(os.path.exists(p) for p in paths)

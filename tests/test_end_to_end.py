@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, launch
+from conftest import ROOT, WORKERS, launch, remove_files_of
 
 
 @pytest.mark.multiprocess
@@ -176,6 +176,7 @@ def test_survivors_of_a_killed_rank_raise_naming_it(victim: int) -> None:
         for p in procs:
             p.kill()
             p.wait()
+        remove_files_of([p.pid for p in procs])
     assert elapsed < 15
     for r, out in outs.items():
         assert procs[r].returncode == 3, out
@@ -228,7 +229,49 @@ def test_a_stopped_rank_is_detected_by_heartbeats() -> None:
         for p in procs:
             p.kill()
             p.wait()
+        remove_files_of([p.pid for p in procs])
     assert elapsed < 15
     for r, out in outs.items():
         assert procs[r].returncode == 3 and "PeerLostError" in out, out
     assert any("lost rank 1" in out for out in outs.values()), outs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_fifty_init_shutdown_cycles_leak_nothing() -> None:
+    proc = launch(2, [str(WORKERS / "cycles_worker.py")], timeout=100)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("fds/threads after 5") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
+    """Without a launcher to clean up after them, ranks remove their ipc and shared-memory files."""
+    import glob
+    import hashlib
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from conftest import job_env
+
+    secret = "ab" * 16
+    job = hashlib.sha256(bytes.fromhex(secret)).hexdigest()[:8]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "cycles_worker.py")],
+            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
+                        RINGCOMM_SECRET=secret, CYCLES="10"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=80)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    left = glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*") + glob.glob(f"/dev/shm/ringcomm-{job}-*")
+    assert left == []
