@@ -380,7 +380,14 @@ class Engine:
                 assert self._ctrl is not None
                 frame = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
                 for ident in self._idents:
-                    self._ctrl.send_multipart([ident, frame])
+                    try:
+                        self._ctrl.send_multipart([ident, frame])
+                    except zmq.ZMQError as exc:
+                        # that rank's connection is gone: it left after the collective shutdown,
+                        # or it died, which its data-plane monitor reports as a lost peer
+                        if exc.errno != zmq.EHOSTUNREACH:
+                            raise
+                        log.debug("rank 0: %s is gone; response not delivered", ident.decode())
             for resp in resps:
                 self._execute(resp)
         self._check_stalls(now)

@@ -42,3 +42,24 @@ def remove_files_of(pids: list[int]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def start_torchrun_job(args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
+    """Start ``world`` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), no launcher.
+
+    Each process's stdout and stderr come back merged in ``proc.stdout`` (text).
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=job_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), **env),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]

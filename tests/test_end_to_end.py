@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, launch, remove_files_of
+from conftest import ROOT, WORKERS, launch, remove_files_of, start_torchrun_job
 
 
 @pytest.mark.multiprocess
@@ -53,27 +53,12 @@ def test_single_process_without_launcher(tmp_path) -> None:
 def test_torchrun_style_environment_without_the_launcher(tmp_path) -> None:
     """Processes started with torchrun's variables find each other (rank 0 hosts the rendezvous)."""
     import json
-    import socket
-    import subprocess
-    import sys
 
-    from conftest import job_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cases = tmp_path / "cases.json"
     cases.write_text(json.dumps([{"kind": "allreduce", "dtype": "float32", "op": "sum", "shape": [5], "seed": 1},
                                  {"kind": "concurrent", "count": 5, "seed": 2}]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "collectives_worker.py"), str(cases)],
-            env=job_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="3",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(3)
-    ]
+    procs = start_torchrun_job([str(WORKERS / "collectives_worker.py"), str(cases)], 3)
     try:
         outs = [p.communicate(timeout=60)[0] for p in procs]
     finally:
@@ -144,23 +129,9 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
 def test_survivors_of_a_killed_rank_raise_naming_it(victim: int) -> None:
     """Without a launcher to stop them, the survivors notice within seconds and name the lost rank."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    from conftest import job_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "peer_loss_worker.py")],
-            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(3)
-    ]
+    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3)
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -199,24 +170,9 @@ def test_clean_shutdowns_report_no_lost_peers() -> None:
 def test_a_stopped_rank_is_detected_by_heartbeats() -> None:
     """SIGSTOP keeps the process and its sockets alive; heartbeats still expose it."""
     import signal
-    import socket
-    import subprocess
-    import sys
 
-    from conftest import job_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "peer_loss_worker.py")],
-            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
-                        RINGCOMM_PEER_TIMEOUT="3"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(3)
-    ]
+    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, RINGCOMM_PEER_TIMEOUT="3")
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -250,27 +206,12 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
     """Without a launcher to clean up after them, ranks remove their ipc and shared-memory files."""
     import glob
     import hashlib
-    import socket
-    import subprocess
-    import sys
     import tempfile
 
-    from conftest import job_env
 
     secret = "ab" * 16
     job = hashlib.sha256(bytes.fromhex(secret)).hexdigest()[:8]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "cycles_worker.py")],
-            env=job_env(RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1),
-                        RINGCOMM_SECRET=secret, CYCLES="10"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(3)
-    ]
+    procs = start_torchrun_job([str(WORKERS / "cycles_worker.py")], 3, RINGCOMM_SECRET=secret, CYCLES="10")
     outs = [p.communicate(timeout=80)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     left = glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*") + glob.glob(f"/dev/shm/ringcomm-{job}-*")
