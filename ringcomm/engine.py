@@ -157,7 +157,7 @@ class Engine:
             r = int(peer["rank"])
             same_host = peer["host"] == topo.hostname
             if r != self.rank:
-                link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}")
+                link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -250,7 +250,7 @@ class Engine:
                     self._drain_control()
                 if self._coord is not None:
                     self._coordinate()
-                if monitors and any(m in events for m in monitors):
+                if monitors and (any(m in events for m in monitors) or self._link.suspects):
                     self._on_connection_events()
         except BaseException as exc:  # the engine must never die silently
             if isinstance(exc, PeerLostError):
@@ -280,6 +280,8 @@ class Engine:
         raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
     def _poll_timeout(self) -> int | None:
+        if isinstance(self._link, DataPlane) and self._link.suspects:
+            return 200  # re-check a peer whose connection closed while its process ran
         if self._coord is None:
             return None
         if self.settings.cycle_time > 0 and self._coord._ready:

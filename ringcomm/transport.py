@@ -63,6 +63,10 @@ class DataPlane:
         self._shm_peers: set[int] = set()
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
+        self._local_pids: dict[int, int] = {}  # same-host peers' process ids
+        #: peers whose connection closed while their process still ran (a stranger on a bound
+        #: port, or a process that is exiting): re-checked until they are gone
+        self.suspects: set[int] = set()
         self.lost: dict[int, str] = {}  # peers whose connection closed
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
@@ -103,8 +107,24 @@ class DataPlane:
                 except zmq.Again:
                     break
                 if event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
-                    self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
+                    self.suspects.add(peer)
+        for peer in sorted(self.suspects):
+            if self._is_gone(peer):
+                self.suspects.discard(peer)
+                self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
         return found
+
+    def _is_gone(self, peer: int) -> bool:
+        """Whether a disconnect on ``peer``'s socket means the peer itself is gone.
+
+        This rank connected to lower-ranked peers: only the peer can be on the other end.
+        It bound the socket for higher-ranked peers, so anyone may connect and leave (a port
+        scan, garbage): there the peer counts as gone only if its process is (same host).
+        """
+        if peer < self.rank:
+            return True
+        pid = self._local_pids.get(peer)
+        return pid is None or not _process_alive(pid)
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         return PeerLostError(
@@ -129,9 +149,12 @@ class DataPlane:
             table[peer] = eps
         return table
 
-    def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str) -> None:
+    def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
+                pid: int | None = None) -> None:
         """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
         self.peer_names[peer] = description
+        if same_host and pid:
+            self._local_pids[peer] = int(pid)
         if peer < self.rank:
             eps = endpoints[self.rank]
             if eps is None:
@@ -326,3 +349,13 @@ def remove_files(paths: list[str]) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def _process_alive(pid: int) -> bool:
+    """True while ``pid`` runs or is stopped; False once it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -216,3 +216,55 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
     assert all(p.returncode == 0 for p in procs), outs
     left = glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*") + glob.glob(f"/dev/shm/ringcomm-{job}-*")
     assert left == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(tmp_path) -> None:
+    """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices."""
+    import json
+    import os
+    import socket
+    import struct
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
+           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "6"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
+    half_open: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ports-*.json"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        ports = []
+        for f in tmp_path.glob("ports-*.json"):
+            ports += [int(ep.rsplit(":", 1)[1]) for ep in json.loads(f.read_text())]
+        assert len(ports) >= 4  # rank 0: 2 data + ctrl; rank 1: 1 data
+        rng = __import__("random").Random(7)
+        for port in ports:
+            for payload in (
+                bytes(rng.getrandbits(8) for _ in range(4096)),  # random bytes
+                b"\xff" + struct.pack(">Q", 2**62) + b"\x7f" + b"\x00" * 54,  # greeting announcing 4 EiB
+                b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f\x03\x00NULL" + b"\x00" * 48 + b"\x04\xff" + b"\x00" * 8,
+            ):
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                    s.sendall(payload)
+            half = socket.create_connection(("127.0.0.1", port), timeout=2)  # left open, silent
+            half_open.append(half)
+        out, err = job.communicate(timeout=60)
+    finally:
+        for s in half_open:
+            s.close()
+        if job.poll() is None:
+            job.terminate()  # the launcher stops its workers on SIGTERM (SIGKILL would orphan them)
+            try:
+                job.wait(15)
+            except subprocess.TimeoutExpired:
+                job.kill()
+    assert job.returncode == 0, out[-2000:] + err[-2000:]
+    for r in range(3):
+        assert f"[{r}]<stdout>:rank {r} ok after" in out

@@ -1,0 +1,28 @@
+"""Each rank publishes its listening tcp endpoints, then runs checked allreduces while the test sends garbage."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import ringcomm as rc
+
+rc.init()
+engine = rc.api._runtime.engine
+table = engine.peer_table[rc.rank()]
+tcp = [eps[1] for eps in table["data"] if eps] + [table["ctrl"][1]] if rc.rank() == 0 else \
+      [eps[1] for eps in table["data"] if eps]
+with open(os.path.join(sys.argv[1], f"ports-{rc.rank()}.json"), "w") as f:
+    json.dump(tcp, f)
+rc.barrier()
+deadline = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < deadline:
+    got = rc.allreduce(np.full(70_000, rc.rank() + 1.0), op=rc.Sum, name="checked")
+    assert (got == rc.size() * (rc.size() + 1) / 2).all()
+    n += 1
+rc.barrier()
+print(f"rank {rc.rank()} ok after {n} allreduces", flush=True)
+rc.shutdown()
