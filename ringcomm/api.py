@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import pickle
 import sys
 
@@ -46,6 +47,7 @@ class Runtime:
 
     def __init__(self, round_: int) -> None:
         self.settings = config.Settings.from_env()
+        logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
         self.engine = Engine(self.topo, self.settings, round_)
         self.engine.start()

@@ -237,3 +237,19 @@ def test_no_lost_wakeups_under_concurrent_submission(job) -> None:
     for t in threads:
         t.join(100)
     assert not errors, errors[0]
+
+
+def test_log_level_setting(monkeypatch) -> None:
+    import logging
+
+    from ringcomm.config import Settings
+
+    if rc.is_initialized():
+        rc.shutdown()
+    monkeypatch.setenv("RINGCOMM_LOG_LEVEL", "debug")
+    rc.init()
+    assert logging.getLogger("ringcomm").level == logging.DEBUG
+    rc.shutdown()
+    logging.getLogger("ringcomm").setLevel(logging.WARNING)
+    with pytest.raises(ValueError, match="RINGCOMM_LOG_LEVEL='loud'"):
+        Settings.from_env({"RINGCOMM_LOG_LEVEL": "loud"})
