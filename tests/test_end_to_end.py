@@ -232,7 +232,7 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
     from conftest import job_env
 
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
-           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "6"]
+           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "1500"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
     half_open: list[socket.socket] = []
     try:
