@@ -150,6 +150,24 @@ def stop_timeline() -> None:
     _rt("stop_timeline").engine.stop_timeline()
 
 
+def timeline_active() -> bool:
+    """True while this rank is writing a timeline (so framework layers may add their own spans)."""
+    rt = _runtime
+    return rt is not None and rt.engine.timeline is not None
+
+
+def timeline_span(name: str, phase: str, start: float, end: float) -> None:
+    """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
+
+    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
+    no-op when no timeline is being written.  Safe from any thread.
+    """
+    rt = _runtime
+    tl = rt.engine.timeline if rt is not None else None
+    if tl is not None:
+        tl.span(name, phase, start, end)
+
+
 def is_initialized() -> bool:
     return _runtime is not None
 

@@ -400,3 +400,24 @@ def test_broadcast_optimizer_state_keeps_parameters_and_state(make):
     hvd.broadcast_optimizer_state(hvd.DistributedOptimizer(opt) if not isinstance(opt, torch.optim.LBFGS)
                                   else opt, root_rank=0)
     assert str(opt.state_dict()) == str(sd)
+
+
+def test_copy_spans_made_before_the_op_is_named_go_to_its_timeline_row(tmp_path):
+    """The D2H staging copy happens before the core names the op: the span waits for the handle."""
+    import json
+
+    from ringcomm_torch.tensors import traced_copy
+
+    path = tmp_path / "copies.json"
+    hvd.start_timeline(str(path))
+    with traced_copy("MEMCPY_D2H") as timed:  # what staging a CUDA tensor does, on this thread
+        assert timed
+    hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="copies.x"))
+    hvd.stop_timeline()
+    with traced_copy("MEMCPY_D2H") as timed:  # no timeline: nothing is timed or kept
+        assert not timed
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid = next(p for p, name in rows.items() if name == "allreduce.copies.x")
+    spans = sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"), key=lambda e: e["ts"])
+    assert [e["name"] for e in spans][:2] == ["MEMCPY_D2H", "QUEUE"]
