@@ -150,6 +150,12 @@ def stop_timeline() -> None:
     _rt("stop_timeline").engine.stop_timeline()
 
 
+def current_settings() -> config.Settings:
+    """The settings in force: the running job's, or (before ``init()``) those the environment gives."""
+    rt = _runtime
+    return rt.settings if rt is not None else config.Settings.from_env()
+
+
 def timeline_active() -> bool:
     """True while this rank is writing a timeline (so framework layers may add their own spans)."""
     rt = _runtime
