@@ -181,10 +181,11 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}")
     cross_size = max(1, -(-size // max(local_size, 1)))
     cross_rank = _int(env, "GROUP_RANK", rank // max(local_size, 1))
+    where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, cross_rank, cross_size,
         secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source="torchrun",
-        addr=pick_address(env, [master]), **_rendezvous_at(master, port, rank),  # type: ignore[arg-type]
+        addr=pick_address(env, [master]), **where,  # type: ignore[arg-type]
     )
 
 
@@ -223,11 +224,11 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     master, port = _mpi_master(env, src)
     jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "")
     secret = _derived_secret(env, f"mpi:{master}:{port}:{size}:{jobid}")
+    where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, 0, 1,
         secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source=src,
-        addr=pick_address(env, [master]), derive=derive,
-        **_rendezvous_at(master, port, rank),  # type: ignore[arg-type]
+        addr=pick_address(env, [master]), derive=derive, **where,  # type: ignore[arg-type]
     )
 
 
@@ -267,10 +268,11 @@ def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
     secret = _derived_secret(env, f"slurm:{job}.{step}:{master}:{port}:{size}")
     others = [n for n in nodes if n != nodes[node_id]]
     toward = [master] if nodes[node_id] != master else [master, *others[:1]]
+    where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, node_id, len(nodes),
         secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=nodes[node_id], source=src,
-        addr=pick_address(env, toward), **_rendezvous_at(master, port, rank),  # type: ignore[arg-type]
+        addr=pick_address(env, toward), **where,  # type: ignore[arg-type]
     )
 
 
