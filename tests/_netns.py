@@ -2,7 +2,9 @@
 
 :class:`TwoHosts` creates namespaces ``rcmh-<pid>-<n>-a`` and ``-b`` (names
 unique to this test process, so engineers sharing the machine never collide),
-each with loopback up and one end of a veth pair carrying its own address.
+each with loopback up and one end of a veth pair carrying its own address
+(the end is called ``rceth0`` in both, so ``--network-interface rceth0``
+names it on every host).
 Its ``ssh`` script behaves like ssh as the launcher sees it: ``SSH [OPTIONS]
 HOST 'COMMAND LINE'`` runs the line with ``sh -c`` inside HOST's namespace,
 in ``/``, with an empty environment (``env -i``), in a session of its own
@@ -53,6 +55,7 @@ class TwoHosts:
         self.addr = {"a": f"{subnet}.1", "b": f"{subnet}.2"}
         link = f"rcmh{os.getpid() % 100000}x{n % 100}"  # interface names: at most 15 characters
         self.ifname = {"a": link + "a", "b": link + "b"}
+        self.interface = "rceth0"
         self._made: list[str] = []
         try:
             for side in ("a", "b"):
@@ -62,8 +65,9 @@ class TwoHosts:
             for side in ("a", "b"):
                 ns, dev = self.ns[side], self.ifname[side]
                 _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "dev", dev, "name", self.interface)
+                _ip("-n", ns, "addr", "add", f"{self.addr[side]}/24", "dev", self.interface)
+                _ip("-n", ns, "link", "set", self.interface, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
         except BaseException:
             self.close()
@@ -94,11 +98,11 @@ class TwoHosts:
         out = subprocess.run(["ip", "netns", "pids", self.ns[side]], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
-    def wait_empty(self, timeout: float = 5.0) -> dict[str, list[int]]:
-        """Wait until no process runs in either namespace; returns what is still running per side."""
+    def wait_empty(self, timeout: float = 5.0, sides: tuple[str, ...] = ("a", "b")) -> dict[str, list[int]]:
+        """Wait until no process runs in the ``sides`` namespaces; returns what is still running per side."""
         deadline = time.monotonic() + timeout
         while True:
-            left = {side: self.pids(side) for side in ("a", "b")}
+            left = {side: self.pids(side) for side in sides}
             if not any(left.values()) or time.monotonic() > deadline:
                 return {side: pids for side, pids in left.items() if pids}
             time.sleep(0.05)
@@ -114,3 +118,5 @@ class TwoHosts:
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+        # a veth pair not yet moved into a namespace when setup failed
+        subprocess.run(["ip", "link", "del", self.ifname["a"]], capture_output=True)
