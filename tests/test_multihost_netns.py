@@ -180,3 +180,4 @@ def test_a_host_ssh_cannot_reach_fails_the_job_with_the_ssh_message(hosts: TwoHo
     assert f"Could not resolve hostname {ghost}" in err.split("root cause:")[1]
     assert "stopped by ringcomm-run: rank 0" in err
     assert_nothing_left(hosts, err)
+
