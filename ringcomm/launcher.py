@@ -262,25 +262,20 @@ def run_job(args: argparse.Namespace) -> int:
                 env = worker_env(os.environ, rank, size, server.address, secret, job_id,
                                  args.start_timeout, args.timeline_filename, place, interface)
                 host = place.host if place else ""
-                argv, remote_host = list(args.command), bool(place) and not is_local[host]
                 try:
-                    if remote_host:
-                        line = remote.remote_command(os.getcwd(), remote.forwarded_env(env), args.command,
-                                                     sys.executable, job_id, rank, REMOTE_GRACE_SECONDS)
-                        argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
-                        env = dict(os.environ)
-                    workers.append(spawn(rank, argv, env, exits, host, remote=remote_host))
+                    workers.append(_start_rank(args, rank, host, host != "" and not is_local[host], env, job_id,
+                                               exits))
                 except InvalidInputError as exc:
                     _say(str(exc))
                     spawn_status = 2
                     break
                 except OSError as exc:
-                    _say(f"cannot start {shlex.join(argv[:1])!s} for rank {rank}{' on ' + host if host else ''}: "
-                         f"{exc}")
+                    program = args.ssh_command if host and not is_local[host] else shlex.join(args.command[:1])
+                    _say(f"cannot start {program} for rank {rank}{' on ' + host if host else ''}: {exc}")
                     spawn_status = 127 if isinstance(exc, FileNotFoundError) else 126
                     break
                 if args.verbose:
-                    where = f" on {host}" + (" (ssh)" if remote_host else "") if host else ""
+                    where = f" on {host}" + (" (ssh)" if workers[-1].remote else "") if host else ""
                     _say(f"rank {rank}: pid {workers[-1].pid}{where}")
             first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0)
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
@@ -312,6 +307,19 @@ def run_job(args: argparse.Namespace) -> int:
     if args.verbose:
         _say(f"job {job_id}: all {size} ranks exited with code 0")
     return 0
+
+
+def _start_rank(
+    args: argparse.Namespace, rank: int, host: str, over_ssh: bool, env: Mapping[str, str], job_id: str,
+    exits: "queue.Queue[Worker]",
+) -> Worker:
+    """Start ``rank`` here with ``env``, or on ``host`` through ``--ssh-command`` with ``env`` on its command line."""
+    if not over_ssh:
+        return spawn(rank, args.command, env, exits, host)
+    line = remote.remote_command(os.getcwd(), remote.forwarded_env(env), args.command, sys.executable, job_id, rank,
+                                 REMOTE_GRACE_SECONDS)
+    argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
+    return spawn(rank, argv, os.environ, exits, host, remote=True)
 
 
 def _wait_for_end(

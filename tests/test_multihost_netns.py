@@ -181,3 +181,13 @@ def test_a_host_ssh_cannot_reach_fails_the_job_with_the_ssh_message(hosts: TwoHo
     assert "stopped by ringcomm-run: rank 0" in err
     assert_nothing_left(hosts, err)
 
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_ssh_program_is_reported(hosts: TwoHosts) -> None:
+    proc = start(hosts, "-np", "2", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1",
+                 "--ssh-command", "/nonexistent/ssh -o BatchMode=yes", sys.executable, "-c", SLEEPER)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 127, out + err
+    assert f"cannot start /nonexistent/ssh -o BatchMode=yes for rank 1 on {hosts.addr['b']}:" in err
+    assert_nothing_left(hosts, err)
