@@ -56,6 +56,14 @@ class Settings:
     shm_slots: int = 8
     #: Segments smaller than this travel inside ZeroMQ messages even on one host.
     shm_min_bytes: int = 64 * 1024
+    #: Allreduces of at least this many bytes, in a job whose ranks all share one host, go through
+    #: one shared-memory region instead of the ring (``shm_allreduce.py``; 0: always the ring).
+    shm_allreduce_min_bytes: int = 1024 * 1024
+    #: ... and only in jobs of at least this many ranks.
+    shm_allreduce_min_ranks: int = 3
+    #: Bytes of its buffer each rank puts into the shared region per round (the region holds
+    #: 2 x (ranks + 1) such slabs).
+    shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring.
     small_allreduce_bytes: int = 128 * 1024
     #: Seconds to wait for a peer's data before declaring it lost.
@@ -103,6 +111,13 @@ class Settings:
             raise InvalidInputError(f"RINGCOMM_FUSION_THRESHOLD must be >= 0, got {self.fusion_threshold}")
         if self.segment_bytes < 1024:
             raise InvalidInputError(f"RINGCOMM_SEGMENT_BYTES must be >= 1024, got {self.segment_bytes}")
+        if self.shm_allreduce_min_bytes < 0 or self.shm_allreduce_piece_bytes < 1024:
+            raise InvalidInputError(
+                "RINGCOMM_SHM_ALLREDUCE_MIN_BYTES must be >= 0 and RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES >= 1024, got "
+                f"{self.shm_allreduce_min_bytes} and {self.shm_allreduce_piece_bytes}"
+            )
+        if self.shm_allreduce_min_ranks < 2:
+            raise InvalidInputError(f"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS must be >= 2, got {self.shm_allreduce_min_ranks}")
         if self.peer_timeout <= 0 or self.start_timeout <= 0:
             raise InvalidInputError("RINGCOMM_PEER_TIMEOUT and RINGCOMM_START_TIMEOUT must be > 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

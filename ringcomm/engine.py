@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import algorithms, ops, ring, wire
+from . import algorithms, ops, ring, shm_allreduce, wire
 from .cache import ResponseCache
 from .config import Settings
 from .coordinator import SHUTDOWN_NAME, Coordinator
@@ -107,6 +107,7 @@ class Engine:
         self._ctx: zmq.Context | None = None
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
+        self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
         if self.size > 1:
             try:
@@ -162,6 +163,9 @@ class Engine:
             same_host = peer["host"] == topo.hostname
             if r != self.rank:
                 link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
+        if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
+                                st.shm_allreduce_min_ranks):
+            self._shm_ar = shm_allreduce.ShmAllreduce(link, topo.job_id, round_, st.shm_allreduce_piece_bytes)
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -210,6 +214,8 @@ class Engine:
                 entry.handle.set_error(err)
         self._inflight.clear()
         self._queue.clear()
+        if self._shm_ar is not None:
+            self._shm_ar.close()
         if isinstance(self._link, DataPlane):
             self._link.close()
         if self._ctrl is not None:
@@ -627,7 +633,10 @@ class Engine:
         marks: list[float] | None = [] if self.timeline is not None else None
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
-            algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src, marks=marks)
+            shm_ar = self._shm_ar
+            if not (shm_ar is not None and buf.nbytes >= self.settings.shm_allreduce_min_bytes
+                    and shm_ar.allreduce(buf, op, seq, post, src_buf=src, marks=marks)):
+                algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
