@@ -5,9 +5,10 @@ all ``p`` ranks share one host's memory they can instead meet in one shared
 region.  Per round each rank handles a *piece* of its buffer (at most
 ``slab_bytes``):
 
-1. copy its piece into its own slab;                          -- barrier --
-2. reduce *its own range* (1/p of the piece) across all ``p`` slabs, in rank
-   order, and write it (post-scaled) into the set's result slab;  -- barrier --
+1. copy its piece into its own slab (all but its own range);   -- barrier --
+2. reduce *its own range* (1/p of the piece) across all ``p`` slabs (its own
+   part straight from its input), in rank order, and write it (post-scaled)
+   into the set's result slab;                                 -- barrier --
 3. copy the whole reduced piece out of the result slab into its output.
 
 The region holds two sets of ``p`` input slabs plus one result slab, used by
@@ -20,14 +21,14 @@ existing data-plane sockets (tags with the top bit set, never used by the ring).
 What each rank sees, p = 3, Sum, one round::
 
     inputs      rank 0: [1, 2, 3]    rank 1: [10, 20, 30]   rank 2: [100, 200, 300]
-    step 1      slab 0 = [1, 2, 3]   slab 1 = [10, 20, 30]  slab 2 = [100, 200, 300]
+    step 1      slab 0 = [_, 2, 3]   slab 1 = [10, _, 30]   slab 2 = [100, 200, _]
     step 2      rank 0 writes result[0:1] = 1+10+100, rank 1 result[1:2], rank 2 result[2:3]
     step 3      every rank: [111, 222, 333]
 
 Every element is reduced once, by one rank, in rank order ``((x0 op x1) op x2) ...``
 (the order rank 0's small-allreduce path uses), so all ranks get bitwise the
 same result.  Per rank and per byte of buffer this moves about
-``1 (copy in) + 1 + 1/p (reduce) + 1 (copy out)`` buffer-sized reads and writes
+``(p-1)/p (copy in) + 1 + 1/p (reduce) + 1 (copy out)`` buffer-sized reads and writes
 instead of the ring's ``~2(p-1)/p`` slot copies plus the reduction's reads and
 writes at every one of its ``2(p-1)`` steps.
 
@@ -254,18 +255,26 @@ class ShmAllreduce:
         assert region is not None
         dtype = buf.dtype
         piece_elems = self.slab_bytes // dtype.itemsize
+        ranges = None
         for k, (a, b) in enumerate(pieces(buf.size, piece_elems)):
             s = self._rounds & 1
             self._rounds += 1
             m = b - a
-            np.copyto(region.view(s, rank, dtype, m), inp[a:b])
+            if ranges is None or m != piece_elems:
+                ranges = owner_ranges(m, size)
+            lo, hi = ranges[rank]
+            mine = region.view(s, rank, dtype, m)
+            # Only the other ranks read this slab, and only outside this rank's own range: that
+            # range this rank reduces straight from its input.
+            np.copyto(mine[:lo], inp[a:a + lo])
+            np.copyto(mine[hi:], inp[a + hi:b])
             self._barrier(seq, BARRIER_TAG | (2 * k))
-            lo, hi = owner_ranges(m, size)[rank]
             if hi > lo:
+                parts = [inp[a + lo:a + hi] if j == rank else region.view(s, j, dtype, m)[lo:hi] for j in range(size)]
                 acc = region.view(s, size, dtype, m)[lo:hi]
-                combine(op, region.view(s, 0, dtype, m)[lo:hi], region.view(s, 1, dtype, m)[lo:hi], acc)
-                for j in range(2, size):
-                    reduce_into(op, acc, region.view(s, j, dtype, m)[lo:hi])
+                combine(op, parts[0], parts[1], acc)
+                for part in parts[2:]:
+                    reduce_into(op, acc, part)
                 scale_inplace(acc, postscale)
             if marks is not None and b == buf.size:
                 marks.append(time.perf_counter())
