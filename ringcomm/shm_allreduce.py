@@ -5,18 +5,23 @@ all ``p`` ranks share one host's memory they can instead meet in one shared
 region.  Per round each rank handles a *piece* of its buffer (at most
 ``slab_bytes``):
 
-1. copy its piece into its own slab (all but its own range);   -- barrier --
+1. copy its piece into its own slab (all but its own range);       -- barrier --
 2. reduce *its own range* (1/p of the piece) across all ``p`` slabs (its own
    part straight from its input), in rank order, and write it (post-scaled)
-   into the set's result slab;                                 -- barrier --
+   into the set's result slab;                                     -- barrier --
 3. copy the whole reduced piece out of the result slab into its output.
 
-The region holds two sets of ``p`` input slabs plus one result slab, used by
-alternate rounds (a global round counter, so also across ops): the second
-barrier of round k+1 can only complete once every rank has finished round k,
-including the copy-out, so round k+2 may overwrite round k's set.  Two
-barriers per round; a barrier is one empty message to every peer over the
-existing data-plane sockets (tags with the top bit set, never used by the ring).
+Steps 2 of one piece and 1 of the next share a barrier (below).
+
+The region holds two sets of ``p`` input slabs plus one result slab; piece k
+uses set ``k mod 2`` (a global round counter, so also across ops).  That needs
+only one barrier per piece: after barrier k+1 every rank has reduced piece k
+and copied in piece k+1, so each rank copies piece k out, reduces piece k+1
+and copies in piece k+2 (into piece k's input slabs, which nobody reads any
+more), then meets the others at barrier k+2; piece k's result slab is only
+overwritten after that barrier, when every rank has copied it out.  A
+barrier is one empty message to every peer over the existing data-plane
+sockets (tags with the top bit set, never used by the ring).
 
 What each rank sees, p = 3, Sum, one round::
 
@@ -255,31 +260,49 @@ class ShmAllreduce:
         assert region is not None
         dtype = buf.dtype
         piece_elems = self.slab_bytes // dtype.itemsize
-        ranges = None
-        for k, (a, b) in enumerate(pieces(buf.size, piece_elems)):
-            s = self._rounds & 1
-            self._rounds += 1
-            m = b - a
-            if ranges is None or m != piece_elems:
-                ranges = owner_ranges(m, size)
-            lo, hi = ranges[rank]
-            mine = region.view(s, rank, dtype, m)
+        ps = pieces(buf.size, piece_elems)
+        first = self._rounds
+        self._rounds += len(ps)
+
+        def slab_ranges(k: int) -> tuple[int, int, int, int, int]:
+            a, b = ps[k]
+            lo, hi = owner_ranges(b - a, size)[rank]
+            return (first + k) & 1, a, b, lo, hi
+
+        def copy_in(k: int) -> None:
             # Only the other ranks read this slab, and only outside this rank's own range: that
             # range this rank reduces straight from its input.
+            s, a, b, lo, hi = slab_ranges(k)
+            mine = region.view(s, rank, dtype, b - a)
             np.copyto(mine[:lo], inp[a:a + lo])
             np.copyto(mine[hi:], inp[a + hi:b])
-            self._barrier(seq, BARRIER_TAG | (2 * k))
+
+        def reduce_own(k: int) -> None:
+            s, a, b, lo, hi = slab_ranges(k)
             if hi > lo:
+                m = b - a
                 parts = [inp[a + lo:a + hi] if j == rank else region.view(s, j, dtype, m)[lo:hi] for j in range(size)]
                 acc = region.view(s, size, dtype, m)[lo:hi]
                 combine(op, parts[0], parts[1], acc)
                 for part in parts[2:]:
                     reduce_into(op, acc, part)
                 scale_inplace(acc, postscale)
-            if marks is not None and b == buf.size:
+
+        # One barrier per round: barrier k+1 means every rank has reduced piece k (so it may be
+        # copied out) and copied in piece k+1 (so it may be reduced).  Piece k+2 reuses piece k's
+        # set; every rank wrote that set's result slab for piece k before barrier k+1 and
+        # finished copying it out before barrier k+2, after which piece k+2 is reduced.
+        copy_in(0)
+        self._barrier(seq, BARRIER_TAG)
+        for k in range(len(ps)):
+            reduce_own(k)
+            if k + 1 < len(ps):
+                copy_in(k + 1)
+            elif marks is not None:
                 marks.append(time.perf_counter())
-            self._barrier(seq, BARRIER_TAG | (2 * k + 1))
-            np.copyto(buf[a:b], region.view(s, size, dtype, m))
+            self._barrier(seq, BARRIER_TAG | (k + 1))
+            s, a, b, _, _ = slab_ranges(k)
+            np.copyto(buf[a:b], region.view(s, size, dtype, b - a))
         link.flush()
         return True
 

@@ -162,8 +162,9 @@ def test_matches_rank_order_reference_bitwise(size, n, dtype, op, piece, separat
 @needs_shm
 @pytest.mark.timeout(60)
 def test_many_rounds_alternate_sets_without_races() -> None:
-    """100 rounds of 3 ranks, each rank's value differing per round: a round reading a set the
-    next-but-one round already overwrote would show up as a wrong sum."""
+    """100 pieces of 3 ranks with values that differ per piece: a rank copying out or reducing a
+    set that a rank ahead of it had already overwritten with the piece after next would show up
+    as a wrong sum."""
     size, piece, rounds = 3, 64, 100
     job = new_job()
     links = queue_links(size)
