@@ -60,7 +60,7 @@ class Settings:
     #: one shared-memory region instead of the ring (``shm_allreduce.py``; 0: always the ring).
     shm_allreduce_min_bytes: int = 1024 * 1024
     #: ... and only in jobs of at least this many ranks.
-    shm_allreduce_min_ranks: int = 3
+    shm_allreduce_min_ranks: int = 2
     #: Bytes of its buffer each rank puts into the shared region per round (the region holds
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
