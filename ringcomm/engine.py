@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import algorithms, ops, ring, wire
+from . import algorithms, auth, ops, ring, wire
 from .cache import ResponseCache
 from .config import Settings
 from .coordinator import SHUTDOWN_NAME, Coordinator
@@ -103,6 +103,7 @@ class Engine:
         self._server = None
         self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None
+        self._zap: auth.ZapThread | None = None
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
@@ -119,11 +120,14 @@ class Engine:
         from . import rendezvous
 
         topo, st = self.topo, self.settings
+        # every connection to this process proves it holds the job secret before it is attached
+        creds = auth.Credentials.derive(topo.secret, "job", encrypt=st.encrypt)
         ctx = self._ctx = zmq.Context(io_threads=st.io_threads)
+        self._zap = auth.ZapThread(ctx, creds, f"rank {self.rank}")  # before the first bind
         link = DataPlane(
             ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-            job_id=topo.job_id, round_=round_,
+            job_id=topo.job_id, round_=round_, credentials=creds,
         )
         self._link = link  # from here on, _close() closes it
         ipc_dir = tempfile.gettempdir()
@@ -136,6 +140,7 @@ class Engine:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            creds.apply_server(ctrl)
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
             self._ipc_paths.append(ipc_ep[len("ipc://"):])
@@ -148,6 +153,7 @@ class Engine:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+            creds.apply_client(ctrl)
         self._ctrl = ctrl
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
@@ -215,6 +221,8 @@ class Engine:
             self._server.close()
         if self.timeline is not None:
             self.timeline.close()
+        if self._zap is not None:
+            self._zap.stop()
         if self._ctx is not None:
             self._ctx.term()
         for fd in (self._wake_r, self._wake_w):

@@ -12,6 +12,12 @@ Owned by the engine thread.  Messages on a pair's socket:
 
 Data messages carry ``(seq, tag)``; one that arrives before it is asked for
 (another segment or op from the same peer) waits in a per-peer stash.
+
+Every connection is authenticated at the handshake (:mod:`.auth`): the bound
+sockets are security servers checked by the context's ZAP handler, the
+connecting ones present credentials derived from the job secret.  A stranger
+is refused before it can take a bound PAIR socket's single slot, so what a
+socket receives comes from the one peer it was meant for.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import logging
 import os
 import struct
 
+import time
+
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import shm
+from .auth import Credentials
 from .errors import PeerLostError
 
 log = logging.getLogger("ringcomm.transport")
@@ -34,6 +43,12 @@ _NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag
 _INLINE = struct.Struct("<cQI")  # b"I", seq, tag
 _ACK = struct.Struct("<cH")  # b"A", slot
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
+#: Seconds a closed connection on a bound socket is re-checked: the peer's own closing detaches it
+#: from the socket within milliseconds; a stranger's (refused, or a port scan) never attached
+_SUSPECT_SECONDS = 1.0
+#: A bound socket found without its peer this long after a connection closed has lost the peer
+#: (not sooner: ZeroMQ attaches a newly authenticated connection a moment after reporting it)
+_DETACHED_SECONDS = 0.1
 
 
 class DataPlane:
@@ -41,10 +56,14 @@ class DataPlane:
 
     def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
                  socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
-                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0) -> None:
+                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0, *,
+                 credentials: Credentials) -> None:
+        """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
+        must already have a ZAP handler for them (:class:`ringcomm.auth.ZapThread`)."""
         self.rank = rank
         self.size = size
         self._ctx = ctx
+        self._creds = credentials
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
         self._sockbuf = socket_buffer_bytes
@@ -64,16 +83,21 @@ class DataPlane:
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self._local_pids: dict[int, int] = {}  # same-host peers' process ids
-        #: peers whose connection closed while their process still ran (a stranger on a bound
-        #: port, or a process that is exiting): re-checked until they are gone
-        self.suspects: set[int] = set()
+        self._authenticated: set[int] = set()  # peers whose connection completed its handshake
+        #: peers whose bound socket saw a connection close (the peer's, or a stranger's): peer ->
+        #: when; re-checked until the peer is found gone or still attached after _SUSPECT_SECONDS
+        self.suspects: dict[int, float] = {}
         self.lost: dict[int, str] = {}  # peers whose connection closed
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
         self.stats: collections.Counter[str] = collections.Counter()
 
-    def _socket(self, peer: int) -> zmq.Socket:
+    def _socket(self, peer: int, server: bool) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PAIR)
+        if server:
+            self._creds.apply_server(sock)
+        else:
+            self._creds.apply_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -88,7 +112,7 @@ class DataPlane:
             sock.setsockopt(zmq.SNDBUF, self._sockbuf)
             sock.setsockopt(zmq.RCVBUF, self._sockbuf)
         self._socks[peer] = sock
-        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         return sock
 
     # -- peer loss -----------------------------------------------------------
@@ -106,25 +130,46 @@ class DataPlane:
                     event = recv_monitor_message(mon, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
-                    self.suspects.add(peer)
-        for peer in sorted(self.suspects):
-            if self._is_gone(peer):
-                self.suspects.discard(peer)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    # only the peer holds the credentials, so only its connection gets this far
+                    self._authenticated.add(peer)
+                elif event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
+                    self.suspects.setdefault(peer, time.monotonic())
+        now = time.monotonic()
+        for peer, since in sorted(self.suspects.items()):
+            if self._is_gone(peer, now - since):
+                del self.suspects[peer]
                 self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
+            elif now - since > _SUSPECT_SECONDS:
+                del self.suspects[peer]
+                log.debug("rank %d: a connection to the socket for rank %d closed, but rank %d is still "
+                          "attached: a stranger (refused at the handshake, or a port scan)", self.rank, peer, peer)
         return found
 
-    def _is_gone(self, peer: int) -> bool:
-        """Whether a disconnect on ``peer``'s socket means the peer itself is gone.
+    def _is_gone(self, peer: int, suspected_for: float) -> bool:
+        """Whether a closed connection on ``peer``'s socket means the peer itself is gone.
 
         This rank connected to lower-ranked peers: only the peer can be on the other end.
         It bound the socket for higher-ranked peers, so anyone may connect and leave (a port
-        scan, garbage): there the peer counts as gone only if its process is (same host).
+        scan, a refused stranger): there the peer is gone once its process is (same host), or
+        once its authenticated connection is no longer attached to the socket (any host).
         """
         if peer < self.rank:
             return True
         pid = self._local_pids.get(peer)
-        return pid is None or not _process_alive(pid)
+        if pid is not None and not _process_alive(pid):
+            return True
+        return peer in self._authenticated and suspected_for >= _DETACHED_SECONDS and not self._attached(peer)
+
+    def _attached(self, peer: int) -> bool:
+        """Whether the bound socket for ``peer`` has its peer's connection attached.
+
+        A PAIR socket is writable exactly while its one pipe is attached (no send limit is set),
+        and only an authenticated connection ever gets that pipe.  Reading ``EVENTS`` first
+        applies the commands ZeroMQ's I/O thread has posted, such as a pipe's termination.
+        """
+        sock = self._socks.get(peer)
+        return sock is not None and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         return PeerLostError(
@@ -139,7 +184,7 @@ class DataPlane:
         """Bind one socket for each higher-ranked peer; returns ``[ipc, tcp]`` endpoints by peer rank."""
         table: list[list[str] | None] = [None] * self.size
         for peer in range(self.rank + 1, self.size):
-            sock = self._socket(peer)
+            sock = self._socket(peer, server=True)
             eps = []
             for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
                 sock.bind(ep)
@@ -159,7 +204,7 @@ class DataPlane:
             eps = endpoints[self.rank]
             if eps is None:
                 raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
-            self._socket(peer).connect(eps[0] if same_host else eps[1])
+            self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
         if same_host and self._slots > 0:
             self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
 

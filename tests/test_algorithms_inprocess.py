@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ringcomm import algorithms, ring
 from ringcomm.ops import ReduceOp
+from ringcomm.auth import Credentials, ZapThread
 from ringcomm.transport import DataPlane
 
 
@@ -204,24 +205,28 @@ def test_short_message_is_detected_as_stream_desync() -> None:
 
 @pytest.fixture
 def zmq_links(tmp_path):
-    made: list[tuple[zmq.Context, list[DataPlane]]] = []
+    made: list[tuple[zmq.Context, ZapThread, list[DataPlane]]] = []
 
-    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0) -> list[DataPlane]:
+    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False) -> list[DataPlane]:
         ctx = zmq.Context()
+        creds = Credentials.derive(b"k" * 32, "job", encrypt=encrypt)
+        zap = ZapThread(ctx, creds, "test")
         planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0, shm_slots=shm_slots, shm_slot_bytes=4096,
-                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}") for r in range(size)]
+                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}", credentials=creds)
+                  for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
         for r, p in enumerate(planes):
             for q in range(size):
                 if q != r:
                     p.connect(q, tables[q], same_host=(q % 2 == 0), description=f"thread {q}")
-        made.append((ctx, planes))
+        made.append((ctx, zap, planes))
         return planes
 
     yield build
-    for ctx, planes in made:
+    for ctx, zap, planes in made:
         for p in planes:
             p.close()
+        zap.stop()
         ctx.term()
 
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from ringcomm.errors import RendezvousError, RendezvousTimeoutError
-from ringcomm.rendezvous import RendezvousServer, kv_get, kv_set, register, sign, verify
+from ringcomm.rendezvous import RendezvousServer, credentials, kv_get, kv_set, register, sign, verify
 
 SECRET = b"s" * 32
 
@@ -41,11 +41,12 @@ def _expected(size: int) -> list[dict]:
 
 
 def _send_raw(address: str, frames: list[bytes]) -> None:
-    """Send arbitrary frames from a throwaway DEALER and close it."""
+    """Send arbitrary frames from a throwaway DEALER that passes the handshake, and close it."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
+        credentials(SECRET).apply_client(sock)
         sock.connect(address)
         sock.send_multipart(frames)
         sock.close()
@@ -251,6 +252,7 @@ def test_kv_wrong_types_are_refused(server4):
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        credentials(SECRET).apply_client(sock)
         sock.connect(server4.address)
         for request in ({"op": "set", "key": "k", "value": "text"}, {"op": "nope"}):
             body = msgpack.packb(request)
@@ -295,3 +297,77 @@ def test_constructor_validates_arguments():
         RendezvousServer(size=0, secret=SECRET)
     with pytest.raises(ValueError):
         RendezvousServer(size=2, secret=b"")
+
+
+def _stranger_sends(address: str, frames: list[bytes], setup) -> int:
+    """Connect a DEALER prepared by ``setup(sock)``, send ``frames``; returns the handshake's outcome event."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    outcome = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | \
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        setup(sock)
+        mon = sock.get_monitor_socket(outcome)
+        sock.connect(address)
+        sock.send_multipart(frames, zmq.NOBLOCK)  # queued until the handshake decides
+        assert mon.poll(5000), "no handshake outcome within 5 s"
+        event = recv_monitor_message(mon)["event"]
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
+        return event
+    finally:
+        ctx.term()
+
+
+def _curve_random_keys(sock: zmq.Socket) -> None:
+    public, secret = zmq.curve_keypair()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()[0], public, secret
+
+
+@pytest.mark.timeout(20)
+def test_a_stranger_without_the_secret_is_refused_at_the_handshake(caplog):
+    """Even a correctly signed message (say, a replayed one) is not acted upon over an unauthenticated connection."""
+    caplog.set_level(logging.DEBUG, logger="ringcomm.auth")
+    body = msgpack.packb({"op": "register", "round": 0, "rank": 0, "size": 2, "info": {"evil": True}})
+    signed = [sign(SECRET, body), body]
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        strangers = {
+            "no security (NULL)": lambda sock: None,
+            "PLAIN, another job's password": lambda sock: credentials(b"another job's secret").apply_client(sock),
+            "PLAIN, a made-up password": lambda sock: (setattr(sock, "plain_username", b"ringcomm"),
+                                                       setattr(sock, "plain_password", b"guess")),
+        }
+        if zmq.has("curve"):
+            strangers["CURVE, random keys"] = _curve_random_keys
+        for name, setup in strangers.items():
+            event = _stranger_sends(server.address, signed, setup)
+            assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, name
+        time.sleep(0.2)
+        assert server.open_rounds() == []  # not one of the signed registrations was acted upon
+        assert server.refused_connections == 2  # the two PLAIN ones reached the ZAP handler
+        refused = [r.getMessage() for r in caplog.records if r.name == "ringcomm.auth"]
+        assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "ringcomm.auth")
+        assert sum("rendezvous: refused a PLAIN connection from 127.0.0.1: wrong password" in m for m in refused) == 2
+        # the same signed frames over an authenticated connection are acted upon: the gate was the handshake
+        assert _stranger_sends(server.address, signed, credentials(SECRET).apply_client) == \
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        deadline = time.monotonic() + 2
+        while server.open_rounds() != [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.registrations(0) == {0: {"evil": True}}
+
+
+@pytest.mark.timeout(10)
+def test_a_client_with_the_wrong_secret_times_out_promptly_and_says_why():
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        start = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match="did not answer at all.*RINGCOMM_SECRET"):
+            register(server.address, b"wrong", 0, 2, {}, 1.5)  # re-sends after the refusal never block
+        with pytest.raises(RendezvousTimeoutError):
+            kv_get(server.address, b"wrong", "k", 0.3)
+        assert time.monotonic() - start < 4.0
+        assert server.refused_connections >= 2
