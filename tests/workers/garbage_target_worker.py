@@ -1,6 +1,7 @@
 """Each rank publishes its listening tcp endpoints, then runs checked allreduces while the test sends garbage."""
 
 import json
+import logging
 import os
 import sys
 
@@ -8,6 +9,7 @@ import numpy as np
 
 import ringcomm as rc
 
+logging.basicConfig(format="%(name)s %(levelname)s %(message)s")  # RINGCOMM_LOG_LEVEL=DEBUG shows refusals
 rc.init()
 engine = rc.api._runtime.engine
 table = engine.peer_table[rc.rank()]
