@@ -221,7 +221,11 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(tmp_path) -> None:
-    """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices."""
+    """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices.
+
+    Raw bytes, and ZeroMQ peers that speak the protocol but lack the job's secret: no security at all,
+    or PLAIN with a wrong password, each sending well-formed data and control messages.
+    """
     import json
     import os
     import socket
@@ -229,12 +233,17 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
     import subprocess
     import sys
 
+    import zmq
+
     from conftest import job_env
+    from ringcomm import wire
 
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
            str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "1500"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
     half_open: list[socket.socket] = []
+    zmq_ctx = zmq.Context()
+    strangers: list[zmq.Socket] = []
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("ports-*.json"))) < 3 and time.monotonic() < deadline:
@@ -255,8 +264,24 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
                     s.sendall(payload)
             half = socket.create_connection(("127.0.0.1", port), timeout=2)  # left open, silent
             half_open.append(half)
+        forged_ctrl = [wire.pack_control(b"not the job's secret", ["req", 1, []])]
+        for port in ports:
+            for kind, password in ((zmq.PAIR, None), (zmq.PAIR, b"guess"), (zmq.DEALER, None), (zmq.DEALER, b"guess")):
+                sock = zmq_ctx.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                if password is not None:
+                    sock.plain_username, sock.plain_password = b"ringcomm", password
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                for seq in range(0, 200, 7):  # well-formed inline data for ops the job will run
+                    forged_data = [struct.pack("<cQI", b"I", seq, 0), b"\x00" * 4096]
+                    sock.send_multipart(forged_data if kind == zmq.PAIR else forged_ctrl, zmq.NOBLOCK)
+                strangers.append(sock)
+        time.sleep(0.5)  # their handshakes fail meanwhile; the NULL ones keep retrying until the end
         out, err = job.communicate(timeout=60)
     finally:
+        for sock in strangers:
+            sock.close(0)
+        zmq_ctx.term()
         for s in half_open:
             s.close()
         if job.poll() is None:
