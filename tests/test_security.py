@@ -301,6 +301,10 @@ def test_shared_memory_segments_are_private_to_the_user(tmp_path) -> None:
         assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
         with pytest.raises(FileExistsError):  # never reuses a file someone else prepared under that name
             shm.SlotRing(path, 2, 4096, create=True)
+        shm.SlotRing(path, 2, 4096, create=False).close()  # the receiver maps its own user's private file
+        os.chmod(path, 0o644)
+        with pytest.raises(PermissionError, match="private"):  # but not one others could read or write
+            shm.SlotRing(path, 2, 4096, create=False)
     finally:
         ring.unlink()
         ring.close()
