@@ -26,7 +26,6 @@ import collections
 import logging
 import os
 import struct
-
 import time
 
 import numpy as np
