@@ -33,7 +33,7 @@ from . import algorithms, auth, ops, ring, wire
 from .cache import ResponseCache
 from .config import Settings
 from .coordinator import SHUTDOWN_NAME, Coordinator
-from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
+from .errors import HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ShutdownError, StallError
 from .handles import Handle
 from .ops import ReduceOp
 from .timeline import Timeline
@@ -70,6 +70,18 @@ class _NullLink:
 
     def flush(self) -> None:
         pass
+
+
+def _check_same_security(table: list[dict], rank: int) -> None:
+    """Raise when ranks disagree on ``RINGCOMM_ENCRYPT``: their handshakes would fail for ever."""
+    flags = {int(peer["rank"]): bool(peer.get("encrypt", False)) for peer in table}
+    if len(set(flags.values())) > 1:
+        on = [r for r, f in sorted(flags.items()) if f]
+        off = [r for r, f in sorted(flags.items()) if not f]
+        raise InvalidInputError(
+            f"rank {rank}: ranks {on} run with RINGCOMM_ENCRYPT=1 and ranks {off} without; encrypted and "
+            f"plain sockets cannot connect. Set RINGCOMM_ENCRYPT to the same value on every rank."
+        )
 
 
 class Engine:
@@ -135,6 +147,7 @@ class Engine:
         data_eps = link.bind(base + "-data", "127.0.0.1")
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
+            "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
         }
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
@@ -159,6 +172,7 @@ class Engine:
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
         )
         self.peer_table = table
+        _check_same_security(table, self.rank)
         for peer in table:
             r = int(peer["rank"])
             same_host = peer["host"] == topo.hostname
