@@ -331,6 +331,7 @@ def test_a_stranger_racing_the_real_peer_to_its_endpoint_cannot_take_its_place_o
     secret = os.urandom(32)
     server = RendezvousServer(size=2, secret=secret)
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    stop_file = tmp_path / "stop"  # the job runs until the test has seen what it waits for
     procs: list[subprocess.Popen] = []
     stranger_ctx = zmq.Context()
     strangers: list[zmq.Socket] = []
@@ -342,7 +343,8 @@ def test_a_stranger_racing_the_real_peer_to_its_endpoint_cannot_take_its_place_o
                       RINGCOMM_HOSTNAME=f"host-{rank}", RINGCOMM_LOG_LEVEL="DEBUG", RINGCOMM_START_TIMEOUT="60")
         with open(logs[rank], "w") as out:
             procs.append(subprocess.Popen([sys.executable, str(WORKERS / "garbage_target_worker.py"),
-                                           str(tmp_path), "1000"], env=env, stdout=out, stderr=subprocess.STDOUT))
+                                           str(tmp_path), "300", str(stop_file)],
+                                          env=env, stdout=out, stderr=subprocess.STDOUT))
 
     try:
         start(0)
@@ -375,8 +377,13 @@ def test_a_stranger_racing_the_real_peer_to_its_endpoint_cannot_take_its_place_o
             for _ in range(3):
                 socket.create_connection(("127.0.0.1", port), timeout=2).close()
             half_open.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        deadline = time.monotonic() + 30  # the job keeps running until rank 0 saw through the scans
+        while "still attached: a stranger" not in logs[0].read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()
+            time.sleep(0.1)
+        stop_file.touch()
         for p in procs:
-            p.wait(timeout=90)
+            p.wait(timeout=60)
     finally:
         for s in half_open:
             s.close()
@@ -392,11 +399,13 @@ def test_a_stranger_racing_the_real_peer_to_its_endpoint_cannot_take_its_place_o
     out = [log.read_text() for log in logs]
     for r in range(2):
         assert procs[r].returncode == 0, out[r][-3000:]
-        assert f"rank {r} ok after 1000 allreduces" in out[r]
+        assert f"rank {r} ok after" in out[r]
         assert "lost rank" not in out[r] and "Error" not in out[r], out[r][-3000:]
     # the PLAIN strangers reached rank 0's ZAP handler, which refused them at debug level
     assert "ringcomm.auth DEBUG rank 0: refused a PLAIN connection from 127.0.0.1: wrong password" in out[0]
-    assert "still attached: a stranger" in out[0] + out[1]  # port scans were recognised as such
+    # the port scans closed connections on rank 0's listening sockets (rank 1 listens on none):
+    # recognised as strangers', not as rank 1 lost -- across hosts there is no process to look at
+    assert "still attached: a stranger" in out[0]
 
 
 @pytest.mark.multiprocess
