@@ -49,7 +49,7 @@ class Runtime:
         self.settings = config.Settings.from_env()
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
-        self.engine = Engine(self.topo, self.settings, round_)
+        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
         self.engine.start()
         self._lock = threading.Lock()
         self._names: set[str] = set()

@@ -2,6 +2,8 @@
 
 Sources, first match wins:
 
+0. ``ringcomm-run`` elastic mode: ``RINGCOMM_ELASTIC_WORKER`` -- the place in the newest
+   world is asked from the launcher's driver (:mod:`ringcomm.elastic.worker`).
 1. ``ringcomm-run``: ``RINGCOMM_RANK``, ``RINGCOMM_SIZE``, ... and ``RINGCOMM_RENDEZVOUS_ADDR``.
 2. torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the rendezvous on
@@ -36,6 +38,8 @@ class Topology:
     job_id: str = ""
     hostname: str = ""
     source: str = "single"
+    #: rendezvous round to register in (elastic jobs: the driver's generation); None: count init() calls
+    round: int | None = None
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
@@ -61,10 +65,21 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
         raise InvalidInputError(f"local rank from {src} is {local_rank} with local size {local_size}")
 
 
+def _secret(env: Mapping[str, str]) -> bytes:
+    try:
+        return bytes.fromhex(env.get("RINGCOMM_SECRET", ""))
+    except ValueError:
+        raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Topology:
     """Read the topology; raises InvalidInputError for an inconsistent environment."""
     env = os.environ if environ is None else environ
     hostname = env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
+    if env.get("RINGCOMM_ELASTIC_WORKER"):  # started by ringcomm-run's elastic driver: ask it (blocks)
+        from .elastic.worker import topology_from_driver
+
+        return topology_from_driver(env, hostname, _secret(env), env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4))
     if "RINGCOMM_RANK" in env or "RINGCOMM_SIZE" in env:
         rank, size = _int(env, "RINGCOMM_RANK"), _int(env, "RINGCOMM_SIZE")
         local_rank = _int(env, "RINGCOMM_LOCAL_RANK", rank)
@@ -73,11 +88,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Topology:
         addr = env.get("RINGCOMM_RENDEZVOUS_ADDR", "")
         if size > 1 and not addr:
             raise InvalidInputError("RINGCOMM_RENDEZVOUS_ADDR is not set; start the job with ringcomm-run")
-        secret_hex = env.get("RINGCOMM_SECRET", "")
-        try:
-            secret = bytes.fromhex(secret_hex)
-        except ValueError:
-            raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
+        secret = _secret(env)
         return Topology(
             rank, size, local_rank, local_size,
             _int(env, "RINGCOMM_CROSS_RANK", 0), _int(env, "RINGCOMM_CROSS_SIZE", 1),
