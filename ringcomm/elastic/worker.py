@@ -127,8 +127,10 @@ def topology_from_driver(env: Mapping[str, str], hostname: str, secret: bytes, j
         deadline = time.monotonic() + timeout
         try:
             rendezvous.kv_set(address, secret, f"ready/{wid}", pack(last), _KV_TIMEOUT)
-            _get(address, secret, "world/current" if last < 0 else f"world/{last + 1}", deadline)
-            gen = int(unpack(_get(address, secret, "world/current", deadline)))
+            if last >= 0:  # wait for the next generation; the driver may have published later ones since
+                _get(address, secret, f"world/{last + 1}", deadline)
+            # the driver writes world/<g> before world/current: never go below last + 1
+            gen = max(last + 1, int(unpack(_get(address, secret, "world/current", deadline))))
             world = World.decode(_get(address, secret, f"world/{gen}", deadline))
         except RendezvousTimeoutError as exc:
             raise ElasticWaitError(
