@@ -265,7 +265,7 @@ class ElasticDriver:
         for h, n in hosts.items():
             note = " (blacklisted: its workers kept failing)" if self.blacklist.blacklisted(h, now) else ""
             shown.append(f"{h}:{n}{note}")
-        text = (f"elastic job failed: only {len(survivors)} workers could run and --min-np is {self.min_np}; "
+        text = (f"elastic job failed: only {len(survivors)} worker(s) could run and --min-np is {self.min_np}; "
                 f"no more slots appeared within --elastic-timeout {self.timeout:g} s. "
                 f"Discovered hosts: {', '.join(shown) or 'none'}.")
         if error:
