@@ -3,7 +3,8 @@
 Lines (each prefixed by the launcher with ``[worker]<stdout>:``)::
 
     SYNC worker=W rank=R size=N step=S hash=H     after every (re)start of train(), once synced
-    COMMIT worker=W rank=R size=N step=S hash=H   after each commit's save
+    COMMIT worker=W rank=R size=N step=S hash=H   after each commit's save (every --commit-every steps
+                                                  and at each epoch's end)
     DONE worker=W rank=R size=N step=S hash=H epochs=E
 
 --kill-rank R --kill-step S: the worker that is rank R of the first world kills itself (SIGKILL) before
@@ -70,6 +71,11 @@ def main() -> None:
         return (f"{kind} worker={wid} rank={hvd.rank()} size={hvd.size()} step={state.step} "
                 f"hash={digest(model, optimizer)}")
 
+    def commit() -> None:  # state.commit(), printing the committed state's hash in between
+        state.save()
+        print(line("COMMIT"), flush=True)
+        state.check_host_updates()
+
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
         print(line("SYNC"), flush=True)
@@ -91,16 +97,14 @@ def main() -> None:
                 state.step += 1
                 state.sampler.record_batch(i, loader.batch_size)
                 if state.step % args.commit_every == 0:
-                    state.save()
-                    print(line("COMMIT"), flush=True)
-                    state.check_host_updates()
+                    commit()
                 if args.grow_host and hvd.rank() == 0 and state.step == args.grow_step:
                     with open(args.hosts_file, "a") as f:
                         f.write(f"{args.grow_host}:1\n")
                 time.sleep(args.sleep)
             state.epoch += 1
             state.sampler.set_epoch(state.epoch)
-            state.commit()
+            commit()
 
     train(state)
     print(line("DONE") + f" epochs={state.epoch}", flush=True)
