@@ -115,3 +115,29 @@ def test_discovery_script_output_and_failures(tmp_path):
 def test_local_hosts():
     assert is_local_host("localhost") and is_local_host("127.0.0.7") and is_local_host("::1")
     assert not is_local_host("10.1.2.3") and not is_local_host("no-such-host.invalid")
+
+
+# ----------------------------------------------------------------------------- launcher flags
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "2", "--min-np", "1", "python"], "--min-np need --host-discovery-script"),
+    (["-np", "2", "--host-discovery-script", "x", "--min-np", "3", "python"], "--min-np 3 is larger than -np 2"),
+    (["-np", "4", "--host-discovery-script", "x", "--max-np", "3", "python"], "--max-np 3 is smaller than -np 4"),
+    (["-np", "2", "--host-discovery-script", "x", "--elastic-timeout", "0", "python"], "--elastic-timeout must be > 0"),
+    (["-np", "2", "--host-discovery-script", "x", "-H", "localhost:2", "python"], "exclude each other"),
+])
+def test_elastic_flags_are_validated(argv, message, capsys):
+    from ringcomm.launcher import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_elastic_flags_parse():
+    from ringcomm.launcher import parse_args
+
+    args = parse_args(["-np", "4", "--min-np", "2", "--max-np", "6", "--host-discovery-script", "./h.sh",
+                       "--reset-limit", "3", "python", "train.py"])
+    assert (args.num_proc, args.min_np, args.max_np, args.reset_limit, args.elastic_timeout) == (4, 2, 6, 3, 600.0)
+    assert args.host_discovery_script == "./h.sh" and args.command == ["python", "train.py"]
