@@ -50,6 +50,8 @@ class Runtime:
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
         self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
+        # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
+        self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         self.engine.start()
         self._lock = threading.Lock()
         self._names: set[str] = set()

@@ -25,6 +25,9 @@ TOPOLOGY_VARS = frozenset(
         "RINGCOMM_SECRET",
         "RINGCOMM_JOB_ID",
         "RINGCOMM_HOSTNAME",
+        "RINGCOMM_RENDEZVOUS_PORT",
+        "RINGCOMM_MASTER_ADDR",
+        "RINGCOMM_NETWORK_INTERFACE",
     }
 )
 #: Set by ringcomm-run's elastic driver (ringcomm/elastic).

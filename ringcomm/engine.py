@@ -130,7 +130,7 @@ class Engine:
         self._link = link  # from here on, _close() closes it
         ipc_dir = tempfile.gettempdir()
         base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
-        data_eps = link.bind(base + "-data", "127.0.0.1")
+        data_eps = link.bind(base + "-data", topo.addr)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         }
@@ -141,11 +141,13 @@ class Engine:
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
             self._ipc_paths.append(ipc_ep[len("ipc://"):])
-            ctrl.bind("tcp://127.0.0.1:0")
+            ctrl.bind(f"tcp://{topo.addr}:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
-                host, port = topo.rendezvous[len("tcp://"):].rsplit(":", 1)
-                self._server = rendezvous.RendezvousServer(self.size, topo.secret, host=host, port=int(port))
+                port = int(topo.rendezvous.rpartition(":")[2])
+                self._server = rendezvous.RendezvousServer(
+                    self.size, topo.secret, host=topo.rendezvous_bind, port=port
+                )
         else:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
