@@ -58,7 +58,10 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
             f"rank from {src} is {rank} but the world size is {size}; ranks must be 0..{size - 1}"
         )
     if not 0 <= local_rank < max(local_size, 1):
-        raise InvalidInputError(f"local rank from {src} is {local_rank} with local size {local_size}")
+        raise InvalidInputError(
+            f"local rank from {src} is {local_rank} with local size {local_size}; "
+            f"local ranks must be 0..{max(local_size, 1) - 1}"
+        )
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Topology:

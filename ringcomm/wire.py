@@ -100,7 +100,7 @@ _INT_MAX = 2**63 - 1
 #: Wire names of the reduce ops (``ops.ReduceOp`` values) and dtypes; wire.py stays free of NumPy.
 _OPS = frozenset(range(6))
 _DTYPES = frozenset({"", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"})
-_ERROR_KINDS = frozenset({"", "stall"})
+_ERROR_KINDS = frozenset({"", "stall", "mismatch"})
 
 
 _repr = reprlib.Repr()

@@ -93,6 +93,32 @@ def test_valid_messages_still_decode() -> None:
         2, [(Request(*VALID_REQ), None), (7, None), (3, b"xy")])
 
 
+def test_every_response_the_coordinator_makes_passes_the_strict_decoder() -> None:
+    """The strict decoder must accept all the coordinator emits: fused, error, stall, join, alltoall."""
+    from ringcomm.coordinator import Coordinator
+
+    coord = Coordinator(2, 1 << 20, small_bytes=1024)
+    reqs = [
+        Request("a", wire.ALLREDUCE, "float32", ((3,),), 1), Request("b", wire.ALLREDUCE, "float32", ((300,),), 1),
+        Request("g", wire.ALLGATHER, "int8", ((2, 3),)), Request("t", wire.ALLTOALL, "bool", ((2,),), splits=(1, 1)),
+        Request("c", wire.BROADCAST, "float64", ((),), root=1), Request("r", wire.REDUCESCATTER, "int64", ((4,),), 3),
+        Request("k", wire.BARRIER),
+    ]
+    for q in reqs:
+        coord.submit(0, q)
+        coord.submit(1, q)
+    coord.submit(0, Request("m", wire.ALLREDUCE, "float32", ((3,),), 1))
+    coord.submit(1, Request("m", wire.ALLREDUCE, "float32", ((4,),), 1))  # a mismatch
+    coord.submit(0, Request("s", wire.ALLREDUCE, "float32", ((3,),), 1))
+    coord.fail("s", "stalled")
+    coord.submit(0, Request("j", wire.JOIN))
+    coord.submit(1, Request("j", wire.JOIN))
+    resps = coord.take_responses()
+    assert {r.error_kind for r in resps} == {"", "mismatch", "stall"}
+    frame = wire.pack_control(SECRET, ["resp", [list(r) for r in resps]])
+    assert wire.parse_response_batch(wire.unpack_control(SECRET, frame)) == resps
+
+
 @pytest.mark.parametrize(
     "obj,field",
     [
