@@ -100,7 +100,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Topology:
             # No launcher to hand out a secret: derive one every rank can compute.
             seed = f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}"
             secret = hashlib.sha256(seed.encode()).digest()
-        job = hashlib.sha256(secret).hexdigest()[:8]
+        # Names of sockets and shared memory carry the job id.  The rendezvous address is part of
+        # it, so two jobs on one host that share a RINGCOMM_SECRET still get different names.
+        job = hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8]
         cross_size = max(1, size // max(local_size, 1))
         return Topology(
             rank, size, local_rank, local_size, rank // max(local_size, 1), cross_size,

@@ -11,7 +11,15 @@ Owned by the engine thread.  Messages on a pair's socket:
 - ``A`` ack: the sender may reuse that slot.
 
 Data messages carry ``(seq, tag)``; one that arrives before it is asked for
-(another segment or op from the same peer) waits in a per-peer stash.
+(another segment or op from the same peer) waits in a per-peer stash.  A
+message that does not parse (``wire.parse_data``) is dropped and logged at
+DEBUG; frames larger than a segment are refused by ZeroMQ (``MAXMSGSIZE``).
+
+Nothing is left on the file system when a rank is killed: on Linux the ipc
+endpoints live in the abstract socket namespace (no files), and a
+shared-memory ring's name is unlinked as soon as both sides have it mapped
+(by the receiver when it maps it, by the sender at the first ack, and by the
+receiver at close for a ring it never mapped).
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ class DataPlane:
         self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
         self._shm_peers: set[int] = set()
+        self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
+        self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self._local_pids: dict[int, int] = {}  # same-host peers' process ids
@@ -166,6 +176,7 @@ class DataPlane:
             self._socket(peer).connect(eps[0] if same_host else eps[1])
         if same_host and self._slots > 0:
             self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
+            self._shm_sources.add(peer)
 
     def _out_ring(self, dst: int) -> shm.SlotRing | None:
         """This rank's ring to ``dst``, created the first time a payload could use it."""
@@ -196,6 +207,10 @@ class DataPlane:
         for ring in (*self._out_rings.values(), *self._in_rings.values()):
             ring.unlink()
             ring.close()
+        # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
+        # remove it: this rank does (the name is unique to the pair, the round and the job).
+        remove_files([shm.ring_path(self._job, self._round, src, self.rank) for src in self._shm_sources])
+        self._shm_sources.clear()
         self._out_rings.clear()
         self._in_rings.clear()
         remove_files(self.ipc_paths)
@@ -293,6 +308,9 @@ class DataPlane:
             if free is None or msg.slot in free:
                 raise ProtocolError(f"ack of slot {msg.slot}, which is not in use towards rank {src}")
             free.append(msg.slot)
+            if src not in self._acked:  # the receiver has the ring mapped: its name can go
+                self._acked.add(src)
+                self._out_rings[src].unlink()
             return None
         key = (msg.seq, msg.tag)
         if key in self._stash[src]:

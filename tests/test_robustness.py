@@ -39,3 +39,108 @@ def test_a_cycle_of_many_small_allreduces_larger_than_one_control_frame() -> Non
     proc = launch(3, [str(WORKERS / "many_small_worker.py"), "700"], timeout=80, RINGCOMM_CYCLE_TIME="1000")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("many small ok") == 3
+
+
+def _job_files(job_id: str) -> list[str]:
+    import glob
+    import tempfile
+
+    return glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job_id}-*") + glob.glob(f"/dev/shm/ringcomm-{job_id}-*")
+
+
+def _abstract_sockets(job_id: str) -> list[str]:
+    """ipc endpoints of the job in Linux's abstract socket namespace (``@name`` in /proc/net/unix)."""
+    with open("/proc/net/unix") as f:
+        return [line.split()[-1] for line in f if f"@ringcomm-{job_id}-" in line]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="abstract ipc namespace is Linux-only")
+def test_a_rank_killed_without_a_launcher_leaves_no_files() -> None:
+    """Under torchrun nobody cleans up after a SIGKILLed rank: it must leave nothing in /tmp or /dev/shm.
+
+    The ipc endpoints are abstract (names, not files) and every shared-memory ring is unlinked once
+    both sides have mapped it, so even while the job runs no file of it exists.
+    """
+    import signal
+    import time
+
+    from conftest import start_torchrun_job
+
+    procs = start_torchrun_job([str(WORKERS / "kill_target_worker.py")], 3)
+    job = procs[0].job_id
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        running_files, sockets = _job_files(job), _abstract_sockets(job)
+        procs[1].send_signal(signal.SIGKILL)
+        outs = {r: procs[r].communicate(timeout=40)[0] for r in (0, 2)}
+        procs[1].wait(10)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, out in outs.items():
+        assert procs[r].returncode == 3 and "PeerLostError" in out, out
+    assert running_files == []  # nothing on the file system even while the job ran
+    assert sockets, "the job's ipc endpoints were not in the abstract namespace"
+    assert _job_files(job) == [] and _abstract_sockets(job) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_two_jobs_started_at_once_on_one_host_do_not_collide() -> None:
+    """Two launcher jobs and two torchrun-style jobs sharing one RINGCOMM_SECRET, all at the same
+    moment: distinct values per job make any cross-talk (a socket or ring of the other job) show."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, job_env, start_torchrun_job
+
+    worker = str(WORKERS / "pair_job_worker.py")
+    launched = [
+        subprocess.Popen([sys.executable, "-m", "ringcomm.launcher", "-np", "2", sys.executable, worker, v, "15"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=ROOT)
+        for v in ("1", "1000")
+    ]
+    secret = "cd" * 16
+    torchrun = [start_torchrun_job([worker, v, "15"], 2, RINGCOMM_SECRET=secret) for v in ("5", "5000")]
+    assert torchrun[0][0].job_id != torchrun[1][0].job_id  # a shared secret, still distinct names
+    try:
+        outs = [p.communicate(timeout=100)[0] for p in launched]
+        touts = [[p.communicate(timeout=100)[0] for p in job] for job in torchrun]
+    finally:
+        for p in launched + torchrun[0] + torchrun[1]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out, v in zip(launched, outs, ("1", "1000")):
+        assert p.returncode == 0, out[-3000:]
+        assert out.count(f"pair {v} ok") == 2, out[-3000:]
+    for job, jouts, v in zip(torchrun, touts, ("5", "5000")):
+        for p, out in zip(job, jouts):
+            assert p.returncode == 0 and f"pair {v} ok" in out, out[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_soak_twenty_thousand_mixed_collectives_leak_nothing() -> None:
+    """20,000 seeded mixed collectives at np 4 (about 70 s on 2 cores): every result right, RSS within
+    10% between op 1000 and the end, and not one file descriptor or thread more."""
+    import re
+
+    ops = 20_000
+    proc = launch(4, [str(WORKERS / "soak_worker.py"), str(ops), "20261122"], timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(4):
+        assert f"[{r}]<stdout>:SOAK OK {ops} ops" in proc.stdout, proc.stdout[-3000:]
+        samples = {
+            int(m.group(1)): {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(2))}
+            for m in re.finditer(rf"\[{r}\]<stdout>:RESOURCES (\d+) (.*)", proc.stdout)
+        }
+        first, last = samples[1000], samples[ops]
+        assert last["rss_kib"] < 1.10 * first["rss_kib"], (r, first, last)
+        assert last["fds"] <= first["fds"] and last["threads"] <= first["threads"], (r, first, last)
+        assert last["py_threads"] <= first["py_threads"], (r, first, last)
