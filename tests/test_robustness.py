@@ -41,6 +41,71 @@ def test_a_cycle_of_many_small_allreduces_larger_than_one_control_frame() -> Non
     assert proc.stdout.count("many small ok") == 3
 
 
+def _zmtp_announce(port: int, socket_type: bytes, announce: int) -> str:
+    """Speak ZMTP 3.0 (NULL mechanism) to ``port`` as ``socket_type``, then announce a frame of
+    ``announce`` bytes and send only 100 of them: 'closed' if the peer drops the connection."""
+    import socket
+    import struct
+
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
+        s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+        props = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+        s.sendall(b"\x04" + bytes([len(props)]) + props)
+        s.sendall(b"\x02" + struct.pack(">Q", announce) + b"x" * 100)
+        try:
+            while s.recv(4096):
+                pass
+        except socket.timeout:
+            return "open"  # still waiting for the announced bytes: it would buffer them all
+        except ConnectionResetError:
+            pass
+    return "closed"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_path) -> None:
+    """A stranger completes the ZeroMQ handshake on every tcp port of a running job and announces a
+    128 MiB frame: the job drops the connection at once (MAXMSGSIZE: segment size on data sockets,
+    64 MiB on the control socket) instead of reserving the memory, and its results stay right."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, job_env
+
+    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
+           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "600"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("ports-*.json"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        targets = []
+        for r in range(3):
+            eps = json.loads((tmp_path / f"ports-{r}.json").read_text())
+            ctrl = eps.pop() if r == 0 else None
+            targets += [(int(ep.rsplit(":", 1)[1]), b"PAIR") for ep in eps]
+            if ctrl:
+                targets.append((int(ctrl.rsplit(":", 1)[1]), b"DEALER"))
+        assert len(targets) == 4
+        results = {port: _zmtp_announce(port, kind, 1 << 27) for port, kind in targets}
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.terminate()
+            try:
+                job.wait(15)
+            except subprocess.TimeoutExpired:
+                job.kill()
+    assert set(results.values()) == {"closed"}, results
+    assert job.returncode == 0, out[-2000:] + err[-2000:]
+    for r in range(3):
+        assert f"[{r}]<stdout>:rank {r} ok after" in out
+
+
 def _job_files(job_id: str) -> list[str]:
     import glob
     import tempfile
