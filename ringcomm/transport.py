@@ -71,6 +71,8 @@ class DataPlane:
         self._shm_peers: set[int] = set()
         self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
         self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
+        self._op: dict[int, int] = {}  # peer -> the op this rank last received from it
+        self._taken: dict[int, set[int]] = {}  # peer -> tags of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self._local_pids: dict[int, int] = {}  # same-host peers' process ids
@@ -313,8 +315,11 @@ class DataPlane:
                 self._out_rings[src].unlink()
             return None
         key = (msg.seq, msg.tag)
-        if key in self._stash[src]:
+        current = self._op.get(src, -1)
+        if key in self._stash[src] or (msg.seq == current and msg.tag in self._taken[src]):
             raise ProtocolError(f"a second message for op {msg.seq} tag {msg.tag}")
+        if msg.seq < current:  # every message of an earlier op was taken before it completed
+            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op {current})")
         if msg.kind == b"S":
             self._in_ring(src)
             self._stash[src][key] = [msg.slot, msg.nbytes]
@@ -343,27 +348,36 @@ class DataPlane:
                 sock.send(_ACK.pack(b"A", slot), copy=True)
             held.clear()
 
+    def _enter(self, src: int, seq: int) -> None:
+        """This rank now receives op ``seq`` from ``src``: earlier ops' messages are stale from here on."""
+        if seq != self._op.get(src, -1):
+            self._op[src] = seq
+            self._taken[src] = set()
+
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
+        self._enter(src, seq)
         key = (seq, tag)
         stash = self._stash[src]
         while key not in stash:
             self._pump(src, block=True)
-        return self._open(src, stash.pop(key))
+        return self._open(src, key, stash.pop(key))
 
     def recv_any(self, src: int, seq: int) -> tuple[int, memoryview | np.ndarray]:
         """The next payload of op ``seq`` from ``src``, whichever tag arrives first."""
         self._ack_held(src)
+        self._enter(src, seq)
         stash = self._stash[src]
         for key in stash:
             if key[0] == seq:
-                return key[1], self._open(src, stash.pop(key))
+                return key[1], self._open(src, key, stash.pop(key))
         while True:
             key = self._pump(src, block=True)
             if key is not None and key[0] == seq:
-                return key[1], self._open(src, stash.pop(key))
+                return key[1], self._open(src, key, stash.pop(key))
 
-    def _open(self, src: int, item: object) -> memoryview | np.ndarray:
+    def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
+        self._taken[src].add(key[1])
         if isinstance(item, list):
             slot, n = item
             self._held[src].append(slot)

@@ -41,6 +41,17 @@ def test_a_cycle_of_many_small_allreduces_larger_than_one_control_frame() -> Non
     assert proc.stdout.count("many small ok") == 3
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_malformed_authenticated_control_messages_leave_the_coordinator_running() -> None:
+    """Finding: an authenticated request nested 1000 deep killed rank 0's engine thread (RecursionError
+    in the decoder) and with it the job; wrong field types reached the coordinator unchecked.  Now each
+    is a ProtocolError, dropped, and the job's next collectives are right."""
+    proc = launch(3, [str(WORKERS / "hostile_control_worker.py")], timeout=50)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("hostile ok") == 3
+
+
 def _zmtp_announce(port: int, socket_type: bytes, announce: int) -> str:
     """Speak ZMTP 3.0 (NULL mechanism) to ``port`` as ``socket_type``, then announce a frame of
     ``announce`` bytes and send only 100 of them: 'closed' if the peer drops the connection."""
