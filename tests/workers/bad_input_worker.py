@@ -150,7 +150,7 @@ def expect_dup(name: str) -> None:
     try:
         rc.allreduce_async(np.full(2, 1.0), op=rc.Sum, name=name)
     except rc.DuplicateNameError as e:
-        assert f"'{name}' is already in flight on rank {R}" in str(e), str(e)
+        assert f"'{name}' is already in flight on rank {R}" in str(e) and "synchronize" in str(e), str(e)
         assert isinstance(e, ValueError)
     else:
         raise AssertionError(f"duplicate in-flight name {name!r} accepted on rank {R}")
