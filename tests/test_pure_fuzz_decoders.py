@@ -86,6 +86,14 @@ def test_one_field_of_the_wrong_type_or_range_is_a_protocol_error(which: str, da
         assert all(type(d) is int and d >= 0 for d in got.numels + got.first_dims)
 
 
+def test_the_decoders_tables_match_the_ops_module() -> None:
+    """wire.py keeps its own copy of the op and dtype names (it imports no NumPy): they must agree."""
+    from ringcomm import ops
+
+    assert wire._OPS == {int(op) for op in ops.ReduceOp if op is not ops.ReduceOp.ADASUM}
+    assert wire._DTYPES == set(ops.SUPPORTED_DTYPES) | {""}
+
+
 def test_valid_messages_still_decode() -> None:
     assert wire.request_from_wire(VALID_REQ) == Request(*VALID_REQ)
     assert wire.response_from_wire(list(VALID_RESP)) == Response(*VALID_RESP)
