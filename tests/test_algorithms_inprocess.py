@@ -317,3 +317,25 @@ def test_a_tag_outside_the_op_is_a_stream_error() -> None:
     links[0].send(1, 0, (7 << 20) | 3, np.zeros(2, np.float32))
     with pytest.raises(algorithms.StreamError, match="no segment 3 of ring step 7"):
         algorithms.ring_allreduce(links[1], np.zeros(4, np.float32), ReduceOp.SUM, 0, 16)
+
+
+@pytest.mark.timeout(30)
+def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
+    """A notification whose ring file is shorter than the ring (mmap raises ValueError, not OSError)
+    is dropped like any malformed message; the file is not mapped."""
+    import os
+
+    from ringcomm import shm, wire
+
+    links = zmq_links(2, shm_slots=2)
+    path = shm.ring_path(links[1]._job, links[1]._round, 0, 1)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 10)
+    try:
+        links[0]._socks[1].send_multipart([wire.NOTE.pack(b"S", 0, 8, 0, 0)])
+        links[0].send(1, 0, 1, np.ones(2))
+        assert np.frombuffer(links[1].recv(0, 0, 1), np.float64).tolist() == [1.0, 1.0]
+        assert links[1].stats["dropped"] == 1 and 0 not in links[1]._in_rings
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
