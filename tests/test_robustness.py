@@ -201,14 +201,15 @@ def test_two_jobs_started_at_once_on_one_host_do_not_collide() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_soak_twenty_thousand_mixed_collectives_leak_nothing() -> None:
-    """20,000 seeded mixed collectives at np 4 (about 70 s on 2 cores): every result right, RSS within
-    10% between op 1000 and the end, and not one file descriptor or thread more."""
+    """20,000 seeded mixed collectives at np 4: every result right, RSS within 10% between op 1000 and
+    the end, and not one file descriptor or thread more.  About 70 s on 2 otherwise idle cores (190 s
+    with four other test suites running beside it, hence the generous deadline)."""
     import re
 
     ops = 20_000
-    proc = launch(4, [str(WORKERS / "soak_worker.py"), str(ops), "20261122"], timeout=280)
+    proc = launch(4, [str(WORKERS / "soak_worker.py"), str(ops), "20261122"], timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for r in range(4):
         assert f"[{r}]<stdout>:SOAK OK {ops} ops" in proc.stdout, proc.stdout[-3000:]
