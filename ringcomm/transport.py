@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import tempfile
+
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message

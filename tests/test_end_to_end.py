@@ -222,7 +222,6 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
 def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(tmp_path) -> None:
     """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices."""
     import json
-    import os
     import socket
     import struct
     import subprocess
