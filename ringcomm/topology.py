@@ -97,7 +97,10 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
             f"rank from {src} is {rank} but the world size is {size}; ranks must be 0..{size - 1}"
         )
     if not 0 <= local_rank < max(local_size, 1):
-        raise InvalidInputError(f"local rank from {src} is {local_rank} with local size {local_size}")
+        raise InvalidInputError(
+            f"local rank from {src} is {local_rank} with local size {local_size}; "
+            f"local ranks must be 0..{max(local_size, 1) - 1}"
+        )
 
 
 def _secret(env: Mapping[str, str]) -> bytes:
@@ -195,7 +198,10 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, cross_rank, cross_size,
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source="torchrun",
+        # names of sockets and shared memory carry the job id; with the rendezvous address in it, two
+        # jobs on one host that share a RINGCOMM_SECRET still get different names
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=hostname, source="torchrun",
         addr=pick_address(env, [master]), **where,  # type: ignore[arg-type]
     )
 
@@ -238,7 +244,8 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, 0, 1,
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source=src,
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=hostname, source=src,
         addr=pick_address(env, [master]), derive=derive, **where,  # type: ignore[arg-type]
     )
 
@@ -282,7 +289,8 @@ def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, node_id, len(nodes),
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=nodes[node_id], source=src,
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=nodes[node_id], source=src,
         addr=pick_address(env, toward), **where,  # type: ignore[arg-type]
     )
 
