@@ -51,6 +51,7 @@ from .errors import (
     MismatchError,
     NotInitializedError,
     PeerLostError,
+    ProtocolError,
     RendezvousError,
     RendezvousTimeoutError,
     RingcommError,

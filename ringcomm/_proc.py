@@ -16,9 +16,11 @@ moment it exited, so the launcher can tell which rank failed first.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -188,16 +190,41 @@ def live_groups(pgids: Iterable[int]) -> set[int]:
     return running
 
 
+@functools.cache
+def _guard_source() -> str:
+    """The source of :mod:`ringcomm._parent_guard`, run with ``python -c`` (no import path needed)."""
+    from . import _parent_guard
+
+    with open(_parent_guard.__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+def _check_runnable(program: str, env: Mapping[str, str]) -> None:
+    """Raise what ``Popen`` would (FileNotFoundError, PermissionError) if ``program`` cannot be run."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(2, "No such file or directory", program)
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            raise PermissionError(13, "Permission denied", program)
+    elif shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        raise FileNotFoundError(2, "No such file or directory", program)
+
+
 def spawn(
     rank: int, command: Sequence[str], env: Mapping[str, str], exits: "queue.Queue[Worker]", host: str = "",
     remote: bool = False,
 ) -> Worker:
     """Start ``command`` as rank ``rank`` in a new session with piped output.
 
+    It runs through :mod:`ringcomm._parent_guard`, so it gets SIGTERM if the launcher dies.
+
     ``remote``: ``command`` is an ssh to ``host``; its input stays open (a pipe) until the rank is stopped.
     """
+    _check_runnable(command[0], env)
+    # -E -s -c: the guard needs only the standard library, whatever PYTHONPATH the job has
+    guarded = [sys.executable, "-E", "-s", "-c", _guard_source(), str(os.getpid()), "--", *command]
     popen = subprocess.Popen(
-        list(command),
+        guarded,
         env=dict(env),
         stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
         stdout=subprocess.PIPE,

@@ -49,7 +49,7 @@ class Runtime:
         self.settings = config.Settings.from_env()
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
-        self.engine = Engine(self.topo, self.settings, round_)
+        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
         # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
         self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         self.engine.start()
@@ -395,7 +395,9 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None) -> Han
     a = as_array(arr, what)
     n = rt.topo.size
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     if splits is None:
         if a.shape[0] % n:
             raise InvalidInputError(
@@ -405,11 +407,15 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None) -> Han
     else:
         s = np.asarray(splits)
         if s.dtype.kind not in "iu":
-            raise InvalidTypeError(f"{what}: splits must be integers, got dtype {s.dtype}")
+            raise InvalidTypeError(
+                f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
+            )
         if s.ndim != 1 or s.size != n:
-            raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}")
+            raise InvalidInputError(
+                f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
+            )
         if (s < 0).any():
-            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}")
+            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
         if int(s.sum()) != a.shape[0]:
             raise InvalidInputError(
                 f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
@@ -436,7 +442,9 @@ def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = Non
     what = f"reducescatter {name!r}"
     a = as_array(arr, what)
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any
@@ -33,12 +32,14 @@ from . import algorithms, auth, ops, ring, wire
 from .cache import ResponseCache
 from .config import Settings
 from .coordinator import SHUTDOWN_NAME, Coordinator
-from .errors import HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ShutdownError, StallError
+from .errors import (
+    HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
+)
 from .handles import Handle
 from .ops import ReduceOp
 from .timeline import Timeline
 from .topology import Topology
-from .transport import DataPlane, remove_files
+from .transport import DataPlane, ipc_base, ipc_file, remove_files
 from .wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -102,7 +103,8 @@ class Engine:
         self._stopping = False
         self._failed: BaseException | None = None
         self._fusion = np.empty(0, dtype=np.uint8)
-        self._small = settings.small_allreduce_bytes if self.size > 1 else 0
+        # payloads travel inside control frames, which are bounded: never more than one frame's share
+        self._small = min(settings.small_allreduce_bytes, wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         self._coord = Coordinator(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[str, dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._warned_stalls: set[str] = set()
@@ -141,11 +143,10 @@ class Engine:
         link = DataPlane(
             ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-            job_id=topo.job_id, round_=round_, credentials=creds,
+            job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
         )
         self._link = link  # from here on, _close() closes it
-        ipc_dir = tempfile.gettempdir()
-        base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
+        base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
@@ -154,11 +155,14 @@ class Engine:
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
             creds.apply_server(ctrl)
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._ipc_paths.append(ipc_ep[len("ipc://"):])
+            path = ipc_file(ipc_ep)
+            if path is not None:
+                self._ipc_paths.append(path)
             ctrl.bind(f"tcp://{topo.addr}:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
@@ -169,6 +173,7 @@ class Engine:
         else:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
             creds.apply_client(ctrl)
         self._ctrl = ctrl
@@ -326,6 +331,7 @@ class Engine:
 
     def _drain_queue(self) -> None:
         items: list[Any] = []
+        carried = 0  # payload bytes in ``items``
         now = time.monotonic()
         drained_at = time.perf_counter()
         while self._queue:
@@ -337,12 +343,20 @@ class Engine:
             else:
                 cid = self._cache.lookup(entry.req)
                 item: Any = cid if cid is not None else list(entry.req)
-                if entry.req.kind == wire.ALLREDUCE and 0 < self._nbytes(entry) <= self._small:
+                nbytes = self._nbytes(entry)
+                if entry.req.kind == wire.ALLREDUCE and 0 < nbytes <= self._small:
+                    if carried + nbytes > wire.CONTROL_DATA_BYTES:
+                        self._send_requests(items)  # keep every control frame within its bound
+                        items, carried = [], 0
                     item = {"q": item, "d": b"".join(a.tobytes() for a in entry.arrays)}
+                    carried += nbytes
                 items.append(item)
         if items:
-            assert self._ctrl is not None
-            self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+            self._send_requests(items)
+
+    def _send_requests(self, items: list[Any]) -> None:
+        assert self._ctrl is not None
+        self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
 
     def _drain_control(self) -> None:
         """Handle one control message (the poller is level-triggered: it reports the next one)."""
@@ -358,10 +372,8 @@ class Engine:
             return
         try:
             msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
-            if msg[0] != "resp":
-                raise ValueError(f"unexpected control message {msg[0]!r}")
-            resps = [wire.response_from_wire(r) for r in msg[1]]
-        except (ValueError, TypeError, IndexError) as exc:
+            resps = wire.parse_response_batch(msg)
+        except ProtocolError as exc:
             log.debug("rank %d: dropping control message: %s", self.rank, exc)
             return
         for resp in resps:
@@ -370,20 +382,16 @@ class Engine:
     def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
         try:
-            msg = wire.unpack_control(secret, frame)
-            kind, rank, items = msg
-            if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
-                raise ValueError(f"bad request header {kind!r} from {rank!r}")
+            rank, items = wire.parse_request_batch(wire.unpack_control(secret, frame), self.size)
             reqs = []
-            for it in items:
-                data = None
-                if isinstance(it, dict):
-                    it, data = it["q"], it["d"]
-                    if not isinstance(data, bytes):
-                        raise ValueError("payload is not bytes")
-                req = self._cache.get(it) if isinstance(it, int) else wire.request_from_wire(it)
-                reqs.append((req, data))
-        except (ValueError, TypeError, KeyError) as exc:
+            for it, data in items:
+                if isinstance(it, int):
+                    try:
+                        it = self._cache.get(it)
+                    except KeyError:
+                        raise ProtocolError(f"unknown response-cache id {it} from rank {rank}") from None
+                reqs.append((it, data))
+        except ProtocolError as exc:
             log.debug("coordinator: dropping control message: %s", exc)
             return
         now = time.monotonic()
@@ -407,20 +415,24 @@ class Engine:
             if self.timeline is not None and self.timeline.mark_cycles:
                 self.timeline.marker("CYCLE", time.perf_counter())
             if self.size > 1:
-                assert self._ctrl is not None
-                frame = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
-                for ident in self._idents:
-                    try:
-                        self._ctrl.send_multipart([ident, frame])
-                    except zmq.ZMQError as exc:
-                        # that rank's connection is gone: it left after the collective shutdown,
-                        # or it died, which its data-plane monitor reports as a lost peer
-                        if exc.errno != zmq.EHOSTUNREACH:
-                            raise
-                        log.debug("rank 0: %s is gone; response not delivered", ident.decode())
+                for batch in _control_batches(resps):
+                    self._send_responses(batch)
             for resp in resps:
                 self._execute(resp)
         self._check_stalls(now)
+
+    def _send_responses(self, resps: list[Response]) -> None:
+        assert self._ctrl is not None
+        frame = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
+        for ident in self._idents:
+            try:
+                self._ctrl.send_multipart([ident, frame])
+            except zmq.ZMQError as exc:
+                # that rank's connection is gone: it left after the collective shutdown,
+                # or it died, which its data-plane monitor reports as a lost peer
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                log.debug("rank 0: %s is gone; response not delivered", ident.decode())
 
     @staticmethod
     def _nbytes(entry: Entry) -> int:
@@ -433,6 +445,8 @@ class Engine:
             return resp
         started = time.perf_counter()
         dtype = np.dtype(resp.dtype)
+        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
+            return resp  # too much to carry in one control frame (many small ones fused): run the ring
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
         acc: np.ndarray | None = None
@@ -677,3 +691,21 @@ class Engine:
         if self.timeline is not None:
             self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
         return results
+
+
+def _control_batches(resps: list[Response]) -> list[list[Response]]:
+    """Split responses into batches whose result data stays within ``wire.CONTROL_DATA_BYTES``.
+
+    Without this, many small allreduces reduced at rank 0 in one cycle made one
+    control frame larger than ``wire.MAX_CONTROL_BYTES``; the other ranks dropped
+    it and waited forever for their results.
+    """
+    batches: list[list[Response]] = [[]]
+    carried = 0
+    for resp in resps:
+        if batches[-1] and carried + len(resp.data) > wire.CONTROL_DATA_BYTES:
+            batches.append([])
+            carried = 0
+        batches[-1].append(resp)
+        carried += len(resp.data)
+    return batches

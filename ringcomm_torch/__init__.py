@@ -106,6 +106,8 @@ from .handles import Handle
 from .optimizer import DistributedOptimizer, GradientsPendingError
 from .timeline import start_timeline, stop_timeline
 
+from . import elastic  # noqa: E402  (hvd.elastic.run, TorchState, ElasticSampler)
+
 __version__ = "0.1.0"
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "Any")]
@@ -113,7 +115,6 @@ __all__ = [name for name in dir() if not name.startswith("_") and name not in ("
 # Horovod names that exist there but not (yet) here: a clear error instead of a bare AttributeError.
 _NOT_YET = {
     "SyncBatchNorm": "SyncBatchNorm is not supported yet",
-    "elastic": "elastic training (hvd.elastic) is not supported yet",
     "sparse_allreduce_async": "sparse allreduce is not supported yet; use DistributedOptimizer(sparse_as_dense=True)",
 }
 

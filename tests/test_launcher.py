@@ -299,3 +299,17 @@ def test_output_survives_a_launcher_that_cannot_encode_it():
     result, _ = run_launcher("-np", "1", *worker(code), PYTHONIOENCODING="ascii")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "[0]<stdout>:caf\\xe9\n"
+
+
+@pytest.mark.timeout(30)
+def test_a_sigkilled_launcher_leaves_no_worker_running():
+    """SIGKILL gives the launcher no chance to stop anyone: its workers get SIGTERM from the kernel."""
+    live, pids = _start_and_wait_ready(2)
+    workers = pids[0::2]  # (pid, child) pairs: the ranks themselves
+    try:
+        assert all(alive(p) for p in workers)
+        live.proc.kill()
+        live.proc.wait(10)
+        assert wait_gone(workers, timeout=10) == []
+    finally:
+        kill_leftovers(pids)
