@@ -76,9 +76,12 @@ def _zmtp_announce(port: int, socket_type: bytes, announce: int) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_path) -> None:
-    """A stranger completes the ZeroMQ handshake on every tcp port of a running job and announces a
-    128 MiB frame: the job drops the connection at once (MAXMSGSIZE: segment size on data sockets,
-    64 MiB on the control socket) instead of reserving the memory, and its results stay right."""
+    """A stranger speaks ZMTP on every tcp port of a running job and announces a 128 MiB frame: the
+    job drops the connection at once instead of reserving the memory, and its results stay right.
+
+    Since connections are authenticated (issue 4), this stranger's NULL handshake is refused before
+    the frame is read; MAXMSGSIZE (segment size on data sockets, 64 MiB on the control socket) now
+    guards against peers that hold the job's secret."""
     import json
     import subprocess
     import sys
