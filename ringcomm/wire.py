@@ -30,11 +30,17 @@ REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
 JOIN = "join"
 SHUTDOWN = "shutdown"
-KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN)
+ADD_PSET = "add_process_set"  # global set: register ranks ``splits`` as a new process set
+REMOVE_PSET = "remove_process_set"  # global set: forget process set ``root``
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET)
 
 
 class Request(NamedTuple):
-    """What one rank announces to the coordinator for one named op."""
+    """What one rank announces to the coordinator for one named op.
+
+    ``pset`` is the id of the process set the op runs on (0: every rank); names
+    are unique per set, and ``root`` is a global rank.
+    """
 
     name: str
     kind: str
@@ -45,6 +51,7 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple[int, ...] | None = None
+    pset: int = 0
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -69,7 +76,10 @@ class Response(NamedTuple):
     ``splits[r]`` is rank r's split vector (alltoall).  ``error`` set means the
     op failed on every rank with that message.  ``data`` set means rank 0
     already reduced the (small) payloads the ranks sent with their requests:
-    every rank just unpacks it, no ring.
+    every rank just unpacks it, no ring.  ``pset`` is the op's process set:
+    only its members receive the response, and ``first_dims``/``splits`` are
+    indexed by rank within the set.  For ``ADD_PSET``, ``root`` is the new
+    set's id and ``splits[0]`` its ranks.
     """
 
     kind: str
@@ -87,6 +97,7 @@ class Response(NamedTuple):
     error: str = ""
     data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
     error_kind: str = ""  # "stall" for a stall turned into an error; otherwise a mismatch
+    pset: int = 0
 
 
 def _tuplify(x: Any) -> Any:
@@ -100,7 +111,7 @@ def request_from_wire(obj: Any) -> Request:
     if not isinstance(obj, list) or not 2 <= len(obj) <= len(Request._fields):
         raise ValueError(f"malformed request: {obj!r:.200}")
     req = Request(*(_tuplify(v) for v in obj))
-    if not isinstance(req.name, str) or req.kind not in KINDS:
+    if not isinstance(req.name, str) or req.kind not in KINDS or not isinstance(req.pset, int) or req.pset < 0:
         raise ValueError(f"malformed request: {obj!r:.200}")
     return req
 
