@@ -243,6 +243,14 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
+def resolve_process_set(process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
+    """``(set id, global ranks)`` of a registered set that includes this rank; raises otherwise.
+
+    For layers above the core (ringcomm_torch) that check ``process_set=`` before staging data.
+    """
+    return _rt(what).resolve_set(process_set, what)
+
+
 def process_set_ids() -> list[int]:
     """Ids of the registered process sets (0 is the global set)."""
     return _rt("process_set_ids").engine.set_ids()
