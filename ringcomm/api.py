@@ -195,6 +195,8 @@ def _register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
     if existing is not None and what.startswith("init"):  # the same ranks twice in init(): one set
         ps.process_set_id, ps._round = existing, rt.round
         return ps
+    if existing is not None:  # every rank sees the same registry here: all raise alike
+        raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
     req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, splits=tuple(ps.ranks))
     ps.process_set_id = int(rt.submit(req, []).wait())
     ps._round = rt.round
