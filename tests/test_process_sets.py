@@ -29,3 +29,17 @@ def test_process_sets_in_a_real_job(world: int) -> None:
     assert ("stall: allreduce 'lonely' in process set 3 (ranks [0, 1]) was submitted by ranks [0]"
             in proc.stderr), proc.stderr[-3000:]
     assert "but ranks [1] have not submitted it" in proc.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_process_sets_and_sync_batch_norm(world: int) -> None:
+    """Torch collectives and gradients on a subset, DistributedOptimizer on a subset, SyncBatchNorm vs.
+    one BatchNorm over the concatenated batch (see tests/torch_workers/process_sets_worker.py)."""
+    pytest.importorskip("torch")
+    proc = launch(world, [str(TORCH_WORKERS / "process_sets_worker.py")], timeout=140, OMP_NUM_THREADS="1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"job failed (np={world}):\n{out[-6000:]}"
+    for r in range(world):
+        assert f"[{r}]<stdout>:WORKER OK rank={r}" in out, out[-3000:]
