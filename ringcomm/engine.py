@@ -78,6 +78,68 @@ class _NullLink:
         pass
 
 
+class _ServingLink:
+    """Rank 0's data plane while it executes an op: waiting for a peer's data, it keeps negotiating.
+
+    Requests that arrive on the control socket while rank 0 waits inside a
+    transfer are fed to the controller and the resulting responses sent at
+    once, so an op of another process set is not held up by rank 0's own
+    transfer.  Rank 0's own new responses wait in the engine's backlog and run
+    after the current op, in the order they were emitted.  Everything else is
+    the :class:`DataPlane`'s.
+    """
+
+    def __init__(self, engine: Engine, link: DataPlane, ctrl: zmq.Socket) -> None:
+        self._engine, self._link, self._ctrl = engine, link, ctrl
+        self.rank, self.size = link.rank, link.size
+        self._pollers: dict[int, tuple[zmq.Poller, zmq.Socket]] = {}
+
+    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
+        self._link.send(dst, seq, tag, arr)
+
+    def flush(self) -> None:
+        self._link.flush()
+
+    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
+        return self._link.reserve(dst, nbytes)
+
+    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
+        self._link.commit(dst, seq, tag, view)
+
+    def recv(self, src: int, seq: int, tag: int) -> object:
+        if (seq, tag) not in self._link._stash[src]:
+            self._serve_until_data(src)
+        return self._link.recv(src, seq, tag)
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, object]:
+        if not any(key[0] == seq for key in self._link._stash[src]):
+            self._serve_until_data(src)
+        return self._link.recv_any(src, seq)
+
+    def _serve_until_data(self, src: int) -> None:
+        """Answer control messages until ``src`` sends something (or a slice passes: the data plane's
+        own wait, with its peer checks and timeout, takes over then)."""
+        self._link._ack_held(src)  # as the data plane's recv would: the last view from src is used
+        entry = self._pollers.get(src)
+        if entry is None:
+            poller = zmq.Poller()
+            data = self._link._socks[src]
+            poller.register(data, zmq.POLLIN)
+            poller.register(self._ctrl, zmq.POLLIN)
+            entry = self._pollers[src] = (poller, data)
+        poller, data = entry
+        deadline = time.monotonic() + 1.0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if self._ctrl in events:
+                self._engine._serve_control()
+            if data in events or not events:
+                return
+
+
 #: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
 #: set count that set's ops alike, and messages of different sets never share a number.
 _PSET_SHIFT = 40
@@ -108,6 +170,9 @@ class Engine:
         self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
+        self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
+        self._executing = False
+        self._serving: _ServingLink | None = None
         self._warned_stalls: set[tuple[int, str]] = set()
         self._phases: list[tuple[str, float, float]] = []
         self._last_emit = 0.0
@@ -165,6 +230,8 @@ class Engine:
             ctrl.setsockopt(zmq.LINGER, 0)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
         self._ctrl = ctrl
+        if self.rank == 0:
+            self._serving = _ServingLink(self, link, ctrl)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
         )
@@ -309,6 +376,7 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
+        self._backlog.clear()
         for entry in list(self._inflight.values()) + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(exc)
@@ -336,18 +404,21 @@ class Engine:
             assert self._ctrl is not None
             self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
 
-    def _drain_control(self) -> None:
-        """Handle one control message (the poller is level-triggered: it reports the next one)."""
+    def _drain_control(self) -> bool:
+        """Handle one control message (the poller is level-triggered: it reports the next one).
+
+        Returns whether there was one.
+        """
         assert self._ctrl is not None
         secret = self.topo.secret
         try:
             frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         if self._coord is not None:
             if len(frames) == 2:  # ROUTER: [sender identity, message]
                 self._on_request(frames[1], secret)
-            return
+            return True
         try:
             msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
             if msg[0] != "resp":
@@ -358,6 +429,13 @@ class Engine:
             return
         for resp in resps:
             self._execute(resp)
+        return True
+
+    def _serve_control(self) -> None:
+        """Rank 0, called while it waits inside a transfer: take every waiting request, respond."""
+        while self._drain_control():
+            pass
+        self._coordinate()
 
     def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
@@ -407,9 +485,10 @@ class Engine:
             self._record_emitted(pairs)
             if self.size > 1:
                 self._send_responses(pairs)
-            for resp, members in pairs:
-                if 0 in members:
-                    self._execute(resp)
+            self._backlog.extend(resp for resp, members in pairs if 0 in members)
+            if not self._executing:  # else this runs inside rank 0's current transfer: they wait their turn
+                while self._backlog:
+                    self._execute(self._backlog.popleft())
         self._check_stalls(now)
 
     def _record_emitted(self, pairs: list[tuple[Response, tuple[int, ...]]]) -> None:
@@ -559,6 +638,7 @@ class Engine:
                 if cache is not None and e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
                     cache.record(e.req)
         try:
+            self._executing = True
             results = self._dispatch(resp, entries, seq)
         except PeerLostError as exc:
             for e in entries:
@@ -571,6 +651,8 @@ class Engine:
             for e in entries:
                 e.handle.set_error(err)
             raise err from exc
+        finally:
+            self._executing = False
         if tl is not None:
             end = time.perf_counter()
             args = {"op": seq, "fused": len(resp.names), "dtype": resp.dtype}
@@ -610,11 +692,12 @@ class Engine:
 
     def _link_for(self, pset: int) -> Any:
         """The link of a process set: the job's own for the global set, else a view with set ranks."""
+        base = self._serving if self._serving is not None else self._link
         if pset == 0:
-            return self._link
+            return base
         link = self._links.get(pset)
         if link is None:
-            link = self._links[pset] = algorithms.SubLink(self._link, self._sets[pset])
+            link = self._links[pset] = algorithms.SubLink(base, self._sets[pset])
         return link
 
     def _register_set(self, resp: Response) -> int:
