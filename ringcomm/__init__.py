@@ -61,8 +61,8 @@ from .errors import (
     StallError,
 )
 from .handles import GroupHandle, Handle
-from .process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .process_sets import ProcessSet, global_process_set
 
 __version__ = "0.1.0"
 

@@ -37,6 +37,7 @@ from .coordinator import SHUTDOWN_NAME, set_label
 from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
 from .handles import Handle
 from .ops import ReduceOp
+from .serving_link import ServingLink
 from .timeline import Timeline
 from .topology import Topology
 from .transport import DataPlane, remove_files
@@ -78,68 +79,6 @@ class _NullLink:
         pass
 
 
-class _ServingLink:
-    """Rank 0's data plane while it executes an op: waiting for a peer's data, it keeps negotiating.
-
-    Requests that arrive on the control socket while rank 0 waits inside a
-    transfer are fed to the controller and the resulting responses sent at
-    once, so an op of another process set is not held up by rank 0's own
-    transfer.  Rank 0's own new responses wait in the engine's backlog and run
-    after the current op, in the order they were emitted.  Everything else is
-    the :class:`DataPlane`'s.
-    """
-
-    def __init__(self, engine: Engine, link: DataPlane, ctrl: zmq.Socket) -> None:
-        self._engine, self._link, self._ctrl = engine, link, ctrl
-        self.rank, self.size = link.rank, link.size
-        self._pollers: dict[int, tuple[zmq.Poller, zmq.Socket]] = {}
-
-    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
-        self._link.send(dst, seq, tag, arr)
-
-    def flush(self) -> None:
-        self._link.flush()
-
-    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
-        return self._link.reserve(dst, nbytes)
-
-    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
-        self._link.commit(dst, seq, tag, view)
-
-    def recv(self, src: int, seq: int, tag: int) -> object:
-        if (seq, tag) not in self._link._stash[src]:
-            self._serve_until_data(src)
-        return self._link.recv(src, seq, tag)
-
-    def recv_any(self, src: int, seq: int) -> tuple[int, object]:
-        if not any(key[0] == seq for key in self._link._stash[src]):
-            self._serve_until_data(src)
-        return self._link.recv_any(src, seq)
-
-    def _serve_until_data(self, src: int) -> None:
-        """Answer control messages until ``src`` sends something (or a slice passes: the data plane's
-        own wait, with its peer checks and timeout, takes over then)."""
-        self._link._ack_held(src)  # as the data plane's recv would: the last view from src is used
-        entry = self._pollers.get(src)
-        if entry is None:
-            poller = zmq.Poller()
-            data = self._link._socks[src]
-            poller.register(data, zmq.POLLIN)
-            poller.register(self._ctrl, zmq.POLLIN)
-            entry = self._pollers[src] = (poller, data)
-        poller, data = entry
-        deadline = time.monotonic() + 1.0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            events = dict(poller.poll(max(1, int(left * 1000))))
-            if self._ctrl in events:
-                self._engine._serve_control()
-            if data in events or not events:
-                return
-
-
 #: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
 #: set count that set's ops alike, and messages of different sets never share a number.
 _PSET_SHIFT = 40
@@ -172,7 +111,7 @@ class Engine:
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
         self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
         self._executing = False
-        self._serving: _ServingLink | None = None
+        self._serving: ServingLink | None = None
         self._warned_stalls: set[tuple[int, str]] = set()
         self._phases: list[tuple[str, float, float]] = []
         self._last_emit = 0.0
@@ -231,7 +170,7 @@ class Engine:
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
         self._ctrl = ctrl
         if self.rank == 0:
-            self._serving = _ServingLink(self, link, ctrl)
+            self._serving = ServingLink(link, ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
         )
