@@ -555,9 +555,6 @@ class Engine:
 
     def _execute(self, resp: Response) -> None:
         pset = resp.pset
-        n = self._seqs.get(pset, 0)
-        self._seqs[pset] = n + 1
-        seq = (pset << _PSET_SHIFT) | n
         entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
         tl = self.timeline
         start = time.perf_counter()
@@ -571,6 +568,10 @@ class Engine:
             for e in entries:
                 e.handle.set_error(err)
             return
+        # the set's op count advances only for ops that move data (errors may reach one rank only)
+        n = self._seqs.get(pset, 0)
+        self._seqs[pset] = n + 1
+        seq = (pset << _PSET_SHIFT) | n
         if not resp.joined and self._coord is None:  # rank 0 recorded it when it emitted the response
             cache = self._caches.get(pset)
             for e in entries:
