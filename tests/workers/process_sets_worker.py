@@ -163,29 +163,34 @@ def phase_overlap_and_concurrency() -> None:
     print("PHASE overlap OK", flush=True)
     assert rc.remove_process_set(left) and rc.remove_process_set(right)
 
-    # disjoint sets: A = {0, 1} waits for a slow rank 1; B = {2, .., n-1} runs a loop meanwhile
+    # disjoint sets A = {0, 1} and B = {2, .., n-1}: a slow member holds up its own set only.
+    # Round 1: rank 1 (in A) is late, B's loop must finish before A's first op; round 2 the reverse.
     a = rc.add_process_set([0, 1])
     b = rc.add_process_set(list(range(2, n)))
     slow = 2.5
-    t0 = time.monotonic()
-    if a.included():
-        if r == 1:
-            time.sleep(slow)
-        got = rc.allreduce(np.ones(4), op=rc.Sum, name="lonely", process_set=a)
-        eq(got, np.full(4, 2.0), "A after the slow rank")
-        for i in range(20):
-            eq(rc.allreduce(np.full(3, float(i)), op=rc.Sum, process_set=a), np.full(3, 2.0 * i), "A loop")
-    else:
-        for i in range(30):
-            eq(rc.allreduce(np.full(1000, float(i + r)), op=rc.Sum, process_set=b),
-               np.full(1000, float(sum(i + q for q in b.ranks))), "B loop")
-    elapsed = time.monotonic() - t0
-    times = rc.allgather_object((r, elapsed))
-    a_time = min(t for q, t in times if q in (0, 1))
-    b_time = max(t for q, t in times if q >= 2)
-    assert a_time >= slow, times
-    assert b_time < slow, f"set B waited for set A: {times}"
-    print(f"PHASE concurrent OK (B done after {b_time:.2f} s, A after {a_time:.2f} s)", flush=True)
+    for late_rank, late_set, other in ((1, a, b), (n - 1, b, a)):
+        t0 = time.monotonic()
+        mine = a if a.included() else b
+        if mine is late_set:
+            if r == late_rank:
+                time.sleep(slow)
+            name = "lonely" if late_set is a else "lonely2"
+            got = rc.allreduce(np.ones(4), op=rc.Sum, name=name, process_set=mine)
+            eq(got, np.full(4, float(mine.size())), "after the slow rank")
+            for i in range(10):
+                eq(rc.allreduce(np.full(3, float(i)), op=rc.Sum, process_set=mine), np.full(3, float(i * mine.size())), "loop")
+        else:
+            for i in range(30):
+                eq(rc.allreduce(np.full(1000, float(i + r)), op=rc.Sum, process_set=mine),
+                   np.full(1000, float(sum(i + q for q in mine.ranks))), "loop")
+        elapsed = time.monotonic() - t0
+        times = rc.allgather_object((r, elapsed))
+        late_time = min(t for q, t in times if q in late_set.ranks)
+        other_time = max(t for q, t in times if q in other.ranks)
+        assert late_time >= slow, times
+        assert other_time < slow, f"set {other.ranks} waited for set {late_set.ranks}: {times}"
+        print(f"PHASE concurrent OK ({other.ranks} done after {other_time:.2f} s, "
+              f"{late_set.ranks} after {late_time:.2f} s)", flush=True)
     for ps in (a, b):
         assert rc.remove_process_set(ps)
     rc.shutdown()
