@@ -82,6 +82,46 @@ def test_disjoint_sets_negotiate_independently(names1: list[str], names2: list[s
     assert not ctl.has_pending()
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 4), min_size=1), min_size=1, max_size=4), st.randoms())
+def test_overlapping_sets_each_op_reaches_exactly_its_members_once(sets: list[set[int]], rnd) -> None:
+    """Any sets (overlapping or not), any submission order: an op is emitted once, after its last
+    member announced it, to exactly its members; each rank receives one consistent order."""
+    ctl = Controller(5, fusion_threshold=10**9)
+    ids = {}
+    for i, members in enumerate(sets):
+        ranks = tuple(sorted(members))
+        resp = add(ctl, ranks, f"add{i}")
+        if resp.error:  # the same ranks twice, or every rank: use the set registered first
+            assert "already exists" in resp.error
+            continue
+        ids[resp.root] = ranks
+    ids[0] = tuple(range(5))
+    events = [(r, f"op{j}", pset) for pset, ranks in ids.items() for r in ranks for j in range(2)]
+    rnd.shuffle(events)
+    received: dict[int, list[tuple[int, tuple[str, ...]]]] = {r: [] for r in range(5)}
+    announced: dict[tuple[int, str], set[int]] = {}
+    for r, name, pset in events:
+        ctl.submit(r, ar(name, pset))
+        announced.setdefault((pset, name), set()).add(r)
+        for resp, members in ctl.take_responses():
+            assert not resp.error and members == ids[resp.pset]
+            for n in resp.names:
+                assert announced[(resp.pset, n)] == set(members)  # released once all members announced
+            for m in members:
+                received[m].append((resp.pset, resp.names))
+    for pset, ranks in ids.items():
+        for r in ranks:
+            got = sorted(n for p, names in received[r] if p == pset for n in names)
+            assert got == ["op0", "op1"]
+    # two ranks see the ops they share in the same relative order
+    for a in range(5):
+        for b in range(a + 1, 5):
+            common = [x for x in received[a] if x in received[b]]
+            assert common == [x for x in received[b] if x in received[a]]
+    assert not ctl.has_pending()
+
+
 def test_one_name_in_two_sets_is_two_ops() -> None:
     ctl = Controller(3, 10**9)
     add(ctl, (0, 1))
