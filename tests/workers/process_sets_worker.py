@@ -51,6 +51,7 @@ def every_collective(ps: rc.ProcessSet, seed: int) -> None:
     # allreduce: small (reduced at rank 0) and large (the set's ring), several ops and dtypes
     for i, (shape, op, dtype) in enumerate([((5,), rc.Sum, "float64"), ((3, 2), rc.Average, "float32"),
                                            ((70_000,), rc.Max, "float64"), ((40_000,), rc.Sum, "int32"),
+                                           ((50_000,), rc.Average, "float64"),
                                            ((), rc.Min, "int64")]):
         ins = {q: data(seed + i, q, shape, dtype) for q in ranks}
         ref = {rc.Sum: np.sum, rc.Max: np.max, rc.Min: np.min}.get(op)
