@@ -1,5 +1,11 @@
 """Worker processes for ``ringcomm-run``: spawn in their own process group, pump output, stop.
 
+A rank on another host is a local ssh process (in its own group, like a local
+rank) whose standard input is a pipe from the launcher: closing that pipe is
+how the launcher asks the remote side (:mod:`ringcomm.rexec`) to stop the
+rank, since ssh forwards no signals.  SIGKILL to the ssh's group is the last
+resort; the remote side then sees its input end as well.
+
 Each worker runs in its own session (``start_new_session=True``), so
 ``os.killpg(worker.pid, sig)`` reaches the worker *and* everything it spawned
 (unless a grandchild starts a session of its own, which no launcher can
@@ -10,9 +16,11 @@ moment it exited, so the launcher can tell which rank failed first.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -45,8 +53,15 @@ def emit(stream: IO[str], text: str) -> None:
 class Worker:
     """One rank's process: its pipes' pump threads, its last lines, and how it ended."""
 
-    def __init__(self, rank: int, popen: subprocess.Popen[bytes], exits: "queue.Queue[Worker]") -> None:
+    def __init__(
+        self, rank: int, popen: subprocess.Popen[bytes], exits: "queue.Queue[Worker]", host: str = "",
+        remote: bool = False,
+    ) -> None:
         self.rank = rank
+        #: the host the rank runs on ("" when the job has no host list)
+        self.host = host
+        #: True when the process is the ssh that runs the rank on ``host``
+        self.remote = remote
         self.popen = popen
         self.pid = popen.pid
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -99,6 +114,31 @@ class Worker:
         with self._tail_lock:
             return list(self.tail)
 
+    def describe(self) -> str:
+        """``rank 2 (pid 4711)``, or ``rank 2 on hostB (ssh pid 4711)`` for a remote rank."""
+        if self.remote:
+            return f"rank {self.rank} on {self.host} (ssh pid {self.pid})"
+        return f"rank {self.rank} (pid {self.pid})"
+
+    def terminate(self) -> None:
+        """Ask the rank to stop: SIGTERM to its group, or close a remote rank's input (ssh forwards no signals)."""
+        if self.remote:
+            self._close_input()
+        else:
+            self.signal_group(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the local process group (a remote rank's ssh; its remote side then sees its input end)."""
+        self._close_input()
+        self.signal_group(signal.SIGKILL)
+
+    def _close_input(self) -> None:
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
+
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the worker's whole process group; no error if it is already gone."""
         try:
@@ -150,19 +190,48 @@ def live_groups(pgids: Iterable[int]) -> set[int]:
     return running
 
 
+@functools.cache
+def _guard_source() -> str:
+    """The source of :mod:`ringcomm._parent_guard`, run with ``python -c`` (no import path needed)."""
+    from . import _parent_guard
+
+    with open(_parent_guard.__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+def _check_runnable(program: str, env: Mapping[str, str]) -> None:
+    """Raise what ``Popen`` would (FileNotFoundError, PermissionError) if ``program`` cannot be run."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            raise FileNotFoundError(2, "No such file or directory", program)
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            raise PermissionError(13, "Permission denied", program)
+    elif shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        raise FileNotFoundError(2, "No such file or directory", program)
+
+
 def spawn(
-    rank: int, command: Sequence[str], env: Mapping[str, str], exits: "queue.Queue[Worker]"
+    rank: int, command: Sequence[str], env: Mapping[str, str], exits: "queue.Queue[Worker]", host: str = "",
+    remote: bool = False,
 ) -> Worker:
-    """Start ``command`` as rank ``rank`` in a new session with piped output."""
+    """Start ``command`` as rank ``rank`` in a new session with piped output.
+
+    It runs through :mod:`ringcomm._parent_guard`, so it gets SIGTERM if the launcher dies.
+
+    ``remote``: ``command`` is an ssh to ``host``; its input stays open (a pipe) until the rank is stopped.
+    """
+    _check_runnable(command[0], env)
+    # -E -s -c: the guard needs only the standard library, whatever PYTHONPATH the job has
+    guarded = [sys.executable, "-E", "-s", "-c", _guard_source(), str(os.getpid()), "--", *command]
     popen = subprocess.Popen(
-        list(command),
+        guarded,
         env=dict(env),
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    return Worker(rank, popen, exits)
+    return Worker(rank, popen, exits, host, remote)
 
 
 def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] = lambda: False) -> list[Worker]:
@@ -178,13 +247,13 @@ def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] 
             if not worker.exited.is_set():
                 worker.stopped_by_launcher = True
             signalled.append(worker)
-            worker.signal_group(signal.SIGTERM)
+            worker.terminate()
     deadline = time.monotonic() + grace
     while _any_alive(signalled) and time.monotonic() < deadline and not hurry():
         time.sleep(0.02)
     for worker in signalled:
         if worker.group_alive():
-            worker.signal_group(signal.SIGKILL)
+            worker.kill()
     # SIGKILL cannot be ignored; this only waits for the kernel (and for the waiter threads to reap).
     deadline = time.monotonic() + 5.0
     while _any_alive(signalled) and time.monotonic() < deadline:

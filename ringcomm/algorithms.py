@@ -21,6 +21,7 @@ over ZeroMQ.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -132,11 +133,15 @@ def ring_allreduce(
     seg_elems: int,
     postscale: float = 1.0,
     src_buf: np.ndarray | None = None,
+    marks: list[float] | None = None,
 ) -> None:
     """Reduce ``buf`` (1-D, contiguous) across ranks in place; every rank ends with the result.
 
     With ``src_buf`` the input is read from there and ``buf`` is only written
     (no copy-in: each chunk is first touched when it is reduced or received).
+    With ``marks`` (the timeline), the ``time.perf_counter()`` at which this
+    rank finished reducing its own chunk (the end of its scatter-reduce) is
+    appended to it.
 
     Pipelined by segment: a rank forwards each segment as soon as it has folded
     in its own contribution.  ``postscale`` is applied once per chunk, by the
@@ -156,6 +161,7 @@ def ring_allreduce(
     ag = ring.allgather_steps(rank, size)
     dst = ring.right(rank, size)
     n_sr = size - 1
+    own_left = [len(_segs(bounds[sr[-1].recv_chunk], seg_elems))]  # segments until the own chunk is done
 
     def on_segment(s: int, a: int, b: int, payload: object) -> None:
         seg = buf[a:b]
@@ -172,6 +178,10 @@ def ring_allreduce(
             combine(op, inp[a:b], incoming, seg)
             scale_inplace(seg, postscale)
             link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)  # allgather step 0
+            if marks is not None:
+                own_left[0] -= 1
+                if not own_left[0]:
+                    marks.append(time.perf_counter())
         else:  # allgather: a finished segment
             seg[...] = incoming
             if s + 1 < 2 * n_sr:

@@ -63,6 +63,8 @@ class Runtime:
         self.dynamic_sets = dynamic_sets
         self.all_ranks = tuple(range(self.topo.size))
         self.engine = Engine(self.topo, self.settings, round_)
+        # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
+        self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         self.engine.start()
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
@@ -204,6 +206,30 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Finish and close the timeline file."""
     _rt("stop_timeline").engine.stop_timeline()
+
+
+def current_settings() -> config.Settings:
+    """The settings in force: the running job's, or (before ``init()``) those the environment gives."""
+    rt = _runtime
+    return rt.settings if rt is not None else config.Settings.from_env()
+
+
+def timeline_active() -> bool:
+    """True while this rank is writing a timeline (so framework layers may add their own spans)."""
+    rt = _runtime
+    return rt is not None and rt.engine.timeline is not None
+
+
+def timeline_span(name: str, phase: str, start: float, end: float) -> None:
+    """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
+
+    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
+    no-op when no timeline is being written.  Safe from any thread.
+    """
+    rt = _runtime
+    tl = rt.engine.timeline if rt is not None else None
+    if tl is not None:
+        tl.span(name, phase, start, end)
 
 
 def is_initialized() -> bool:

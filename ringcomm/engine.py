@@ -55,7 +55,8 @@ class Entry:
     handle: Handle
     outs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
     grouped: bool = False
-    submitted_at: float = 0.0
+    submitted_at: float = 0.0  # perf_counter when the user thread submitted it
+    drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
 
     @property
     def key(self) -> tuple[int, str]:
@@ -114,6 +115,7 @@ class Engine:
         self._serving: ServingLink | None = None
         self._warned_stalls: set[tuple[int, str]] = set()
         self._phases: list[tuple[str, float, float]] = []
+        self._star_spans: dict[tuple[Any, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
         self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
@@ -148,7 +150,7 @@ class Engine:
         self._link = link  # from here on, _close() closes it
         ipc_dir = tempfile.gettempdir()
         base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
-        data_eps = link.bind(base + "-data", "127.0.0.1")
+        data_eps = link.bind(base + "-data", topo.addr)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         }
@@ -159,11 +161,13 @@ class Engine:
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
             self._ipc_paths.append(ipc_ep[len("ipc://"):])
-            ctrl.bind("tcp://127.0.0.1:0")
+            ctrl.bind(f"tcp://{topo.addr}:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
-                host, port = topo.rendezvous[len("tcp://"):].rsplit(":", 1)
-                self._server = rendezvous.RendezvousServer(self.size, topo.secret, host=host, port=int(port))
+                port = int(topo.rendezvous.rpartition(":")[2])
+                self._server = rendezvous.RendezvousServer(
+                    self.size, topo.secret, host=topo.rendezvous_bind, port=port
+                )
         else:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
@@ -325,8 +329,10 @@ class Engine:
     def _drain_queue(self) -> None:
         items: list[Any] = []
         now = time.monotonic()
+        drained_at = time.perf_counter()
         while self._queue:
             entry = self._queue.popleft()
+            entry.drained_at = drained_at
             self._inflight[entry.key] = entry
             if self._coord is not None:
                 self._canon.setdefault(entry.key, entry.req)
@@ -485,6 +491,7 @@ class Engine:
         payloads = [self._payloads.pop((resp.pset, n), {}) for n in resp.names]
         if resp.kind != wire.ALLREDUCE or resp.error or not resp.numels:
             return resp
+        started = time.perf_counter()
         dtype = np.dtype(resp.dtype)
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
@@ -519,6 +526,8 @@ class Engine:
         if acc is None:
             return resp
         ops.scale_inplace(acc, ops.postscale(op, len(members), resp.postscale))
+        if self.timeline is not None:
+            self._star_spans[(resp.pset, *resp.names)] = (started, time.perf_counter())
         return resp._replace(data=acc.tobytes())
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
@@ -559,8 +568,10 @@ class Engine:
         tl = self.timeline
         start = time.perf_counter()
         if tl is not None:
+            star = self._star_spans.get((resp.pset, *resp.names))  # rank 0 reduced it before answering
             for e in entries:
-                tl.span(e.req.name, "NEGOTIATE", e.submitted_at, start)
+                tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
+                tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, star[0] if star else start)
             self._phases = []
         if resp.error:
             cls = StallError if resp.error_kind == "stall" else MismatchError
@@ -595,7 +606,8 @@ class Engine:
             self._executing = False
         if tl is not None:
             end = time.perf_counter()
-            args = {"op": seq, "fused": len(resp.names), "dtype": resp.dtype}
+            args = {"op": seq, "fused": len(resp.names), "tensors": sum(len(e.arrays) for e in entries),
+                    "dtype": resp.dtype}
             for e in entries:
                 if self._phases:
                     for phase, a, b in self._phases:
@@ -750,12 +762,21 @@ class Engine:
                     buf[pos:pos + a.size] = a.reshape(-1)
                     pos += a.size
         t1 = time.perf_counter()
+        marks: list[float] | None = [] if self.timeline is not None else None
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
-            algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src)
+            algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
-        if self.timeline is not None:
-            self._phases = [("PACK", t0, t1), ("RANK0_REDUCE" if resp.data else "RING", t1, t2)]
+        if marks is not None:
+            phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
+            if resp.data:
+                reduced_from = self._star_spans.pop((resp.pset, *resp.names), (t0, t2))[0]
+                phases.append(("RANK0_REDUCE", reduced_from, t2))
+            elif marks:
+                phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]
+            else:  # one rank, or nothing to move
+                phases.append(("RING", t1, t2))
+            self._phases = phases
         if single:
             return [out if not entries[0].grouped else [out]]
         offsets = dict(zip(resp.names, itertools.accumulate(resp.numels[:-1], initial=0)))
@@ -770,5 +791,5 @@ class Engine:
                 outs.append(dst)
             results.append(outs if e.grouped else outs[0])
         if self.timeline is not None:
-            self._phases.append(("UNPACK", t2, time.perf_counter()))
+            self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
         return results

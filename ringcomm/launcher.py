@@ -1,16 +1,21 @@
-"""``ringcomm-run``: start N workers on this machine, relay their output, stop them all on failure.
+"""``ringcomm-run``: start N workers on this machine or across hosts, relay their output, stop them all on failure.
 
 Example::
 
     $ ringcomm-run -np 2 python -c "import os; print(os.environ['RINGCOMM_RANK'])"
     [0]<stdout>:0
     [1]<stdout>:1
+    $ ringcomm-run -np 4 -H hostA:2,hostB:2 python train.py     # ranks 2, 3 over ssh on hostB
 
 The launcher runs the job's :class:`~ringcomm.rendezvous.RendezvousServer`
-on 127.0.0.1 and gives every worker its topology, the rendezvous address and
-the job's secret through ``RINGCOMM_*`` environment variables.  When a worker
-exits non-zero (or is killed), the others are sent SIGTERM, then SIGKILL
-after a grace period, and a root-cause block names the first failing rank,
+(on 127.0.0.1 when every host is this one, else on the address that routes
+to the other hosts, or ``--network-interface``'s) and gives every worker its
+topology, the rendezvous address and the job's secret through ``RINGCOMM_*``
+environment variables.  Ranks on other hosts are started with ``--ssh-command
+HOST 'cd DIR && exec env VARS... python -m ringcomm.rexec ... COMMAND'``
+(:mod:`ringcomm.remote`).  When a worker exits non-zero (or is killed), the
+others are stopped (SIGTERM, or closing a remote rank's ssh input; SIGKILL
+after a grace period), and a root-cause block names the first failing rank,
 its exit code and its last lines; the launcher exits with that rank's status.
 """
 
@@ -28,15 +33,20 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
+from . import hosts as _hosts
+from . import netaddr, remote
 from ._proc import Worker, describe_exit, emit, exit_status, spawn, stop_all
+from .errors import InvalidInputError
 from .rendezvous import RendezvousServer
 
-__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job"]
+__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host"]
 
 #: Seconds workers get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 3.0
 #: After the first failure, how long the launcher waits for other ranks to exit on their own.
 SETTLE_SECONDS = 1.0
+#: Seconds a remote rank gets between SIGTERM and SIGKILL on its host (within the launcher's grace).
+REMOTE_GRACE_SECONDS = GRACE_SECONDS - 1.0
 #: Seconds the launcher waits for the last output once every process is gone.
 _DRAIN_SECONDS = 2.0
 _PROG = "ringcomm-run"
@@ -50,13 +60,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
         allow_abbrev=False,
-        description="Run COMMAND as N ringcomm workers on this machine (Horovod's horovodrun, for ringcomm).",
-        epilog="example: ringcomm-run -np 4 python train.py --epochs 3",
+        description="Run COMMAND as N ringcomm workers on this machine or across hosts "
+                    "(Horovod's horovodrun, for ringcomm).",
+        epilog="examples: ringcomm-run -np 4 python train.py --epochs 3; "
+               "ringcomm-run -np 8 -H node1:4,node2:4 python train.py",
     )
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, metavar="N",
                         help="number of worker processes to start (>= 1)")
-    parser.add_argument("-H", "--hosts", default=None, metavar="localhost:N",
-                        help="hosts and slots; only localhost:N is supported for now")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...",
+                       help="hosts and their slots, filled in order, e.g. -H node1:4,node2:4 "
+                            "(default: every rank on this machine)")
+    where.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="hosts from FILE: one 'host slots=N' per line, '#' comments")
+    parser.add_argument("--ssh-command", default="ssh", metavar="CMD",
+                        help="program that runs a command on another host, called as CMD HOST 'COMMAND LINE' "
+                             "(default: ssh); may hold options, e.g. 'ssh -o BatchMode=yes'")
+    parser.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="passed to ssh as -p PORT")
+    parser.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="passed to ssh as -i FILE")
+    parser.add_argument("--network-interface", default=None, metavar="NAME",
+                        help="interface whose address ranks use to reach each other across hosts, on every "
+                             "host (e.g. eth0; default: the one that routes to the other hosts); sets "
+                             "RINGCOMM_NETWORK_INTERFACE")
     parser.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                         help="seconds every rank has to reach the rendezvous (default: $RINGCOMM_START_TIMEOUT "
                              "or 60); sets RINGCOMM_START_TIMEOUT")
@@ -78,26 +103,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"-np must be at least 1 (the number of worker processes, e.g. -np 4), got {args.num_proc}")
     if args.start_timeout is not None and not args.start_timeout > 0:
         parser.error(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
-    if args.hosts is not None:
-        slots = _local_slots(args.hosts)
-        if slots is None:
-            parser.error(
-                f"-H {args.hosts!r}: multi-host launch is not supported yet; -H accepts only localhost:N "
-                "(or leave -H out to run every rank on this machine)"
-            )
-        if slots < args.num_proc:
-            parser.error(f"-np {args.num_proc} needs {args.num_proc} slots but -H {args.hosts} gives {slots}")
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        parser.error(f"--ssh-port must be 1..65535, got {args.ssh_port}")
+    try:
+        args.placements = plan_hosts(args.hosts, args.hostfile, args.num_proc)
+    except InvalidInputError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"cannot read --hostfile {args.hostfile}: {exc.strerror or exc}")
     if not args.command:
         parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
     return args
 
 
-def _local_slots(hosts: str) -> int | None:
-    """N for ``localhost:N`` (N >= 1), else ``None``."""
-    name, sep, slots = hosts.strip().partition(":")
-    if name != "localhost" or not sep or not slots.isdigit() or int(slots) < 1:
-        return None
-    return int(slots)
+def plan_hosts(hosts: str | None, hostfile: str | None, num_proc: int) -> list[_hosts.Placement] | None:
+    """Where each rank runs, from ``-H`` or ``--hostfile``; ``None`` without either (all on this machine)."""
+    if hosts is not None:
+        return _hosts.assign(_hosts.parse_hosts(hosts), num_proc)
+    if hostfile is not None:
+        with open(hostfile, encoding="utf-8") as f:
+            return _hosts.assign(_hosts.parse_hostfile(f.read(), hostfile), num_proc)
+    return None
+
+
+def rendezvous_host(remote_hosts: Sequence[str], interface: str | None) -> str:
+    """The address the launcher serves the rendezvous on: reachable from ``remote_hosts``.
+
+    127.0.0.1 when every rank is on this machine; else ``interface``'s address,
+    or the local address that routes to the first remote host.
+    """
+    if not remote_hosts:
+        return "127.0.0.1"
+    if interface:
+        return netaddr.interface_address(interface)
+    return netaddr.route_source(remote_hosts[0])
 
 
 # --------------------------------------------------------------------------- job
@@ -112,28 +151,40 @@ def worker_env(
     job_id: str,
     start_timeout: float | None = None,
     timeline: str | None = None,
+    placement: _hosts.Placement | None = None,
+    interface: str | None = None,
 ) -> dict[str, str]:
-    """``base`` plus the ``RINGCOMM_*`` variables rank ``rank`` of a one-host job needs."""
+    """``base`` plus the ``RINGCOMM_*`` variables rank ``rank`` needs.
+
+    Without ``placement`` every rank is on this host; with it, the rank's host
+    name becomes ``RINGCOMM_HOSTNAME`` (ranks with equal names talk over ipc and
+    shared memory, others over tcp).
+    """
+    place = placement or _hosts.Placement(rank, "", rank, size, 0, 1)
     env = dict(base)
     env.update(
         RINGCOMM_RANK=str(rank),
         RINGCOMM_SIZE=str(size),
-        RINGCOMM_LOCAL_RANK=str(rank),
-        RINGCOMM_LOCAL_SIZE=str(size),
-        RINGCOMM_CROSS_RANK="0",
-        RINGCOMM_CROSS_SIZE="1",
+        RINGCOMM_LOCAL_RANK=str(place.local_rank),
+        RINGCOMM_LOCAL_SIZE=str(place.local_size),
+        RINGCOMM_CROSS_RANK=str(place.cross_rank),
+        RINGCOMM_CROSS_SIZE=str(place.cross_size),
         RINGCOMM_RENDEZVOUS_ADDR=address,
         RINGCOMM_SECRET=secret.hex(),
         RINGCOMM_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
     )
-    if size > 1 and "OMP_NUM_THREADS" not in base:
+    if place.host:
+        env["RINGCOMM_HOSTNAME"] = place.host
+    if place.local_size > 1 and "OMP_NUM_THREADS" not in base:
         # as torchrun does: N ranks x all-core thread pools oversubscribe the machine
         env["OMP_NUM_THREADS"] = "1"
     if start_timeout is not None:
         env["RINGCOMM_START_TIMEOUT"] = repr(float(start_timeout))
     if timeline is not None:
         env["RINGCOMM_TIMELINE"] = timeline
+    if interface is not None:
+        env["RINGCOMM_NETWORK_INTERFACE"] = interface
     return env
 
 
@@ -183,6 +234,14 @@ def run_job(args: argparse.Namespace) -> int:
     size = args.num_proc
     job_id = secrets.token_hex(4)
     secret = secrets.token_bytes(32)
+    placements: list[_hosts.Placement] | None = getattr(args, "placements", None)
+    interface: str | None = getattr(args, "network_interface", None)
+    try:
+        is_local = {p.host: netaddr.is_local_host(p.host) for p in placements or []}
+        bind = rendezvous_host([h for h, local in is_local.items() if not local], interface)
+    except InvalidInputError as exc:
+        _say(str(exc))
+        return 2
     exits: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
     catcher = _SignalCatcher()
@@ -191,7 +250,7 @@ def run_job(args: argparse.Namespace) -> int:
     first_failure: Worker | None = None
     leftovers: list[Worker] = []
     try:
-        server = RendezvousServer(size=size, secret=secret, host="127.0.0.1")
+        server = RendezvousServer(size=size, secret=secret, host=bind)
         try:
             if args.verbose:
                 _say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
@@ -199,16 +258,25 @@ def run_job(args: argparse.Namespace) -> int:
             for rank in range(size):
                 if catcher.received:
                     break
+                place = placements[rank] if placements else None
                 env = worker_env(os.environ, rank, size, server.address, secret, job_id,
-                                 args.start_timeout, args.timeline_filename)
+                                 args.start_timeout, args.timeline_filename, place, interface)
+                host = place.host if place else ""
                 try:
-                    workers.append(spawn(rank, args.command, env, exits))
+                    workers.append(_start_rank(args, rank, host, host != "" and not is_local[host], env, job_id,
+                                               exits))
+                except InvalidInputError as exc:
+                    _say(str(exc))
+                    spawn_status = 2
+                    break
                 except OSError as exc:
-                    _say(f"cannot start {shlex.join(args.command)!s} for rank {rank}: {exc}")
+                    program = args.ssh_command if host and not is_local[host] else shlex.join(args.command[:1])
+                    _say(f"cannot start {program} for rank {rank}{' on ' + host if host else ''}: {exc}")
                     spawn_status = 127 if isinstance(exc, FileNotFoundError) else 126
                     break
                 if args.verbose:
-                    _say(f"rank {rank}: pid {workers[-1].pid}")
+                    where = f" on {host}" + (" (ssh)" if workers[-1].remote else "") if host else ""
+                    _say(f"rank {rank}: pid {workers[-1].pid}{where}")
             first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0)
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
         finally:
@@ -239,6 +307,19 @@ def run_job(args: argparse.Namespace) -> int:
     if args.verbose:
         _say(f"job {job_id}: all {size} ranks exited with code 0")
     return 0
+
+
+def _start_rank(
+    args: argparse.Namespace, rank: int, host: str, over_ssh: bool, env: Mapping[str, str], job_id: str,
+    exits: "queue.Queue[Worker]",
+) -> Worker:
+    """Start ``rank`` here with ``env``, or on ``host`` through ``--ssh-command`` with ``env`` on its command line."""
+    if not over_ssh:
+        return spawn(rank, args.command, env, exits, host)
+    line = remote.remote_command(os.getcwd(), remote.forwarded_env(env), args.command, sys.executable, job_id, rank,
+                                 REMOTE_GRACE_SECONDS)
+    argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
+    return spawn(rank, argv, os.environ, exits, host, remote=True)
 
 
 def _wait_for_end(
@@ -273,7 +354,8 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
     # a rank signalled by the launcher may still have exited with its own error code first
     failed = sorted(
         (w for w in workers if w.returncode is not None and w.returncode != 0
-         and (not w.stopped_by_launcher or w.returncode > 0)),
+         # a remote rank's ssh exits with a positive code when the launcher stopped it: not a cause
+         and (not w.stopped_by_launcher or (w.returncode > 0 and not w.remote))),
         key=lambda w: w.exited_at or 0.0,
     )
     for worker in failed:
@@ -286,14 +368,14 @@ def _report_failure(root: Worker, workers: list[Worker]) -> None:
     """Print the torchrun-style root-cause block to stderr."""
     lines = [
         f"{_PROG}: job failed",
-        f"  root cause: rank {root.rank} (pid {root.pid}) {describe_exit(root.returncode or 0)}",
+        f"  root cause: {root.describe()} {describe_exit(root.returncode or 0)}",
         f"  last lines of rank {root.rank}:",
     ]
     tail = root.last_lines()
     lines += [f"    {line}" for line in tail] if tail else ["    (no output)"]
     for worker in workers:
         if worker is not root and not worker.stopped_by_launcher and worker.returncode not in (0, None):
-            lines.append(f"  also failed: rank {worker.rank} (pid {worker.pid}) {describe_exit(worker.returncode)}")
+            lines.append(f"  also failed: {worker.describe()} {describe_exit(worker.returncode)}")
     stopped = [str(w.rank) for w in workers if w.stopped_by_launcher]
     if stopped:
         lines.append(f"  stopped by {_PROG}: rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}")

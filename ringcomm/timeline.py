@@ -1,15 +1,24 @@
 """Chrome-trace timeline (chrome://tracing, https://ui.perfetto.dev) of what each op spent its time on.
 
-Like Horovod's, one row ("process") per tensor name.  Phases per op:
+Like Horovod's, written by rank 0, one row ("process") per tensor name.  The
+phases of one op, back to back:
 
-- ``NEGOTIATE``: from submission until rank 0's response arrived (waiting for
-  the other ranks to submit it, and the round trip),
-- ``PACK`` / ``RING`` / ``UNPACK`` (allreduce): copy into the fusion buffer, the
-  ring itself, copy out; or ``RANK0_REDUCE`` when rank 0 reduced a small one,
+- ``QUEUE``: from the user thread's submit until the engine thread took it and
+  sent its request to rank 0,
+- ``NEGOTIATE``: until rank 0's response arrived (waiting for the other ranks to
+  submit it, and the round trip),
+- allreduce: ``MEMCPY_IN_FUSION_BUFFER`` (several tensors fused; a single
+  tensor is reduced where it lies), ``RING_REDUCE_SCATTER`` (until this rank's
+  own chunk is fully reduced), ``RING_ALLGATHER``, ``MEMCPY_OUT_FUSION_BUFFER``;
+  or ``RANK0_REDUCE`` when rank 0 reduced a small one from the payloads sent
+  with the requests; ``RING`` in a one-rank job,
 - ``<KIND>`` (other collectives): the data movement,
+- ``MEMCPY_D2H`` / ``MEMCPY_H2D`` (``ringcomm_torch``, CUDA tensors): staging
+  through pinned host memory, before ``QUEUE`` and after the result arrives,
 - ``CYCLE`` markers (``mark_cycles=True``) for each batch of responses.
 
-Written by the engine thread; ``close()`` may come from any thread.
+Written by the engine thread (and framework layers through
+:func:`ringcomm.api.timeline_span`); ``close()`` may come from any thread.
 """
 
 from __future__ import annotations

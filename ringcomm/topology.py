@@ -1,13 +1,33 @@
 """Where this process sits in the job, read once from the environment at ``init()``.
 
-Sources, first match wins:
+Sources, first match wins (the order matters: ``mpirun`` inside a Slurm
+allocation also sets ``SLURM_*``; torchrun under Slurm sets both too):
 
 1. ``ringcomm-run``: ``RINGCOMM_RANK``, ``RINGCOMM_SIZE``, ... and ``RINGCOMM_RENDEZVOUS_ADDR``.
 2. torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-   ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the rendezvous on
-   ``MASTER_ADDR:(RINGCOMM_RENDEZVOUS_PORT or MASTER_PORT + 1)`` (torchrun's own
-   store may hold ``MASTER_PORT``).
-3. Nothing: a single-process job (size 1).
+   ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the
+   rendezvous on ``MASTER_ADDR:(RINGCOMM_RENDEZVOUS_PORT or MASTER_PORT + 1)``
+   (torchrun's own store may hold ``MASTER_PORT``).
+3. Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+   ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``.
+4. MPICH / Intel MPI (hydra) and other PMI launchers: ``PMI_RANK``,
+   ``PMI_SIZE`` (``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS`` when set).
+   For 3 and 4 the rendezvous is at ``RINGCOMM_MASTER_ADDR`` (or
+   ``MASTER_ADDR``) and ``RINGCOMM_RENDEZVOUS_PORT`` (or ``MASTER_PORT``);
+   whatever the launcher does not say (the host index, for Open MPI) is
+   worked out from every rank's host name at the rendezvous.
+5. Slurm's ``srun``: ``SLURM_PROCID`` with ``SLURM_STEP_ID`` (a batch script
+   itself has no step id and runs as a single process), ``SLURM_NTASKS``,
+   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NODELIST`` or
+   ``SLURM_NODELIST``, ``SLURM_STEP_TASKS_PER_NODE`` or
+   ``SLURM_TASKS_PER_NODE``.  Rank 0 runs on the first node of the list; the
+   port is ``RINGCOMM_RENDEZVOUS_PORT``, ``MASTER_PORT``, or derived from
+   ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
+6. Nothing: a single-process job (size 1).
+
+Every rank binds its tcp sockets on, and advertises, the address of
+``RINGCOMM_NETWORK_INTERFACE`` when set, else the local address that routes
+toward the rendezvous host (:mod:`ringcomm.netaddr`).
 """
 
 from __future__ import annotations
@@ -17,9 +37,18 @@ import hashlib
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from . import hosts as _hosts
+from . import netaddr
 from .errors import InvalidInputError
+
+#: Placement fields a source may leave to be worked out from the rendezvous table.
+PLACEMENT_FIELDS = ("local_rank", "local_size", "cross_rank", "cross_size")
+#: Ports derived from a Slurm job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): below Linux's
+#: ephemeral range, so an outgoing connection never holds one by chance.
+_PORT_BASE, _PORT_SPAN = 20000, 12000
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +65,19 @@ class Topology:
     job_id: str = ""
     hostname: str = ""
     source: str = "single"
+    #: the IPv4 address this rank binds its tcp sockets on and gives the other ranks
+    addr: str = "127.0.0.1"
+    #: where rank 0 binds the rendezvous when ``host_rendezvous`` ("0.0.0.0": every interface)
+    rendezvous_bind: str = "127.0.0.1"
+    #: placement fields the source did not give: worked out from every rank's host at the rendezvous
+    derive: tuple[str, ...] = ()
 
 
-def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+def _int(env: Mapping[str, str], key: str, default: int | None = None, src: str = "the launcher") -> int:
     raw = env.get(key)
     if raw is None:
         if default is None:
-            raise InvalidInputError(f"{key} is not set; the launcher environment is incomplete")
+            raise InvalidInputError(f"{key} is not set; the environment from {src} is incomplete")
         return default
     try:
         return int(raw)
@@ -61,47 +96,207 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
         raise InvalidInputError(f"local rank from {src} is {local_rank} with local size {local_size}")
 
 
+def _literal_loopback(host: str) -> bool:
+    return host.lower() in _LOOPBACK_NAMES or netaddr.is_loopback(host)
+
+
+def pick_address(env: Mapping[str, str], toward: Sequence[str]) -> str:
+    """The address this rank binds and advertises: ``RINGCOMM_NETWORK_INTERFACE``'s, or one that routes.
+
+    ``toward``: hosts the other ranks run on (the rendezvous host first).  The
+    first one that routes through a non-loopback address decides.  When every
+    one routes through loopback although one is named by a non-loopback name
+    (a hostname that /etc/hosts maps to 127.0.1.1, on the rendezvous host
+    itself), the default route's address is used, so other hosts can reach us.
+    """
+    iface = env.get("RINGCOMM_NETWORK_INTERFACE", "")
+    if iface:
+        return netaddr.interface_address(iface)
+    for host in toward:
+        addr = netaddr.route_source(host)
+        if not netaddr.is_loopback(addr):
+            return addr
+    if any(not _literal_loopback(h) for h in toward):
+        return netaddr.default_source() or "127.0.0.1"
+    return "127.0.0.1"
+
+
+def _host_of(address: str) -> str:
+    """``tcp://host:port`` -> ``host`` (brackets of an IPv6 literal removed)."""
+    hostport = address.partition("://")[2] or address
+    return hostport.rpartition(":")[0].strip("[]")
+
+
+def _derived_secret(env: Mapping[str, str], seed: str) -> bytes:
+    if "RINGCOMM_SECRET" in env:
+        try:
+            return bytes.fromhex(env["RINGCOMM_SECRET"])
+        except ValueError:
+            raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
+    # No launcher to hand out a secret: derive one every rank can compute.
+    return hashlib.sha256(seed.encode()).digest()
+
+
+def _rendezvous_at(master: str, port: int, rank: int) -> dict[str, object]:
+    if not 0 < port < 65536:
+        raise InvalidInputError(f"rendezvous port {port} is out of range (1..65535)")
+    bracketed = f"[{master}]" if ":" in master else master
+    return {
+        "rendezvous": f"tcp://{bracketed}:{port}",
+        "host_rendezvous": rank == 0,
+        "rendezvous_bind": "127.0.0.1" if _literal_loopback(master) else "0.0.0.0",
+    }
+
+
+def _from_ringcomm_run(env: Mapping[str, str], hostname: str) -> Topology:
+    rank, size = _int(env, "RINGCOMM_RANK"), _int(env, "RINGCOMM_SIZE")
+    local_rank = _int(env, "RINGCOMM_LOCAL_RANK", rank)
+    local_size = _int(env, "RINGCOMM_LOCAL_SIZE", size)
+    _check(rank, size, local_rank, local_size, "RINGCOMM_RANK/RINGCOMM_SIZE")
+    addr = env.get("RINGCOMM_RENDEZVOUS_ADDR", "")
+    if size > 1 and not addr:
+        raise InvalidInputError("RINGCOMM_RENDEZVOUS_ADDR is not set; start the job with ringcomm-run")
+    secret_hex = env.get("RINGCOMM_SECRET", "")
+    try:
+        secret = bytes.fromhex(secret_hex)
+    except ValueError:
+        raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
+    return Topology(
+        rank, size, local_rank, local_size,
+        _int(env, "RINGCOMM_CROSS_RANK", 0), _int(env, "RINGCOMM_CROSS_SIZE", 1),
+        rendezvous=addr, secret=secret, job_id=env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4),
+        hostname=hostname, source="ringcomm-run",
+        addr=pick_address(env, [_host_of(addr)]) if size > 1 else "127.0.0.1",
+    )
+
+
+def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
+    src = "torchrun (RANK/WORLD_SIZE)"
+    rank, size = _int(env, "RANK", src=src), _int(env, "WORLD_SIZE", src=src)
+    local_rank = _int(env, "LOCAL_RANK", rank)
+    local_size = _int(env, "LOCAL_WORLD_SIZE", size)
+    _check(rank, size, local_rank, local_size, "RANK/WORLD_SIZE (torchrun)")
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", _int(env, "MASTER_PORT", 29500, src) + 1)
+    secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}")
+    cross_size = max(1, -(-size // max(local_size, 1)))
+    cross_rank = _int(env, "GROUP_RANK", rank // max(local_size, 1))
+    where = _rendezvous_at(master, port, rank)
+    return Topology(
+        rank, size, local_rank, local_size, cross_rank, cross_size,
+        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source="torchrun",
+        addr=pick_address(env, [master]), **where,  # type: ignore[arg-type]
+    )
+
+
+def _mpi_master(env: Mapping[str, str], src: str) -> tuple[str, int]:
+    master = env.get("RINGCOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
+    if not master:
+        raise InvalidInputError(
+            f"RINGCOMM_MASTER_ADDR is not set: started by {src}, every rank needs rank 0's host in "
+            "RINGCOMM_MASTER_ADDR (or MASTER_ADDR) and a free port there in RINGCOMM_RENDEZVOUS_PORT "
+            "(or MASTER_PORT), e.g. mpirun -x RINGCOMM_MASTER_ADDR=node01 -x RINGCOMM_RENDEZVOUS_PORT=29400"
+        )
+    if "RINGCOMM_RENDEZVOUS_PORT" not in env and "MASTER_PORT" not in env:
+        raise InvalidInputError(
+            f"RINGCOMM_RENDEZVOUS_PORT is not set: started by {src}, every rank needs the rendezvous port "
+            "on rank 0's host in RINGCOMM_RENDEZVOUS_PORT (or MASTER_PORT)"
+        )
+    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT") if "RINGCOMM_RENDEZVOUS_PORT" in env else _int(env, "MASTER_PORT")
+    return master, port
+
+
+def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
+    if prefix == "OMPI":
+        src = "Open MPI's mpirun"
+        keys = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE")
+    else:
+        src = "a PMI launcher (mpirun/mpiexec)"
+        keys = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    rank, size = _int(env, keys[0], src=src), _int(env, keys[1], src=src)
+    derive: tuple[str, ...] = ("cross_rank", "cross_size")
+    if keys[2] in env:
+        local_rank, local_size = _int(env, keys[2], src=src), _int(env, keys[3], src=src)
+    else:
+        local_rank, local_size, derive = 0, 1, PLACEMENT_FIELDS
+    _check(rank, size, local_rank, local_size, f"{keys[0]}/{keys[1]} ({src})")
+    master, port = _mpi_master(env, src)
+    jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "")
+    secret = _derived_secret(env, f"mpi:{master}:{port}:{size}:{jobid}")
+    where = _rendezvous_at(master, port, rank)
+    return Topology(
+        rank, size, local_rank, local_size, 0, 1,
+        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source=src,
+        addr=pick_address(env, [master]), derive=derive, **where,  # type: ignore[arg-type]
+    )
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port every task of Slurm step ``job_id.step_id`` derives alike."""
+    digest = hashlib.sha256(f"{job_id}.{step_id}".encode()).digest()
+    return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
+
+
+def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
+    src = "Slurm (srun)"
+    rank = _int(env, "SLURM_PROCID", src=src)
+    size = _int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS", src=src))
+    local_rank = _int(env, "SLURM_LOCALID", src=src)
+    node_key = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_NODELIST"
+    if node_key not in env:
+        raise InvalidInputError(f"SLURM_NODELIST is not set; the environment from {src} is incomplete")
+    nodes = _hosts.expand_nodelist(env[node_key])
+    node_id = _int(env, "SLURM_NODEID", src=src)
+    if not 0 <= node_id < len(nodes):
+        raise InvalidInputError(f"SLURM_NODEID={node_id} but {node_key}={env[node_key]!r} lists {len(nodes)} nodes")
+    tasks_key = "SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in env else "SLURM_TASKS_PER_NODE"
+    if tasks_key in env:
+        per_node = _hosts.expand_tasks_per_node(env[tasks_key])
+        if len(per_node) < len(nodes):
+            raise InvalidInputError(f"{tasks_key}={env[tasks_key]!r} covers {len(per_node)} of {len(nodes)} nodes")
+        local_size = per_node[node_id]
+    else:
+        raise InvalidInputError(f"SLURM_TASKS_PER_NODE is not set; the environment from {src} is incomplete")
+    _check(rank, size, local_rank, local_size, f"SLURM_PROCID/SLURM_NTASKS ({src})")
+    job, step = _int(env, "SLURM_JOB_ID", src=src), _int(env, "SLURM_STEP_ID", src=src)
+    master = env.get("RINGCOMM_MASTER_ADDR") or env.get("MASTER_ADDR") or nodes[0]
+    if "RINGCOMM_RENDEZVOUS_PORT" in env:
+        port = _int(env, "RINGCOMM_RENDEZVOUS_PORT")
+    else:
+        port = _int(env, "MASTER_PORT", slurm_port(job, step))
+    secret = _derived_secret(env, f"slurm:{job}.{step}:{master}:{port}:{size}")
+    others = [n for n in nodes if n != nodes[node_id]]
+    toward = [master] if nodes[node_id] != master else [master, *others[:1]]
+    where = _rendezvous_at(master, port, rank)
+    return Topology(
+        rank, size, local_rank, local_size, node_id, len(nodes),
+        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=nodes[node_id], source=src,
+        addr=pick_address(env, toward), **where,  # type: ignore[arg-type]
+    )
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Topology:
     """Read the topology; raises InvalidInputError for an inconsistent environment."""
     env = os.environ if environ is None else environ
     hostname = env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
     if "RINGCOMM_RANK" in env or "RINGCOMM_SIZE" in env:
-        rank, size = _int(env, "RINGCOMM_RANK"), _int(env, "RINGCOMM_SIZE")
-        local_rank = _int(env, "RINGCOMM_LOCAL_RANK", rank)
-        local_size = _int(env, "RINGCOMM_LOCAL_SIZE", size)
-        _check(rank, size, local_rank, local_size, "RINGCOMM_RANK/RINGCOMM_SIZE")
-        addr = env.get("RINGCOMM_RENDEZVOUS_ADDR", "")
-        if size > 1 and not addr:
-            raise InvalidInputError("RINGCOMM_RENDEZVOUS_ADDR is not set; start the job with ringcomm-run")
-        secret_hex = env.get("RINGCOMM_SECRET", "")
-        try:
-            secret = bytes.fromhex(secret_hex)
-        except ValueError:
-            raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
-        return Topology(
-            rank, size, local_rank, local_size,
-            _int(env, "RINGCOMM_CROSS_RANK", 0), _int(env, "RINGCOMM_CROSS_SIZE", 1),
-            rendezvous=addr, secret=secret, job_id=env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4),
-            hostname=hostname, source="ringcomm-run",
-        )
+        return _from_ringcomm_run(env, hostname)
     if "RANK" in env and "WORLD_SIZE" in env:
-        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = _int(env, "LOCAL_RANK", rank)
-        local_size = _int(env, "LOCAL_WORLD_SIZE", size)
-        _check(rank, size, local_rank, local_size, "RANK/WORLD_SIZE (torchrun)")
-        master = env.get("MASTER_ADDR", "127.0.0.1")
-        port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", _int(env, "MASTER_PORT", 29500) + 1)
-        if "RINGCOMM_SECRET" in env:
-            secret = bytes.fromhex(env["RINGCOMM_SECRET"])
-        else:
-            # No launcher to hand out a secret: derive one every rank can compute.
-            seed = f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}"
-            secret = hashlib.sha256(seed.encode()).digest()
-        job = hashlib.sha256(secret).hexdigest()[:8]
-        cross_size = max(1, size // max(local_size, 1))
-        return Topology(
-            rank, size, local_rank, local_size, rank // max(local_size, 1), cross_size,
-            rendezvous=f"tcp://{master}:{port}", host_rendezvous=(rank == 0), secret=secret,
-            job_id=job, hostname=hostname, source="torchrun",
-        )
+        return _from_torchrun(env, hostname)
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return _from_mpi(env, hostname, "OMPI")
+    if "PMI_RANK" in env:
+        return _from_mpi(env, hostname, "PMI")
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        topo = _from_slurm(env, hostname)
+        return dataclasses.replace(topo, hostname=env.get("RINGCOMM_HOSTNAME") or topo.hostname)
     return Topology(hostname=hostname, job_id=secrets.token_hex(4), secret=secrets.token_bytes(16))
+
+
+def with_placement(topo: Topology, hosts: Sequence[str]) -> Topology:
+    """``topo`` with the fields in ``topo.derive`` worked out from every rank's host (rank order)."""
+    if not topo.derive:
+        return topo
+    mine = _hosts.place_by_host(list(hosts))[topo.rank]
+    return dataclasses.replace(topo, derive=(), **{f: getattr(mine, f) for f in topo.derive})

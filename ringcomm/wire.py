@@ -1,7 +1,7 @@
 """Wire codec: requests, responses and data-plane headers.  Pure (no sockets).
 
 A control message is one ZeroMQ frame ``tag + body``: ``body`` is msgpack,
-``tag`` is the 32-byte HMAC-SHA256(secret, body).  The tag is checked before the body is
+``tag`` is the 32-byte keyed BLAKE2b MAC of the body (see :func:`sign`).  The tag is checked before the body is
 parsed, and parsing never executes anything (no pickle), so a stranger's bytes
 are dropped without effect.
 
@@ -135,15 +135,21 @@ def response_from_wire(obj: Any) -> Response:
 # control envelope
 
 
-def sign(secret: bytes, body: bytes) -> bytes:
-    return hmac.digest(secret, body, hashlib.sha256)
-
-
 TAG_BYTES = 32
 
 
+def sign(secret: bytes, body: bytes) -> bytes:
+    """The 32-byte tag of ``body``: keyed BLAKE2b, a MAC by design (RFC 7693), in one pass.
+
+    It replaced HMAC-SHA256 (two hash passes): 3.4 vs 15 us per control message
+    here, and every small allreduce signs and checks two of them per rank.
+    """
+    key = secret if len(secret) <= 64 else hashlib.sha256(secret).digest()
+    return hashlib.blake2b(body, key=key, digest_size=TAG_BYTES).digest()
+
+
 def pack_control(secret: bytes, msg: Any) -> bytes:
-    """Encode ``msg`` (msgpack-able) as one authenticated frame: 32-byte HMAC tag, then the body."""
+    """Encode ``msg`` (msgpack-able) as one authenticated frame: 32-byte MAC tag, then the body."""
     body = msgpack.packb(msg, use_bin_type=True)
     return sign(secret, body) + body
 

@@ -70,14 +70,14 @@ class _Several:
     """Several core handles finished as one; ``wait()`` returns their results in order."""
 
     def __init__(self, handles: list[Any]) -> None:
-        self._handles = handles
+        self.handles = handles
 
     def done(self) -> bool:
-        return all(h.done() for h in self._handles)
+        return all(h.done() for h in self.handles)
 
     def wait(self) -> list[Any]:
         results, error = [], None
-        for h in self._handles:  # wait for all, so no buffer is still in use when this raises
+        for h in self.handles:  # wait for all, so no buffer is still in use when this raises
             try:
                 results.append(h.wait())
             except BaseException as exc:

@@ -21,6 +21,8 @@ from typing import Any
 
 from ringcomm.errors import InvalidTypeError
 
+from .tensors import claim_pending_copies, copies_belong_to
+
 __all__ = ["Handle", "poll", "synchronize", "completed"]
 
 _UNSET = object()
@@ -41,6 +43,16 @@ class Handle:
         self._result: Any = _UNSET
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # held by wait() while it blocks
+        claim_pending_copies(self.core_name)  # CUDA staging copies made for this op (timeline)
+
+    @property
+    def core_name(self) -> str | None:
+        """The name the core negotiated this op under (the timeline's row), if known."""
+        core = self._core
+        name = getattr(core, "name", None)
+        if name is None and getattr(core, "handles", None):
+            name = core.handles[0].name
+        return name
 
     def done(self) -> bool:
         """True once the op has finished (``synchronize`` will not block)."""
@@ -58,7 +70,8 @@ class Handle:
                 raise self._error
             try:
                 raw = None if self._core is None else self._core.wait()
-                self._result = self._finish(raw)
+                with copies_belong_to(self.core_name):
+                    self._result = self._finish(raw)
             except BaseException as exc:
                 self._error = exc
                 raise

@@ -5,11 +5,18 @@ It wraps any ``torch.optim.Optimizer`` by delegation (no dynamic subclass):
 objects, so ``state_dict()``, ``load_state_dict()``, LR schedulers and
 ``isinstance(opt, torch.optim.Optimizer)`` keep working.
 
-Each parameter gets a ``register_post_accumulate_grad_hook``: the moment its
-gradient is accumulated, the hook starts an in-place ``allreduce_async_`` of
-``p.grad`` named ``"allreduce." + name``, so the core fuses whatever is ready.
-``step()`` waits for every reduction (``synchronize()``) and then runs the
-wrapped optimizer's step.
+Each parameter gets a ``register_post_accumulate_grad_hook``.  Parameters are
+cut into buckets of about ``RINGCOMM_BUCKET_BYTES`` (1 MiB) in reverse order,
+the order backward produces their gradients, as DDP does; the moment the last
+gradient of a bucket is accumulated, its hook starts one in-place
+``grouped_allreduce_async_`` of the bucket's gradients, named after its first
+parameter (``"allreduce." + name``).  One op per bucket rather than per
+parameter saves a negotiation round and the engine's per-op work for every
+small gradient (biases, norms); a parameter larger than a bucket is reduced on
+its own, where it lies.  ``groups=`` replaces the buckets with your own
+grouping, and ``RINGCOMM_BUCKET_BYTES=0`` gives one op per parameter (Horovod's
+default).  ``step()`` waits for every reduction (``synchronize()``) and then
+runs the wrapped optimizer's step.
 
 What each rank sees (size 2, the same model; rank r's batch gives grad g_r)::
 
@@ -30,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
 from .basics import check_process_set, global_process_set
@@ -55,6 +63,28 @@ _STEP_AFTER_SYNC_MSG = (
 
 class GradientsPendingError(RingcommError, AssertionError):
     """Gradients were touched while their reductions were in flight (Horovod raises AssertionError)."""
+
+
+def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
+    """``params`` in reverse order (the order backward produces their gradients), cut into runs of
+    at most ``cap`` bytes; a parameter larger than ``cap`` is a bucket of its own.
+
+    >>> [len(b) for b in _buckets([torch.zeros(100), torch.zeros(300), torch.zeros(10)], cap=1600)]
+    [2, 1]
+    """
+    out: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    nbytes = 0
+    for p in reversed(params):
+        size = p.numel() * p.element_size()
+        if current and nbytes + size > cap:
+            out.append(current)
+            current, nbytes = [], 0
+        current.append(p)
+        nbytes += size
+    if current:
+        out.append(current)
+    return out
 
 
 def _split_list(items: list[Any], n: int) -> list[list[Any]]:
@@ -247,8 +277,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _form_groups(self, params: list[torch.Tensor]) -> None:
         spec = self._groups_spec
         if spec is None:
-            return
-        if isinstance(spec, list):
+            cap = _core_api.current_settings().bucket_bytes
+            if cap <= 0:
+                return
+            # the default: DDP-style buckets (RINGCOMM_BUCKET_BYTES); a lone parameter needs no group
+            formed = [b for b in _buckets(params, cap) if len(b) > 1]
+        elif isinstance(spec, list):
             ids = {id(p) for p in params}
             formed = [[p for p in group if id(p) in ids] for group in spec]
             grouped = {id(p) for g in formed for p in g}

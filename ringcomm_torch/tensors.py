@@ -27,11 +27,15 @@ Example (any rank)::
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
+from ringcomm import api as _core_api
 from ringcomm.errors import InvalidTypeError
 from ringcomm.ops import SUPPORTED_DTYPES
 
@@ -97,6 +101,58 @@ def _from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _size_class(nbytes: int) -> int:
     """Smallest power of two >= nbytes (at least 4 KiB): buffers are shared within a class."""
     return max(4096, 1 << max(0, (nbytes - 1)).bit_length())
+
+
+# -- device<->host copies on the timeline --------------------------------------
+# A D2H copy happens in stage(), before the core has named the op; the span waits in this
+# thread's pending list until the Handle is made (same thread, same call) and takes the core
+# name from it.  An H2D copy happens inside Handle.wait(), which sets the thread's current name.
+_trace = threading.local()
+
+
+@contextmanager
+def traced_copy(phase: str) -> Iterator[bool]:
+    """Time a device<->host copy for the timeline; yields whether a timeline is being written.
+
+    When it is, the caller must make the copy complete before the block ends (synchronize), so
+    the span covers the copy itself; without a timeline nothing is timed and nothing waits.
+    """
+    if not _core_api.timeline_active():
+        yield False
+        return
+    start = time.perf_counter()
+    yield True
+    end = time.perf_counter()
+    name = getattr(_trace, "name", None)
+    if name is not None:
+        _core_api.timeline_span(name, phase, start, end)
+    else:
+        pending = getattr(_trace, "pending", None)
+        if pending is None:
+            pending = _trace.pending = []
+        pending.append((phase, start, end))
+
+
+def claim_pending_copies(name: str | None) -> None:
+    """Record this thread's untimed-to-an-op copy spans (from :func:`stage`) under core op ``name``."""
+    pending = getattr(_trace, "pending", None)
+    if not pending:
+        return
+    _trace.pending = []
+    if name is not None:
+        for phase, start, end in pending:
+            _core_api.timeline_span(name, phase, start, end)
+
+
+@contextmanager
+def copies_belong_to(name: str | None) -> Iterator[None]:
+    """Within the block, timed copies on this thread are spans of core op ``name``."""
+    previous = getattr(_trace, "name", None)
+    _trace.name = name
+    try:
+        yield
+    finally:
+        _trace.name = previous
 
 
 class PinnedPool:
@@ -211,9 +267,12 @@ def _copy_to_device(target: torch.Tensor, host: torch.Tensor, staged: Staged | N
     stream = _side_stream(target.device)
     current = torch.cuda.current_stream(target.device)
     stream.wait_stream(current)  # target may still be in use by queued kernels
-    with torch.cuda.stream(stream), torch.no_grad():
-        dev = host.to(target.device, non_blocking=host.is_pinned())
-        target.copy_(_from_wire(dev, target.dtype))
+    with traced_copy("MEMCPY_H2D") as timed:
+        with torch.cuda.stream(stream), torch.no_grad():
+            dev = host.to(target.device, non_blocking=host.is_pinned())
+            target.copy_(_from_wire(dev, target.dtype))
+        if timed:  # only with a timeline: wait so that the span is the copy's real duration
+            stream.synchronize()
     current.wait_stream(stream)
 
 
@@ -245,11 +304,12 @@ def _stage_cuda(t: torch.Tensor, wire: torch.dtype) -> Staged:
     host = buf[:nbytes].view(wire).view(t.shape)
     stream = _side_stream(t.device)
     stream.wait_stream(torch.cuda.current_stream(t.device))  # t's producers have finished
-    with torch.cuda.stream(stream), torch.no_grad():
-        src = _to_wire(t, wire)
-        host.copy_(src, non_blocking=True)
-        t.record_stream(stream)
-    stream.synchronize()  # the core reads the buffer from another thread
+    with traced_copy("MEMCPY_D2H"):
+        with torch.cuda.stream(stream), torch.no_grad():
+            src = _to_wire(t, wire)
+            host.copy_(src, non_blocking=True)
+            t.record_stream(stream)
+        stream.synchronize()  # the core reads the buffer from another thread
     return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None)
 
 

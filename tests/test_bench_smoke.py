@@ -78,3 +78,24 @@ def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
         assert rc_["median_ms"] == pytest.approx(sorted(raw)[1] * 1e3)
 
     assert "| 2 | 4 KiB |" in proc.stdout and "latency ratio" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Path) -> None:
+    """The memory target as a check: 200 allreduces of 4 MiB allocate nothing per op that stays."""
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "resources", "--ops", "200", "--bytes", "4M", "--idle", "1",
+           "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    section = json.loads(out.read_text())["resources"]
+    runs = {r["system"]: r for r in section["runs"]}
+    assert set(runs) == {"ringcomm", "gloo"} and all(r["ok"] for r in runs.values())
+    for run in runs.values():
+        assert [r["rank"] for r in sorted(run["ranks"], key=lambda r: r["rank"])] == [0, 1]
+        for rank in run["ranks"]:
+            assert set(rank["rss_mib"]) == {"10", "100", "200"} and rank["rss_mib"]["10"] > 10
+            assert 0 <= rank["idle_cpu_percent"] < 100 and rank["threads"] >= 1
+    assert runs["ringcomm"]["max_rss_growth_percent"] < 5.0, runs["ringcomm"]
+    assert "### Resources: np=2, 200 allreduces of 4 MiB" in proc.stdout

@@ -152,8 +152,11 @@ time.sleep(60)
         (["-np", "-2", "python"], "-np must be at least 1"),
         (["python", "x.py"], "-np"),
         (["-np", "2"], "no command given"),
-        (["-np", "2", "-H", "host1:2,host2:2", "python"], "multi-host launch is not supported yet"),
-        (["-np", "2", "-H", "10.0.0.1:4", "python"], "multi-host launch is not supported yet"),
+        (["-np", "2", "-H", "host1:2,host1:2", "python"], "host 'host1' is listed twice"),
+        (["-np", "2", "-H", "host1:x", "python"], "'host1:x' is not host:slots"),
+        (["-np", "2", "-H", "a:1", "--hostfile", "f", "python"], "not allowed with argument"),
+        (["-np", "2", "--hostfile", "/nonexistent/hosts", "python"], "cannot read --hostfile /nonexistent/hosts"),
+        (["-np", "2", "--ssh-port", "0", "python"], "--ssh-port must be 1..65535"),
         (["-np", "3", "-H", "localhost:2", "python"], "needs 3 slots"),
         (["-np", "2", "--start-timeout", "0", "python"], "--start-timeout must be > 0"),
     ],
@@ -296,3 +299,17 @@ def test_output_survives_a_launcher_that_cannot_encode_it():
     result, _ = run_launcher("-np", "1", *worker(code), PYTHONIOENCODING="ascii")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "[0]<stdout>:caf\\xe9\n"
+
+
+@pytest.mark.timeout(30)
+def test_a_sigkilled_launcher_leaves_no_worker_running():
+    """SIGKILL gives the launcher no chance to stop anyone: its workers get SIGTERM from the kernel."""
+    live, pids = _start_and_wait_ready(2)
+    workers = pids[0::2]  # (pid, child) pairs: the ranks themselves
+    try:
+        assert all(alive(p) for p in workers)
+        live.proc.kill()
+        live.proc.wait(10)
+        assert wait_gone(workers, timeout=10) == []
+    finally:
+        kill_leftovers(pids)

@@ -73,3 +73,19 @@ def test_autograd_and_optimizer_on_cuda():
         assert torch.allclose(model.weight, ref.weight)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+
+def test_timeline_shows_device_host_copies(tmp_path):
+    import json
+
+    path = tmp_path / "cuda-timeline.json"
+    hvd.start_timeline(str(path))
+    hvd.allreduce(torch.ones(1 << 20, device="cuda"), name="cuda.grad")
+    hvd.stop_timeline()
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid = next(p for p, name in rows.items() if name == "allreduce.cuda.grad")
+    phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
+                                        key=lambda e: e["ts"])]
+    assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases
+    assert "NEGOTIATE" in phases

@@ -194,8 +194,38 @@ def test_timeline_records_ops(tmp_path):
     trace = json.loads(files[0].read_text())
     names = [e["args"]["name"] for e in trace if e.get("name") == "process_name"]
     assert "allreduce.timeline.x" in names and "broadcast.timeline.y" in names
-    assert "allreduce.0.weight" in names and "allreduce.2.bias" in names  # Horovod's gradient op names
+    # the gradients go in one bucket, named after the first gradient backward produces
+    assert "allreduce.2.bias" in names and "allreduce.0.weight" not in names
+    pid = next(e["pid"] for e in trace if e.get("name") == "process_name" and e["args"]["name"] == "allreduce.2.bias")
+    assert {e["args"]["tensors"] for e in trace if e.get("pid") == pid and "args" in e and e["ph"] == "X"} == {4}
     hvd.stop_timeline()  # second stop is a no-op
+
+
+def test_bucket_bytes_zero_gives_one_op_per_parameter_named_as_horovod_does(tmp_path, monkeypatch):
+    import dataclasses
+
+    from ringcomm import api
+
+    monkeypatch.setattr(api._runtime, "settings", dataclasses.replace(api._runtime.settings, bucket_bytes=0))
+    path = tmp_path / "tl.json"
+    hvd.start_timeline(str(path))
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    _backward(model)
+    opt.step()
+    hvd.stop_timeline()
+    names = {e["args"]["name"] for e in json.loads(path.read_text()) if e.get("name") == "process_name"}
+    assert {"allreduce.0.weight", "allreduce.0.bias", "allreduce.2.weight", "allreduce.2.bias"} <= names
+
+
+def test_buckets_follow_reverse_parameter_order_and_the_byte_cap():
+    from ringcomm_torch.optimizer import _buckets
+
+    params = [torch.zeros(100), torch.zeros(300), torch.zeros(10), torch.zeros(2000), torch.zeros(5, dtype=torch.float64)]
+    buckets = _buckets(params, cap=1600)
+    assert [[p.numel() for p in b] for b in buckets] == [[5], [2000], [10, 300], [100]]  # 2000 floats > cap: alone
+    assert [[p.numel() for p in b] for b in _buckets(params, cap=1 << 30)] == [[5, 2000, 10, 300, 100]]
 
 
 def test_objects_barrier_join():
@@ -433,3 +463,24 @@ def test_sync_batch_norm_function_gradcheck_and_size_one():
         bn(torch.randn(3))
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         _SyncBatchNormFunction.apply(torch.randn(1, 3), None, None, None, None, 1e-5, 0.1, hvd.global_process_set)
+
+
+def test_copy_spans_made_before_the_op_is_named_go_to_its_timeline_row(tmp_path):
+    """The D2H staging copy happens before the core names the op: the span waits for the handle."""
+    import json
+
+    from ringcomm_torch.tensors import traced_copy
+
+    path = tmp_path / "copies.json"
+    hvd.start_timeline(str(path))
+    with traced_copy("MEMCPY_D2H") as timed:  # what staging a CUDA tensor does, on this thread
+        assert timed
+    hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="copies.x"))
+    hvd.stop_timeline()
+    with traced_copy("MEMCPY_D2H") as timed:  # no timeline: nothing is timed or kept
+        assert not timed
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid = next(p for p, name in rows.items() if name == "allreduce.copies.x")
+    spans = sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"), key=lambda e: e["ts"])
+    assert [e["name"] for e in spans][:2] == ["MEMCPY_D2H", "QUEUE"]

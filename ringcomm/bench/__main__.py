@@ -7,6 +7,7 @@ Examples::
     python -m ringcomm.bench broadcast --np 4
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
+    python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
     python -m ringcomm.bench all --json results.json --plot busbw.png
 """
 
@@ -20,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _util, ceiling, collectives, report, training
+from . import _util, ceiling, collectives, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -91,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
 
+    res = sub.add_parser("resources", parents=[output],
+                         help="RSS growth over many allreduces and CPU of an idle job, ringcomm vs gloo")
+    res.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
+    res.add_argument("--bytes", type=_size, default=64 << 20, help="allreduce size (default: 64M)")
+    res.add_argument("--ops", type=_positive, default=1000, help="allreduces; RSS after 10, 100 and this many "
+                     "(default: 1000)")
+    res.add_argument("--idle", type=float, default=10.0, help="idle seconds measured afterwards (default: 10)")
+    res.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo"), default=["ringcomm", "gloo"],
+                     help="systems to run (default: both)")
+
     everything = sub.add_parser("all", parents=[output],
                                 help="all collectives, the ceilings and training, with moderate defaults")
     everything.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N",
@@ -117,6 +128,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
             job_timeout=args.job_timeout))
+    elif args.command == "resources":
+        results["resources"] = resources.run(resources.ResourceConfig(
+            np_=args.np, nbytes=args.bytes, ops=args.ops, idle=args.idle, systems=tuple(args.systems),
+            job_timeout=max(args.job_timeout, 1200.0)))
     elif args.command == "all":
         results["collectives"] = {}
         for op in COLLECTIVE_OPS:
@@ -132,6 +147,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
 def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
+    runs += results.get("resources", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

@@ -120,6 +120,10 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(ceiling_markdown(results["ceiling"]))
     if "training" in results:
         parts.append(training_markdown(results["training"]))
+    if "resources" in results:
+        from .resources import markdown as resources_markdown
+
+        parts.append(resources_markdown(results["resources"]))
     return "\n".join(parts).rstrip() + "\n"
 
 

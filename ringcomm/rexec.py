@@ -1,0 +1,180 @@
+"""The remote end of a rank started over ssh: run it, and stop it when the launcher goes away.
+
+``python -m ringcomm.rexec --grace 2 --job JOB --rank 2 -- python train.py``
+(:func:`ringcomm.remote.remote_command` builds that line) starts the command
+in a process group of its own, with its output going where this process's
+goes (back through ssh), and:
+
+- when this process's standard input reaches end of file -- ``ringcomm-run``
+  closed the ssh's input, or the ssh connection died -- or it receives
+  SIGTERM/SIGHUP/SIGINT, it sends SIGTERM to the command's whole group, and
+  SIGKILL after ``--grace`` seconds;
+- when the command exits, it stops whatever the command left running in its
+  group the same way, removes the job's socket and shared-memory files that
+  dead ranks left on this host, and exits with the command's status (128 + N
+  for a command killed by signal N, which it also reports on stderr, since ssh
+  cannot carry a signal).
+
+ssh forwards no signals, so the end of the input is the one message that
+always arrives: even if the launcher is killed with SIGKILL, its pipes close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+__all__ = ["main", "stop_group", "remove_job_files"]
+
+_PROG = "ringcomm.rexec"
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a process of group ``pgid`` runs (zombies do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc/self"):
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+            except OSError:
+                continue
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+                return True
+    return False
+
+
+def stop_group(pgid: int, grace: float) -> None:
+    """SIGTERM process group ``pgid``, SIGKILL it if anything is left after ``grace`` s, wait until it is gone."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.02)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def remove_job_files(job_id: str, rank: int) -> list[str]:
+    """Remove job ``job_id``'s files on this host that no live process owns; returns what was removed.
+
+    ipc socket files carry their owner's pid (``ringcomm-JOB-PID-...``) and are removed once that
+    pid is gone; shared-memory rings ``ringcomm-JOB-ROUND-SRC-DST`` are removed when ``SRC`` is
+    ``rank`` (this wrapper's rank, whose process is gone by now).
+    """
+    removed = []
+    own = re.compile(rf"ringcomm-{re.escape(job_id)}-(\d+)-")
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"ringcomm-{job_id}-*")):
+        m = own.match(os.path.basename(path))
+        if m and not _pid_alive(int(m.group(1))):
+            removed.append(path)
+    ring = re.compile(rf"ringcomm-{re.escape(job_id)}-\d+-{rank}-\d+")
+    removed += [p for p in glob.glob(f"/dev/shm/ringcomm-{job_id}-*") if ring.fullmatch(os.path.basename(p))]
+    for path in removed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=_PROG, description="run a ringcomm rank on this host for ringcomm-run")
+    parser.add_argument("--grace", type=float, default=2.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--job", default="", help="the job id, to remove files dead ranks left behind")
+    parser.add_argument("--rank", type=int, default=-1, help="the rank this command runs as")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns its exit status (128 + N when killed by signal N)."""
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    host = socket.gethostname()
+    try:
+        child = subprocess.Popen(args.command, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        print(f"{_PROG}: cannot start {args.command[0]!r} on {host}: {exc}", file=sys.stderr, flush=True)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    stop = threading.Event()
+    ended = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    def watch_input() -> None:
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        stop.set()
+
+    def reap() -> None:
+        child.wait()
+        ended.set()
+        stop.set()
+
+    threading.Thread(target=watch_input, name="rexec-stdin", daemon=True).start()
+    threading.Thread(target=reap, name="rexec-reap", daemon=True).start()
+    while not stop.wait(0.5):
+        pass  # a timed wait, so that signal handlers run promptly on the main thread
+    stopped = not ended.is_set()
+    stop_group(child.pid, args.grace)  # the command on a stop; what it left behind when it exited
+    ended.wait(5.0)
+    if args.job:
+        remove_job_files(args.job, args.rank)
+    code = child.returncode
+    if code is None:
+        return 128 + signal.SIGKILL
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if not stopped:
+            print(f"{_PROG}: rank {args.rank} (pid {child.pid}) on {host} was killed by {name}",
+                  file=sys.stderr, flush=True)
+        return 128 - code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""ringcomm-run across two hosts: network namespaces joined by a veth link, ranks on the other host over
+an ssh look-alike that starts them with an empty environment in another directory (see _netns.py).
+
+The launcher runs in namespace ``a`` with ``-H a:2,b:2``: ranks 0, 1 start
+directly, ranks 2, 3 through the fake ssh inside namespace ``b``.  The
+namespaces share the file system but not the network, so ranks of different
+hosts can only reach each other over the veth link.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from _launcher_helpers import REPO_ROOT, launcher_cmd, launcher_env
+from _netns import TwoHosts, unavailable_reason
+from conftest import WORKERS
+
+pytestmark = pytest.mark.multiprocess
+
+_REASON: list[str | None] = []
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Two fresh namespaces, removed (with anything still running in them) when the test ends."""
+    if not _REASON:
+        _REASON.append(unavailable_reason())
+    if _REASON[0] is not None:
+        pytest.skip(_REASON[0])
+    two = TwoHosts(tmp_path)
+    try:
+        yield two
+    finally:
+        two.close()
+
+
+def start(hosts: TwoHosts, *args: str) -> subprocess.Popen[str]:
+    """``ringcomm-run -v -H a:2,b:2 --ssh-command FAKE ARGS...`` inside namespace a."""
+    argv = launcher_cmd("-v", "--ssh-command", str(hosts.ssh), *args)
+    return subprocess.Popen(hosts.exec_argv("a", argv), env=launcher_env(), cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def two_by_two(hosts: TwoHosts) -> list[str]:
+    return ["-np", "4", "-H", f"{hosts.addr['a']}:2,{hosts.addr['b']}:2"]
+
+
+def assert_nothing_left(hosts: TwoHosts, stderr: str) -> None:
+    assert hosts.wait_empty() == {}, "processes left running in the namespaces"
+    job = re.search(r"ringcomm-run: job ([0-9a-f]{8})", stderr).group(1)
+    left = glob.glob(f"/dev/shm/ringcomm-{job}-*") + glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*")
+    assert left == [], "job files left behind"
+
+
+@pytest.mark.timeout(60)
+def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoHosts) -> None:
+    proc = start(hosts, *two_by_two(hosts), "--ssh-port", "2222", "--ssh-identity-file", "/nonexistent/key",
+                 sys.executable, str(WORKERS / "placement_worker.py"))
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, out + err
+    for rank in range(4):
+        for case in range(8):
+            assert f"[{rank}]<stdout>:CASE {case} OK" in out, out + err
+    places = sorted((json.loads(line.split("PLACE ", 1)[1]) for line in out.splitlines() if "PLACE " in line),
+                    key=lambda p: p["rank"])
+    a, b = hosts.addr["a"], hosts.addr["b"]
+    assert [(p["host"], p["addr"], p["local_rank"], p["local_size"], p["cross_rank"], p["cross_size"])
+            for p in places] == [(a, a, 0, 2, 0, 2), (a, a, 1, 2, 0, 2), (b, b, 0, 2, 1, 2), (b, b, 1, 2, 1, 2)]
+    # the ring sends to rank + 1: 1 -> 2 and 3 -> 0 cross the link (tcp), 0 -> 1 and 2 -> 3 use shared memory
+    assert places[1]["stats"].get("inline", 0) > 0 and places[3]["stats"].get("inline", 0) > 0
+    assert places[0]["stats"].get("shm", 0) > 0 and places[2]["stats"].get("shm", 0) > 0
+    assert f"rendezvous at tcp://{a}:" in err
+    assert re.findall(r"rank (\d): pid \d+ on (\S+)( \(ssh\))?", err) == [
+        ("0", a, ""), ("1", a, ""), ("2", b, " (ssh)"), ("3", b, " (ssh)")]
+    assert hosts.ssh_log.read_text().split("\n") == [f" -p 2222 -i /nonexistent/key {b}"] * 2 + [""]
+    assert_nothing_left(hosts, err)
+
+
+FAIL_ON_HOST_B = """
+import os, time
+import numpy as np
+import ringcomm as rc
+rc.init()
+for _ in range(3):
+    rc.allreduce(np.ones(8), name="warm")
+if rc.rank() == 3:
+    raise RuntimeError("rank 3 failed on purpose on " + os.environ["RINGCOMM_HOSTNAME"])
+print("rank", rc.rank(), "sleeps", flush=True)
+time.sleep(60)   # not inside a collective: only the launcher can stop it
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_remote_rank_stops_every_rank_on_both_hosts(hosts: TwoHosts) -> None:
+    proc = start(hosts, *two_by_two(hosts), sys.executable, "-c", FAIL_ON_HOST_B)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 1, out + err
+    b = hosts.addr["b"]
+    assert re.search(rf"root cause: rank 3 on {re.escape(b)} \(ssh pid \d+\) exited with code 1", err), err
+    assert f"RuntimeError: rank 3 failed on purpose on {b}" in err.split("root cause:")[1]
+    assert "stopped by ringcomm-run: ranks 0, 1, 2" in err
+    assert_nothing_left(hosts, err)
+
+
+SLEEPER = """
+import time
+import ringcomm as rc
+from ringcomm import api
+rc.init()
+print("ready", rc.rank(), api._runtime.topo.addr, flush=True)
+time.sleep(60)
+"""
+
+
+def wait_for_lines(proc: subprocess.Popen[str], pattern: str, count: int, timeout: float) -> list[str]:
+    """Read ``proc``'s stdout until ``count`` lines match ``pattern``; returns them."""
+    found: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if re.search(pattern, line):
+                found.append(line.strip())
+                if len(found) == count:
+                    break
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(timeout), f"only {found} matched {pattern!r}"
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_ranks_on_both_hosts_with_a_chosen_interface(hosts: TwoHosts) -> None:
+    proc = start(hosts, *two_by_two(hosts), "--network-interface", hosts.interface, sys.executable, "-c", SLEEPER)
+    try:
+        ready = wait_for_lines(proc, r"<stdout>:ready", 4, 40)
+        a, b = hosts.addr["a"], hosts.addr["b"]
+        assert sorted(line.split(":", 1)[1] for line in ready) == [
+            f"ready 0 {a}", f"ready 1 {a}", f"ready 2 {b}", f"ready 3 {b}"]
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=20)[1]
+        assert proc.returncode == 128 + signal.SIGINT, err
+        assert "received SIGINT; stopped all 4 workers" in err
+        assert_nothing_left(hosts, err)
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(60)
+def test_ranks_on_the_remote_host_end_when_the_launcher_is_killed_outright(hosts: TwoHosts) -> None:
+    """SIGKILL leaves the launcher no chance to clean up: the remote side sees its input end and stops."""
+    proc = start(hosts, *two_by_two(hosts), sys.executable, "-c", SLEEPER)
+    try:
+        wait_for_lines(proc, r"<stdout>:ready", 4, 40)
+        assert len(hosts.pids("b")) >= 2
+        proc.kill()
+        proc.wait(10)
+        assert hosts.wait_empty(timeout=8.0, sides=("b",)) == {}, "ranks left running on host b"
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_host_ssh_cannot_reach_fails_the_job_with_the_ssh_message(hosts: TwoHosts) -> None:
+    ghost = hosts.addr["a"].rsplit(".", 1)[0] + ".7"
+    proc = start(hosts, "-np", "2", "-H", f"{hosts.addr['a']}:1,{ghost}:1", sys.executable, "-c", SLEEPER)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 255, out + err
+    assert re.search(rf"root cause: rank 1 on {re.escape(ghost)} \(ssh pid \d+\) exited with code 255", err), err
+    assert f"Could not resolve hostname {ghost}" in err.split("root cause:")[1]
+    assert "stopped by ringcomm-run: rank 0" in err
+    assert_nothing_left(hosts, err)
+
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_ssh_program_is_reported(hosts: TwoHosts) -> None:
+    proc = start(hosts, "-np", "2", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1",
+                 "--ssh-command", "/nonexistent/ssh -o BatchMode=yes", sys.executable, "-c", SLEEPER)
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 127, out + err
+    assert f"cannot start /nonexistent/ssh -o BatchMode=yes for rank 1 on {hosts.addr['b']}:" in err
+    assert_nothing_left(hosts, err)

@@ -1,0 +1,156 @@
+"""Topology from the environments of Slurm, Open MPI, PMI launchers and torchrun (no processes started).
+
+``RINGCOMM_NETWORK_INTERFACE=lo`` keeps the address choice off name
+resolution, so made-up node names (node01, ...) need not resolve here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ringcomm import topology
+from ringcomm.config import Settings
+
+LO = {"RINGCOMM_NETWORK_INTERFACE": "lo"}
+
+
+def slurm(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
+    """What srun -N 3 -n 5 sets for one task (node01: 2 tasks, node02: 2, node07: 1)."""
+    env = {
+        "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
+        "SLURM_NTASKS": "5", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3",
+        "SLURM_NODELIST": "node[01-02,07]", "SLURM_TASKS_PER_NODE": "2(x2),1", **LO,
+    }
+    env.update(extra)
+    return env
+
+
+def test_slurm_task_knows_its_place_and_rank_0s_host() -> None:
+    topo = topology.from_env(slurm(3, 1, 1))
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size) == (
+        3, 5, 1, 2, 1, 3)
+    assert topo.source == "Slurm (srun)" and topo.hostname == "node02" and topo.addr == "127.0.0.1"
+    port = topology.slurm_port(4242, 3)
+    assert topo.rendezvous == f"tcp://node01:{port}" and not topo.host_rendezvous
+    last = topology.from_env(slurm(4, 0, 2))
+    assert (last.local_rank, last.local_size, last.cross_rank) == (0, 1, 2)
+    first = topology.from_env(slurm(0, 0, 0))
+    assert first.host_rendezvous and first.rendezvous_bind == "0.0.0.0"
+    assert first.secret == topo.secret == last.secret and first.job_id == topo.job_id
+
+
+def test_slurm_port_is_derived_per_step_unless_given() -> None:
+    ports = {topology.slurm_port(job, step) for job in range(100, 140) for step in range(3)}
+    assert len(ports) > 100 and all(20000 <= p < 32000 for p in ports)
+    assert topology.from_env(slurm(1, 1, 0, MASTER_PORT="29999")).rendezvous == "tcp://node01:29999"
+    given = slurm(1, 1, 0, MASTER_PORT="29999", RINGCOMM_RENDEZVOUS_PORT="31000", RINGCOMM_MASTER_ADDR="10.1.1.1")
+    assert topology.from_env(given).rendezvous == "tcp://10.1.1.1:31000"
+
+
+def test_slurm_step_variables_win_over_the_allocations() -> None:
+    env = slurm(0, 0, 0, SLURM_STEP_NODELIST="node07", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
+    topo = topology.from_env(env)
+    assert (topo.size, topo.local_size, topo.cross_size, topo.rendezvous.split(":")[1]) == (1, 1, 1, "//node07")
+
+
+def test_a_batch_script_without_srun_is_a_single_process() -> None:
+    env = slurm(0, 0, 0)
+    del env["SLURM_STEP_ID"]
+    assert topology.from_env(env).source == "single"
+
+
+@pytest.mark.parametrize(
+    "missing, message",
+    [("SLURM_NTASKS", "SLURM_NTASKS is not set; the environment from Slurm"),
+     ("SLURM_LOCALID", "SLURM_LOCALID is not set"),
+     ("SLURM_NODEID", "SLURM_NODEID is not set"),
+     ("SLURM_NODELIST", "SLURM_NODELIST is not set"),
+     ("SLURM_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE is not set"),
+     ("SLURM_JOB_ID", "SLURM_JOB_ID is not set")],
+)
+def test_incomplete_slurm_environment_names_the_variable(missing: str, message: str) -> None:
+    env = slurm(1, 1, 0)
+    del env[missing]
+    with pytest.raises(ValueError, match=message):
+        topology.from_env(env)
+
+
+def test_inconsistent_slurm_environment() -> None:
+    with pytest.raises(ValueError, match="SLURM_NODEID=5 but SLURM_NODELIST='node\\[01-02,07\\]' lists 3 nodes"):
+        topology.from_env(slurm(1, 1, 5))
+    with pytest.raises(ValueError, match="local rank .* is 2 with local size 2"):
+        topology.from_env(slurm(1, 2, 0))
+    with pytest.raises(ValueError, match="node list"):
+        topology.from_env(slurm(1, 1, 0, SLURM_NODELIST="node[01-"))
+
+
+def ompi(rank: int, size: int = 4, **extra: str) -> dict[str, str]:
+    env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % 2), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "RINGCOMM_MASTER_ADDR": "node01", "RINGCOMM_RENDEZVOUS_PORT": "29400", **LO}
+    env.update(extra)
+    return env
+
+
+def test_open_mpi_ranks_learn_their_host_index_at_the_rendezvous() -> None:
+    topo = topology.from_env(ompi(3))
+    assert (topo.rank, topo.size, topo.local_rank, topo.local_size) == (3, 4, 1, 2)
+    assert topo.source == "Open MPI's mpirun" and topo.rendezvous == "tcp://node01:29400"
+    assert topo.derive == ("cross_rank", "cross_size")
+    placed = topology.with_placement(topo, ["n1", "n1", "n2", "n2"])
+    assert (placed.cross_rank, placed.cross_size, placed.local_rank, placed.derive) == (1, 2, 1, ())
+    assert topology.from_env(ompi(0)).host_rendezvous
+
+
+def test_pmi_ranks_learn_everything_but_rank_and_size_at_the_rendezvous() -> None:
+    env = {"PMI_RANK": "2", "PMI_SIZE": "3", "MASTER_ADDR": "node01", "MASTER_PORT": "29400", **LO}
+    topo = topology.from_env(env)
+    assert (topo.rank, topo.size, topo.rendezvous) == (2, 3, "tcp://node01:29400")
+    assert topo.derive == topology.PLACEMENT_FIELDS
+    placed = topology.with_placement(topo, ["n1", "n2", "n1"])
+    assert (placed.local_rank, placed.local_size, placed.cross_rank, placed.cross_size) == (1, 2, 0, 2)
+    hydra = topology.from_env({**env, "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"})
+    assert (hydra.local_rank, hydra.local_size, hydra.derive) == (0, 1, ("cross_rank", "cross_size"))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "0", "RINGCOMM_MASTER_ADDR": "h", "RINGCOMM_RENDEZVOUS_PORT": "1"},
+         "OMPI_COMM_WORLD_SIZE is not set; the environment from Open MPI"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "RINGCOMM_RENDEZVOUS_PORT": "1"},
+         "RINGCOMM_MASTER_ADDR is not set: started by Open MPI's mpirun"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h"},
+         "RINGCOMM_RENDEZVOUS_PORT is not set"),
+        ({"PMI_RANK": "0", "RINGCOMM_MASTER_ADDR": "h", "RINGCOMM_RENDEZVOUS_PORT": "1"}, "PMI_SIZE is not set"),
+        ({"PMI_RANK": "3", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank from PMI_RANK/PMI_SIZE"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "port 70000 is out of range"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+          "RINGCOMM_NETWORK_INTERFACE": "nosuch0"}, "network interface 'nosuch0' does not exist"),
+    ],
+)
+def test_incomplete_mpi_environment_names_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        topology.from_env(env)
+
+
+def test_the_most_specific_launcher_wins() -> None:
+    """mpirun and torchrun inside a Slurm allocation also see SLURM_*; ringcomm-run's variables beat all."""
+    under_slurm = slurm(0, 0, 0)
+    assert topology.from_env({**under_slurm, **ompi(1)}).source == "Open MPI's mpirun"
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert topology.from_env({**under_slurm, **ompi(1), **torchrun}).source == "torchrun"
+    mine = {"RINGCOMM_RANK": "0", "RINGCOMM_SIZE": "1"}
+    assert topology.from_env({**under_slurm, **torchrun, **mine}).source == "ringcomm-run"
+
+
+def test_torchrun_group_rank_gives_the_host_index() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    topo = topology.from_env(env)
+    assert (topo.cross_rank, topo.cross_size, topo.addr, topo.rendezvous_bind) == (1, 2, "127.0.0.1", "127.0.0.1")
+
+
+def test_job_variables_are_not_mistaken_for_unknown_settings() -> None:
+    env = {"RINGCOMM_RENDEZVOUS_PORT": "29400", "RINGCOMM_MASTER_ADDR": "h", "RINGCOMM_NETWORK_INTERFACE": "lo"}
+    assert Settings.from_env(env) == Settings()

@@ -1,0 +1,21 @@
+"""Runs a known mix of allreduces with RINGCOMM_TIMELINE set; rank 0 writes the timeline.
+
+- ``big``: one 4 MiB tensor, the ring with no fusion copy;
+- ``fused``: a grouped allreduce of two 1 MiB tensors, copied into and out of the fusion buffer;
+- ``small``: a 4 KiB allreduce, reduced at rank 0 from the payloads sent with the requests.
+"""
+
+import numpy as np
+
+import ringcomm as rc
+
+rc.init()
+n = rc.size()
+big = rc.allreduce(np.full(1 << 20, rc.rank() + 1, np.float32), op=rc.Sum, name="big")
+assert np.all(big == n * (n + 1) / 2)
+a, b = rc.grouped_allreduce([np.ones(1 << 18, np.float32), np.ones(1 << 18, np.float32)], op=rc.Sum, name="fused")
+assert np.all(a == n) and np.all(b == n)
+small = rc.allreduce(np.ones(1024, np.float32), op=rc.Sum, name="small")
+assert np.all(small == n)
+print("timeline ops ok", flush=True)
+rc.shutdown()
