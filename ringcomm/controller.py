@@ -78,12 +78,18 @@ class Controller:
 
     # -- output --------------------------------------------------------------
 
-    def take_responses(self) -> list[tuple[Response, tuple[int, ...]]]:
-        """Every set's ready responses, each with the global ranks that execute it, in execution order."""
+    def take_responses(self, skip_member: int | None = None) -> list[tuple[Response, tuple[int, ...]]]:
+        """Every set's ready responses, each with the global ranks that execute it, in execution order.
+
+        ``skip_member``: leave the ops of sets with this rank for a later call (rank 0 answers only
+        other sets while it is busy inside a transfer of its own).
+        """
         out, self._out = self._out, []
         for pset in list(self.sets):  # the global set first, then by id
             coord = self.sets.get(pset)
             if coord is None:  # removed by a response taken earlier in this call
+                continue
+            if skip_member is not None and skip_member in coord.ranks:
                 continue
             for resp in coord.take_responses():
                 if resp.kind == wire.ADD_PSET and not resp.error:

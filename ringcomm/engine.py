@@ -377,10 +377,13 @@ class Engine:
         return True
 
     def _serve_control(self) -> None:
-        """Rank 0, called while it waits inside a transfer: take every waiting request, respond."""
+        """Rank 0, called while it waits inside a transfer: take every waiting request, and answer
+        the ready ops of sets without rank 0 (the others wait for rank 0's main loop: a set with
+        rank 0 cannot run its next op before rank 0 is done, and a shutdown must not reach the
+        other ranks while rank 0 still needs their data)."""
         while self._drain_control():
             pass
-        self._coordinate()
+        self._coordinate(nested=True)
 
     def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
@@ -413,14 +416,14 @@ class Engine:
             self._canon.setdefault((req.pset, req.name), req)
             self._coord.submit(rank, req, now)
 
-    def _coordinate(self) -> None:
+    def _coordinate(self, nested: bool = False) -> None:
         coord = self._coord
         assert coord is not None
         now = time.monotonic()
         if self.settings.cycle_time > 0 and coord.has_ready():
             if (now - self._last_emit) * 1000 < self.settings.cycle_time:
                 return
-        pairs = coord.take_responses()
+        pairs = coord.take_responses(skip_member=0 if nested else None)
         if self._payloads:
             pairs = [(self._star_reduce(r, members), members) for r, members in pairs]
         if pairs:

@@ -20,11 +20,11 @@ class ServingLink:
     """Rank 0's data plane while it executes an op: waiting for a peer's data, it keeps negotiating.
 
     Requests that arrive on the control socket while rank 0 waits inside a
-    transfer are handed to ``serve`` (the engine feeds them to the controller
-    and sends the resulting responses at once), so an op of another process set is not held up by rank 0's own
-    transfer.  Rank 0's own new responses wait in the engine's backlog and run
-    after the current op, in the order they were emitted.  Everything else is
-    the :class:`DataPlane`'s.
+    transfer are handed to ``serve``: the engine feeds them to the controller
+    and answers at once the ready ops of process sets without rank 0, so those
+    sets are not held up by rank 0's own transfer.  Ops of sets with rank 0
+    are answered by the engine's main loop after the current op.  Everything
+    else is the :class:`DataPlane`'s.
     """
 
     def __init__(self, link: DataPlane, ctrl: zmq.Socket, serve: Callable[[], None]) -> None:

@@ -122,6 +122,19 @@ def test_overlapping_sets_each_op_reaches_exactly_its_members_once(sets: list[se
     assert not ctl.has_pending()
 
 
+def test_rank_0_busy_answers_only_sets_without_it() -> None:
+    ctl = Controller(4, 10**9)
+    add(ctl, (2, 3))
+    for r in range(4):
+        ctl.submit(r, ar("g"))
+    ctl.submit(2, ar("s", 1))
+    ctl.submit(3, ar("s", 1))
+    ((resp, members),) = ctl.take_responses(skip_member=0)
+    assert resp.names == ("s",) and members == (2, 3)
+    ((resp, members),) = ctl.take_responses()  # the global op waited for the next call
+    assert resp.names == ("g",) and members == (0, 1, 2, 3)
+
+
 def test_one_name_in_two_sets_is_two_ops() -> None:
     ctl = Controller(3, 10**9)
     add(ctl, (0, 1))
