@@ -54,6 +54,7 @@ from .errors import (
     MismatchError,
     NotInitializedError,
     PeerLostError,
+    ProtocolError,
     RendezvousError,
     RendezvousTimeoutError,
     RingcommError,

@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from . import ring
+from .errors import HorovodInternalError
 from .ops import ReduceOp, combine, reduce_into, scale_inplace
 
 
@@ -56,7 +57,7 @@ def _segs(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
     return ring.segments(bounds[0], bounds[1], seg_elems)
 
 
-class StreamError(RuntimeError):
+class StreamError(HorovodInternalError):
     """A message of the wrong length arrived: the ranks' data streams are out of step."""
 
 
@@ -116,6 +117,9 @@ def _ring_pass(
     while remaining:
         tag, payload = link.recv_any(src, seq)
         s, k = tag >> _STEP_SHIFT, tag & _SEG_MASK
+        if s >= len(segs) or k >= len(segs[s]):
+            raise StreamError(f"rank {link.rank}: op {seq} has no segment {k} of ring step {s} (tag {tag}) "
+                              f"for rank {src} to send: data streams out of step")
         a, b = segs[s][k]
         on_segment(s, a, b, payload)
         remaining -= 1

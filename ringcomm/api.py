@@ -62,7 +62,7 @@ class Runtime:
         self.round = round_
         self.dynamic_sets = dynamic_sets
         self.all_ranks = tuple(range(self.topo.size))
-        self.engine = Engine(self.topo, self.settings, round_)
+        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
         # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
         self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         self.engine.start()
@@ -486,7 +486,9 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
     a = as_array(arr, what)
     n = len(ranks)
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     if splits is None:
         if a.shape[0] % n:
             raise InvalidInputError(
@@ -496,11 +498,15 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
     else:
         s = np.asarray(splits)
         if s.dtype.kind not in "iu":
-            raise InvalidTypeError(f"{what}: splits must be integers, got dtype {s.dtype}")
+            raise InvalidTypeError(
+                f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
+            )
         if s.ndim != 1 or s.size != n:
-            raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}")
+            raise InvalidInputError(
+                f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
+            )
         if (s < 0).any():
-            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}")
+            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
         if int(s.sum()) != a.shape[0]:
             raise InvalidInputError(
                 f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
@@ -532,7 +538,9 @@ def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = Non
     what = f"reducescatter {name!r}"
     a = as_array(arr, what)
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,

@@ -30,6 +30,8 @@ TOPOLOGY_VARS = frozenset(
         "RINGCOMM_NETWORK_INTERFACE",
     }
 )
+#: Set by ringcomm-run's elastic driver (ringcomm/elastic).
+TOPOLOGY_VARS |= {"RINGCOMM_ELASTIC_WORKER", "RINGCOMM_ELASTIC_TIMEOUT"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any
@@ -34,13 +33,13 @@ from .cache import ResponseCache
 from .config import Settings
 from .controller import Controller
 from .coordinator import SHUTDOWN_NAME, set_label
-from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
+from .errors import HorovodInternalError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError
 from .handles import Handle
 from .ops import ReduceOp
 from .serving_link import ServingLink
 from .timeline import Timeline
 from .topology import Topology
-from .transport import DataPlane, remove_files
+from .transport import DataPlane, ipc_base, ipc_file, remove_files
 from .wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -106,7 +105,8 @@ class Engine:
         self._stopping = False
         self._failed: BaseException | None = None
         self._fusion = np.empty(0, dtype=np.uint8)
-        self._small = settings.small_allreduce_bytes if self.size > 1 else 0
+        # payloads travel inside control frames, which are bounded: never more than one frame's share
+        self._small = min(settings.small_allreduce_bytes, wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
@@ -145,11 +145,10 @@ class Engine:
         link = DataPlane(
             ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-            job_id=topo.job_id, round_=round_,
+            job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes,
         )
         self._link = link  # from here on, _close() closes it
-        ipc_dir = tempfile.gettempdir()
-        base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
+        base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
@@ -157,10 +156,13 @@ class Engine:
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._ipc_paths.append(ipc_ep[len("ipc://"):])
+            path = ipc_file(ipc_ep)
+            if path is not None:
+                self._ipc_paths.append(path)
             ctrl.bind(f"tcp://{topo.addr}:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
@@ -171,6 +173,7 @@ class Engine:
         else:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
         self._ctrl = ctrl
         if self.rank == 0:
@@ -328,6 +331,7 @@ class Engine:
 
     def _drain_queue(self) -> None:
         items: list[Any] = []
+        carried = 0  # payload bytes in ``items``
         now = time.monotonic()
         drained_at = time.perf_counter()
         while self._queue:
@@ -342,12 +346,20 @@ class Engine:
                 cache = self._caches.get(pset)
                 cid = cache.lookup(entry.req) if cache is not None else None
                 item: Any = list(entry.req) if cid is None else cid if pset == 0 else {"s": pset, "c": cid}
-                if entry.req.kind == wire.ALLREDUCE and 0 < self._nbytes(entry) <= self._small:
+                nbytes = self._nbytes(entry)
+                if entry.req.kind == wire.ALLREDUCE and 0 < nbytes <= self._small:
+                    if carried + nbytes > wire.CONTROL_DATA_BYTES:
+                        self._send_requests(items)  # keep every control frame within its bound
+                        items, carried = [], 0
                     item = {"q": item, "d": b"".join(a.tobytes() for a in entry.arrays)}
+                    carried += nbytes
                 items.append(item)
         if items:
-            assert self._ctrl is not None
-            self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+            self._send_requests(items)
+
+    def _send_requests(self, items: list[Any]) -> None:
+        assert self._ctrl is not None
+        self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
 
     def _drain_control(self) -> bool:
         """Handle one control message (the poller is level-triggered: it reports the next one).
@@ -366,12 +378,10 @@ class Engine:
             return True
         try:
             msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
-            if msg[0] != "resp":
-                raise ValueError(f"unexpected control message {msg[0]!r}")
-            resps = [wire.response_from_wire(r) for r in msg[1]]
-        except (ValueError, TypeError, IndexError) as exc:
+            resps = wire.parse_response_batch(msg)
+        except ProtocolError as exc:
             log.debug("rank %d: dropping control message: %s", self.rank, exc)
-            return
+            return True
         for resp in resps:
             self._execute(resp)
         return True
@@ -388,25 +398,18 @@ class Engine:
     def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
         try:
-            msg = wire.unpack_control(secret, frame)
-            kind, rank, items = msg
-            if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
-                raise ValueError(f"bad request header {kind!r} from {rank!r}")
+            rank, items = wire.parse_request_batch(wire.unpack_control(secret, frame), self.size)
             reqs = []
-            for it in items:
-                data = None
-                if isinstance(it, dict) and "q" in it:
-                    it, data = it["q"], it["d"]
-                    if not isinstance(data, bytes):
-                        raise ValueError("payload is not bytes")
-                if isinstance(it, int):
-                    req = self._caches[0].get(it)
-                elif isinstance(it, dict):  # a cached request of another process set
-                    req = self._caches[it["s"]].get(it["c"])
-                else:
-                    req = wire.request_from_wire(it)
-                reqs.append((req, data))
-        except (ValueError, TypeError, KeyError) as exc:
+            for it, data in items:
+                if not isinstance(it, wire.Request):  # a response-cache id: (set id, id)
+                    pset, cid = it
+                    try:
+                        it = self._caches[pset].get(cid)
+                    except KeyError:
+                        raise ProtocolError(f"unknown response-cache id {cid} of process set {pset} "
+                                            f"from rank {rank}") from None
+                reqs.append((it, data))
+        except ProtocolError as exc:
             log.debug("coordinator: dropping control message: %s", exc)
             return
         now = time.monotonic()
@@ -469,15 +472,16 @@ class Engine:
             for r in members:
                 if r != 0:
                     per_rank.setdefault(r, []).append(i)
-        frames: dict[tuple[int, ...], bytes] = {}
+        frames: dict[tuple[int, ...], list[bytes]] = {}
         for r, idx in per_rank.items():
             key = tuple(idx)
-            frame = frames.get(key)
-            if frame is None:
-                frame = frames[key] = wire.pack_control(self.topo.secret, ["resp", [list(pairs[i][0]) for i in idx]])
+            if key not in frames:  # each batch keeps the result data of a frame within its bound
+                frames[key] = [wire.pack_control(self.topo.secret, ["resp", [list(resp) for resp in batch]])
+                               for batch in _control_batches([pairs[i][0] for i in idx])]
             ident = self._idents[r]
             try:
-                self._ctrl.send_multipart([ident, frame])
+                for frame in frames[key]:
+                    self._ctrl.send_multipart([ident, frame])
             except zmq.ZMQError as exc:
                 # that rank's connection is gone: it left after the collective shutdown,
                 # or it died, which its data-plane monitor reports as a lost peer
@@ -496,6 +500,8 @@ class Engine:
             return resp
         started = time.perf_counter()
         dtype = np.dtype(resp.dtype)
+        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
+            return resp  # too much to carry in one control frame (many small ones fused): run the ring
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
         acc: np.ndarray | None = None
@@ -796,3 +802,21 @@ class Engine:
         if self.timeline is not None:
             self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
         return results
+
+
+def _control_batches(resps: list[Response]) -> list[list[Response]]:
+    """Split responses into batches whose result data stays within ``wire.CONTROL_DATA_BYTES``.
+
+    Without this, many small allreduces reduced at rank 0 in one cycle made one
+    control frame larger than ``wire.MAX_CONTROL_BYTES``; the other ranks dropped
+    it and waited forever for their results.
+    """
+    batches: list[list[Response]] = [[]]
+    carried = 0
+    for resp in resps:
+        if batches[-1] and carried + len(resp.data) > wire.CONTROL_DATA_BYTES:
+            batches.append([])
+            carried = 0
+        batches[-1].append(resp)
+        carried += len(resp.data)
+    return batches

@@ -471,7 +471,13 @@ def register(
                 reply = got
             else:
                 raise RendezvousTimeoutError(_timeout_message(address, rank, size, round, timeout, got))
-        return list(_check(reply, address)["table"])
+        table = _check(reply, address).get("table")
+        if not isinstance(table, list) or len(table) != size or not all(isinstance(t, dict) for t in table):
+            raise RendezvousError(
+                f"the rendezvous at {address} answered with a malformed table (expected {size} entries): "
+                "is another program listening on that port with the same secret?"
+            )
+        return table
 
 
 def _timeout_message(

@@ -9,7 +9,9 @@ socket) with one memcpy, and no payload passes through ZeroMQ's I/O thread.
 
 The sender creates the file; the receiver maps it when the first
 notification arrives and unlinks the name at once, so nothing is left in
-/dev/shm once both sides have it mapped.
+/dev/shm once both sides have it mapped (the sender also unlinks it at the
+first ack, and the receiver at close if it never mapped it): a rank killed
+with SIGKILL leaves no segment behind.
 """
 
 from __future__ import annotations

@@ -205,13 +205,12 @@ def test_fifty_init_shutdown_cycles_leak_nothing() -> None:
 def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
     """Without a launcher to clean up after them, ranks remove their ipc and shared-memory files."""
     import glob
-    import hashlib
     import tempfile
 
 
     secret = "ab" * 16
-    job = hashlib.sha256(bytes.fromhex(secret)).hexdigest()[:8]
     procs = start_torchrun_job([str(WORKERS / "cycles_worker.py")], 3, RINGCOMM_SECRET=secret, CYCLES="10")
+    job = procs[0].job_id
     outs = [p.communicate(timeout=80)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     left = glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*") + glob.glob(f"/dev/shm/ringcomm-{job}-*")
@@ -223,7 +222,6 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
 def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(tmp_path) -> None:
     """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices."""
     import json
-    import os
     import socket
     import struct
     import subprocess

@@ -295,3 +295,60 @@ def test_constructor_validates_arguments():
         RendezvousServer(size=0, secret=SECRET)
     with pytest.raises(ValueError):
         RendezvousServer(size=2, secret=b"")
+
+
+# -- fuzzing: the rendezvous decoder and the server's request handling -------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ringcomm import rendezvous  # noqa: E402
+
+_leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
+           | st.binary(max_size=6))
+_values = st.recursive(_leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                       max_leaves=10)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.binary(max_size=64), max_size=4), _values)
+def test_decoder_returns_a_map_or_none_for_any_frames(frames: list[bytes], obj: object) -> None:
+    """Arbitrary frames, and authenticated msgpack of any structure: a dict or None, never an exception."""
+    for candidate in (frames, [sign(SECRET, f) for f in frames[:1]] + frames[1:2],
+                      [sign(SECRET, b := msgpack.packb(obj)), b]):
+        got = rendezvous._decode(SECRET, candidate, "fuzz")
+        assert got is None or isinstance(got, dict)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        yield server, sock
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(op=st.sampled_from(["register", "set", "get", "status", "nonsense"]) | _values,
+       fields=st.dictionaries(st.sampled_from(["round", "rank", "size", "info", "key", "value", "wait"]), _values))
+def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(fuzz_target, caplog, op, fields) -> None:
+    """Every field of every request with values of any type: refused or served, never an internal
+    error, and the server keeps answering."""
+    server, sock = fuzz_target
+    caplog.set_level(logging.DEBUG, logger="ringcomm.rendezvous")
+    if isinstance(fields.get("wait"), (int, float)):
+        fields["wait"] = min(fields["wait"], 0.2) if fields["wait"] == fields["wait"] else 0.2
+    sock.send_multipart(rendezvous._encode(SECRET, {"op": op, **fields}))
+    sock.send_multipart(rendezvous._encode(SECRET, {"op": "status", "round": 99}))
+    deadline = time.monotonic() + 5
+    while True:  # the status reply proves the request before it was handled and the server lives
+        assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000), "the server stopped answering"
+        reply = rendezvous._decode(SECRET, sock.recv_multipart(), "server")
+        if reply and reply.get("op") == "status" and reply.get("size") == 2:
+            break
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

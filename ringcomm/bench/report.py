@@ -63,6 +63,10 @@ def collective_markdown(section: dict[str, Any]) -> str:
         ratio = row["ratio_ringcomm_over_gloo"] or {}
         cells += [sig(ratio.get("latency"), 2), sig(ratio.get("mean_latency"), 2), sig(ratio.get("busbw"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
+    for ratio in section.get("ratios", []):
+        rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
+        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+                     f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -105,6 +109,10 @@ def training_markdown(section: dict[str, Any]) -> str:
     for row in section["summary"]:
         eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
         lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
+    for ratio in section.get("ratios", []):
+        rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
+        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+                     f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
