@@ -35,12 +35,18 @@ REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
 JOIN = "join"
 SHUTDOWN = "shutdown"
-KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN)
+ADD_PSET = "add_process_set"  # global set: register ranks ``splits`` as a new process set
+REMOVE_PSET = "remove_process_set"  # global set: forget process set ``root``
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET)
 _KIND_SET = frozenset(KINDS)
 
 
 class Request(NamedTuple):
-    """What one rank announces to the coordinator for one named op."""
+    """What one rank announces to the coordinator for one named op.
+
+    ``pset`` is the id of the process set the op runs on (0: every rank); names
+    are unique per set, and ``root`` is a global rank.
+    """
 
     name: str
     kind: str
@@ -51,6 +57,7 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple[int, ...] | None = None
+    pset: int = 0
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -75,7 +82,10 @@ class Response(NamedTuple):
     ``splits[r]`` is rank r's split vector (alltoall).  ``error`` set means the
     op failed on every rank with that message.  ``data`` set means rank 0
     already reduced the (small) payloads the ranks sent with their requests:
-    every rank just unpacks it, no ring.
+    every rank just unpacks it, no ring.  ``pset`` is the op's process set:
+    only its members receive the response, and ``first_dims``/``splits`` are
+    indexed by rank within the set.  For ``ADD_PSET``, ``root`` is the new
+    set's id and ``splits[0]`` its ranks.
     """
 
     kind: str
@@ -93,6 +103,7 @@ class Response(NamedTuple):
     error: str = ""
     data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
     error_kind: str = ""  # "stall" for a stall turned into an error; otherwise a mismatch
+    pset: int = 0
 
 
 #: Largest integer a field may hold: shapes, counts and ranks are int64 on every rank.
@@ -177,6 +188,7 @@ def request_from_wire(obj: Any) -> Request:
         prescale=_num(w, "prescale", d["prescale"]),
         postscale=_num(w, "postscale", d["postscale"]),
         splits=None if splits is None else _ints(w, "splits", splits),
+        pset=_int(w, "pset", d["pset"]),
     )
 
 
@@ -205,15 +217,17 @@ def response_from_wire(obj: Any) -> Response:
         error=_str(w, "error", d["error"]),
         data=data,
         error_kind=_str(w, "error_kind", d["error_kind"], _ERROR_KINDS),
+        pset=_int(w, "pset", d["pset"]),
     )
 
 
-def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | int, bytes | None]]]:
+def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | tuple[int, int], bytes | None]]]:
     """Split a decoded ``["req", rank, items]`` message: the sender's rank and its items.
 
-    Each item is a :class:`Request` or a response-cache id (an int), with the
-    small-allreduce payload sent along (``{"q": item, "d": bytes}``) or None.
-    Raises :class:`ProtocolError` for anything else.
+    Each item is a :class:`Request` or a response-cache id — an int for the
+    global set, ``{"s": set id, "c": id}`` for another process set, returned as
+    ``(set id, id)`` — with the small-allreduce payload sent along
+    (``{"q": item, "d": bytes}``) or None.  Raises :class:`ProtocolError` for anything else.
     """
     if not isinstance(msg, list) or len(msg) != 3 or msg[0] != "req":
         raise ProtocolError(f"malformed request batch: {_short(msg)}")
@@ -222,17 +236,21 @@ def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | 
         raise ProtocolError(f"request batch from rank {_short(rank)}, not one of 1..{size - 1}")
     if not isinstance(items, list):
         raise ProtocolError(f"malformed request batch: items are {_short(items)}")
-    out: list[tuple[Request | int, bytes | None]] = []
+    out: list[tuple[Request | tuple[int, int], bytes | None]] = []
     for it in items:
         data = None
-        if isinstance(it, dict):
+        if isinstance(it, dict) and "q" in it:
             if set(it) != {"q", "d"} or not isinstance(it["d"], bytes):
                 raise ProtocolError(f"malformed request with payload: keys {_short(list(it))}")
             it, data = it["q"], it["d"]
-        if type(it) is int:
+        if isinstance(it, dict):  # a cached request of another process set
+            if set(it) != {"s", "c"}:
+                raise ProtocolError(f"malformed cached request: keys {_short(list(it))}")
+            out.append(((_int("cached request", "s", it["s"]), _int("cached request", "c", it["c"])), data))
+        elif type(it) is int:
             if not 0 <= it <= _INT_MAX:
                 raise ProtocolError(f"response-cache id {it} is out of range")
-            out.append((it, data))
+            out.append(((0, it), data))
         else:
             out.append((request_from_wire(it), data))
     return rank, out

@@ -97,8 +97,13 @@ def test_the_decoders_tables_match_the_ops_module() -> None:
 def test_valid_messages_still_decode() -> None:
     assert wire.request_from_wire(VALID_REQ) == Request(*VALID_REQ)
     assert wire.response_from_wire(list(VALID_RESP)) == Response(*VALID_RESP)
-    assert wire.parse_request_batch(["req", 2, [VALID_REQ, 7, {"q": 3, "d": b"xy"}]], 4) == (
-        2, [(Request(*VALID_REQ), None), (7, None), (3, b"xy")])
+    # response-cache ids come back as (process set id, id); the global set's travel as bare ints
+    assert wire.parse_request_batch(["req", 2, [VALID_REQ, 7, {"q": 3, "d": b"xy"}, {"s": 2, "c": 5},
+                                                {"q": {"s": 1, "c": 0}, "d": b"z"}]], 4) == (
+        2, [(Request(*VALID_REQ), None), ((0, 7), None), ((0, 3), b"xy"), ((2, 5), None), ((1, 0), b"z")])
+    for bad in ({"s": 1}, {"s": -1, "c": 0}, {"s": 1, "c": "x"}, {"s": 1, "c": 0, "d": b""}):
+        with pytest.raises(ProtocolError):
+            wire.parse_request_batch(["req", 2, [bad]], 4)
 
 
 def test_every_response_the_coordinator_makes_passes_the_strict_decoder() -> None:

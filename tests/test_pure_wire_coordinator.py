@@ -25,6 +25,7 @@ requests = st.builds(
     prescale=st.floats(allow_nan=False, allow_infinity=False),
     postscale=st.floats(allow_nan=False, allow_infinity=False),
     splits=st.none() | st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    pset=st.integers(0, 2**20),
 )
 
 
