@@ -371,10 +371,14 @@ def _start_rank(
     """Start ``rank`` here with ``env``, or on ``host`` through ``--ssh-command`` with ``env`` on its command line."""
     if not over_ssh:
         return spawn(rank, args.command, env, exits, host)
-    line = remote.remote_command(os.getcwd(), remote.forwarded_env(env), args.command, sys.executable, job_id, rank,
-                                 REMOTE_GRACE_SECONDS)
+    forwarded = remote.forwarded_env(env)
+    secret = forwarded.pop("RINGCOMM_SECRET")  # never on a command line: it goes through the ssh's input
+    line = remote.remote_command(os.getcwd(), forwarded, args.command, sys.executable, job_id, rank,
+                                 REMOTE_GRACE_SECONDS, secret_on_stdin=True)
     argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
-    return spawn(rank, argv, os.environ, exits, host, remote=True)
+    worker = spawn(rank, argv, os.environ, exits, host, remote=True)
+    worker.send_input(secret + "\n")
+    return worker
 
 
 def _wait_for_end(

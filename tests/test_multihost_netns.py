@@ -89,6 +89,10 @@ def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoH
     assert re.findall(r"rank (\d): pid \d+ on (\S+)( \(ssh\))?", err) == [
         ("0", a, ""), ("1", a, ""), ("2", b, " (ssh)"), ("3", b, " (ssh)")]
     assert hosts.ssh_log.read_text().split("\n") == [f" -p 2222 -i /nonexistent/key {b}"] * 2 + [""]
+    # the job's secret reached the remote ranks (they authenticated) through the ssh's input, never
+    # through a command line that any user of either host could read in the process list
+    lines = hosts.ssh_lines.read_text()
+    assert lines.count("--secret-on-stdin") == 2 and "RINGCOMM_SECRET" not in lines
     assert_nothing_left(hosts, err)
 
 
