@@ -8,6 +8,7 @@ Start a job with ``ringcomm-run -np 4 python train.py``.
 """
 
 from .api import (
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -33,9 +34,11 @@ from .api import (
     local_rank,
     local_size,
     poll,
+    process_set_ids,
     rank,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     shutdown,
     size,
     start_timeline,
@@ -51,6 +54,7 @@ from .errors import (
     MismatchError,
     NotInitializedError,
     PeerLostError,
+    ProtocolError,
     RendezvousError,
     RendezvousTimeoutError,
     RingcommError,
@@ -59,6 +63,7 @@ from .errors import (
 )
 from .handles import GroupHandle, Handle
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .process_sets import ProcessSet, global_process_set
 
 __version__ = "0.1.0"
 

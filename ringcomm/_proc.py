@@ -132,6 +132,17 @@ class Worker:
         self._close_input()
         self.signal_group(signal.SIGKILL)
 
+    def send_input(self, text: str) -> None:
+        """Write ``text`` to a remote rank's ssh input (the pipe stays open: its end stops the rank)."""
+        stdin = self.popen.stdin
+        if stdin is None:
+            raise ValueError(f"rank {self.rank}: only a remote rank's ssh has an input to write to")
+        try:
+            stdin.write(text.encode())
+            stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the ssh is already gone: its exit is reported like any other
+
     def _close_input(self) -> None:
         if self.popen.stdin is not None:
             try:

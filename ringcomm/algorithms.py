@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from . import ring
+from .errors import HorovodInternalError
 from .ops import ReduceOp, combine, reduce_into, scale_inplace
 
 
@@ -56,7 +57,7 @@ def _segs(bounds: tuple[int, int], seg_elems: int) -> list[tuple[int, int]]:
     return ring.segments(bounds[0], bounds[1], seg_elems)
 
 
-class StreamError(RuntimeError):
+class StreamError(HorovodInternalError):
     """A message of the wrong length arrived: the ranks' data streams are out of step."""
 
 
@@ -116,6 +117,9 @@ def _ring_pass(
     while remaining:
         tag, payload = link.recv_any(src, seq)
         s, k = tag >> _STEP_SHIFT, tag & _SEG_MASK
+        if s >= len(segs) or k >= len(segs[s]):
+            raise StreamError(f"rank {link.rank}: op {seq} has no segment {k} of ring step {s} (tag {tag}) "
+                              f"for rank {src} to send: data streams out of step")
         a, b = segs[s][k]
         on_segment(s, a, b, payload)
         remaining -= 1
@@ -319,3 +323,41 @@ def alltoall(
         for k, (a, b) in enumerate(ring.segments(*rb[src], seg_elems)):
             out[a:b] = _view(link.recv(src, seq, k), out.dtype, b - a)
     link.flush()
+
+
+class SubLink:
+    """The link of a process set: ranks ``0..len(ranks)-1`` of the set over the job's own link.
+
+    Ring neighbours are neighbours within the set; every message travels over
+    the parent link's existing pairwise connection between the two global
+    ranks, so a set needs no sockets of its own.  What each member sees (set
+    ranks ``[1, 3]`` of a 4-rank job)::
+
+        global rank 1: SubLink(link, (1, 3)).rank == 0, .size == 2; send(1, ...) goes to global rank 3
+        global rank 3: SubLink(link, (1, 3)).rank == 1
+    """
+
+    def __init__(self, parent: Link, ranks: Sequence[int]) -> None:
+        self.parent = parent
+        self.ranks = tuple(ranks)
+        self.rank = self.ranks.index(parent.rank)
+        self.size = len(self.ranks)
+
+    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
+        self.parent.send(self.ranks[dst], seq, tag, arr)
+
+    def recv(self, src: int, seq: int, tag: int) -> object:
+        return self.parent.recv(self.ranks[src], seq, tag)
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, object]:
+        return self.parent.recv_any(self.ranks[src], seq)
+
+    def flush(self) -> None:
+        self.parent.flush()
+
+    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
+        reserve = getattr(self.parent, "reserve", None)
+        return None if reserve is None else reserve(self.ranks[dst], nbytes)
+
+    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
+        self.parent.commit(self.ranks[dst], seq, tag, view)

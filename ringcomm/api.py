@@ -38,49 +38,87 @@ from .engine import Engine, Entry
 from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError, NotInitializedError
 from .handles import GroupHandle, Handle
 from .ops import Average, ReduceOp
+from .process_sets import (
+    ProcessSet,
+    add_process_set,
+    as_process_set,
+    global_process_set,
+    process_set_ids,
+    register,
+    remove_process_set,
+    resolve_process_set,
+)
 
 AnyHandle = Handle | GroupHandle
 
 
 class Runtime:
-    """Everything ``init()`` creates: topology, settings, engine and the in-flight names."""
+    """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
 
-    def __init__(self, round_: int) -> None:
+    def __init__(self, round_: int, dynamic_sets: bool = False) -> None:
         self.settings = config.Settings.from_env()
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
-        self.engine = Engine(self.topo, self.settings, round_)
+        self.round = round_
+        self.dynamic_sets = dynamic_sets
+        self.all_ranks = tuple(range(self.topo.size))
+        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
         # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
         self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         self.engine.start()
         self._lock = threading.Lock()
-        self._names: set[str] = set()
-        self._counters: collections.Counter[str] = collections.Counter()
+        self._names: set[tuple[int, str]] = set()
+        self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
 
-    def auto_name(self, kind: str, name: str | None) -> str:
+    def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
+        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind)."""
         if name is not None:
             if not isinstance(name, str) or not name:
                 raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
             return name
         with self._lock:
-            n = self._counters[kind]
-            self._counters[kind] += 1
+            n = self._counters[(pset, kind)]
+            self._counters[(pset, kind)] += 1
         return f"{kind}.noname.{n}"
+
+    def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
+        """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
+        if process_set is None or process_set is global_process_set:
+            return 0, self.all_ranks
+        if not isinstance(process_set, ProcessSet):
+            raise InvalidTypeError(f"{what}: process_set must be a ProcessSet, got {type(process_set).__name__}")
+        pid = process_set.process_set_id
+        if pid == 0:
+            return 0, self.all_ranks
+        ranks = self.engine.set_ranks(pid) if pid is not None and process_set._round == self.round else None
+        if ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
+            raise InvalidInputError(
+                f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
+                "init(process_sets=[...]) or add_process_set() (on every rank) first"
+            )
+        if self.topo.rank not in ranks:
+            raise InvalidInputError(
+                f"{what}: rank {self.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
+                "only its members may run collectives on it (check ps.included() first)"
+            )
+        return pid, ranks
 
     def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
                grouped: bool = False) -> Handle:
         name = req.name
+        key = (req.pset, name)
         with self._lock:
-            if name in self._names:
+            if key in self._names:
                 raise DuplicateNameError(
-                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}; "
+                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
+                    f"{' in process set %d' % req.pset if req.pset else ''}; "
                     "wait for it (synchronize) or use another name"
                 )
-            self._names.add(name)
+            self._names.add(key)
 
         def release() -> None:
             with self._lock:
-                self._names.discard(name)
+                self._names.discard(key)
 
         handle = Handle(name, release)
         try:
@@ -115,18 +153,36 @@ def _install_excepthook() -> None:
     sys.excepthook = hook
 
 
-def init() -> None:
+def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
 
     Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
     again while initialized does nothing; after :func:`shutdown` it starts anew.
+
+    ``process_sets``: a list of :class:`ProcessSet` to register now (the same
+    list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
+    allow :func:`add_process_set` / :func:`remove_process_set` later.
     """
     global _runtime, _rounds, _atexit_registered
+    dynamic = isinstance(process_sets, str)
+    if dynamic and process_sets != "dynamic":
+        raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
+    static = [] if dynamic or process_sets is None else [as_process_set(p, "init(process_sets=...)")
+                                                          for p in process_sets]
     with _init_lock:
         if _runtime is not None:
             return
-        _runtime = Runtime(_rounds)
+        rt = Runtime(_rounds, dynamic)
         _rounds += 1
+        global_process_set.ranks = list(rt.all_ranks)
+        global_process_set._round = rt.round
+        try:
+            for ps in static:
+                register(rt, ps, "init(process_sets=...)")
+        except BaseException:
+            rt.shutdown()
+            raise
+        _runtime = rt
         if not _atexit_registered:
             atexit.register(shutdown)
             _install_excepthook()
@@ -289,34 +345,42 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     out: np.ndarray | None = None,
+    process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an allreduce; ``synchronize(handle)`` returns the reduced array (``out`` if given)."""
     rt = _rt("allreduce")
-    name = rt.auto_name("allreduce", name)
+    pset, _ = rt.resolve_set(process_set, "allreduce")
+    name = rt.auto_name("allreduce", name, pset)
     what = f"allreduce {name!r}"
     a = as_array(arr, what)
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
+                       pset=pset)
     return rt.submit(req, [a], [_check_out(out, a, what)])
 
 
 def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
-    """Reduce ``arr`` across ranks; every rank gets the result (Average by default).
+              postscale_factor: float = 1.0, out: np.ndarray | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Reduce ``arr`` across the ranks of ``process_set`` (default: all); each of them gets the result.
 
-        rank 0: [1., 2.]   rank 1: [3., 4.]   ->   every rank: [2., 3.]
+        rank 0: [1., 2.]   rank 1: [3., 4.]   ->   every rank: [2., 3.]   (Average, the default)
+        with process_set=ProcessSet([0, 2]) of 4 ranks: ranks 0 and 2 call it and get the average of
+        their two arrays; ranks 1 and 3 do not call it
     """
-    return allreduce_async(arr, op, name, prescale_factor, postscale_factor, out).wait()
+    return allreduce_async(arr, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
 def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            outs: Sequence[np.ndarray | None] | None = None) -> Handle:
+                            outs: Sequence[np.ndarray | None] | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Reduce a list of arrays (one dtype) as one fused op; the result is a list (``outs`` if given)."""
     rt = _rt("grouped_allreduce")
-    name = rt.auto_name("grouped_allreduce", name)
+    pset, _ = rt.resolve_set(process_set, "grouped_allreduce")
+    name = rt.auto_name("grouped_allreduce", name, pset)
     what = f"grouped_allreduce {name!r}"
     if isinstance(arrs, np.ndarray) or not isinstance(arrs, Sequence) or len(arrs) == 0:
         raise InvalidTypeError(f"{what}: expected a non-empty list of arrays")
@@ -327,7 +391,8 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
     dt = ops.check_dtype(arrays[0].dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
+                       pset=pset)
     if outs is not None and len(outs) != len(arrays):
         raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
     checked = [_check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
@@ -336,66 +401,94 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
 
 def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      outs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
-    return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs).wait()
+                      outs: Sequence[np.ndarray | None] | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Reduce a list of arrays as one fused op over the ranks of ``process_set``; returns a list."""
+    return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
-def allgather_async(arr: Any, name: str | None = None) -> Handle:
+def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
     rt = _rt("allgather")
-    name = rt.auto_name("allgather", name)
+    pset, _ = rt.resolve_set(process_set, "allgather")
+    name = rt.auto_name("allgather", name, pset)
     what = f"allgather {name!r}"
     a = as_array(arr, what)
     if a.ndim == 0:
         a = a.reshape(1)
     dt = ops.check_dtype(a.dtype, what)
-    return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,)), [a])
+    return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,), pset=pset), [a])
 
 
-def allgather(arr: Any, name: str | None = None) -> np.ndarray:
-    """Concatenate every rank's array along dim 0, in rank order.
+def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Concatenate the arrays of the ranks of ``process_set`` (default: all) along dim 0, in rank order.
 
         rank 0: [[1, 2]]   rank 1: [[3, 4], [5, 6]]   ->   every rank: [[1, 2], [3, 4], [5, 6]]
     """
-    return allgather_async(arr, name).wait()
+    return allgather_async(arr, name, process_set).wait()
 
 
-def grouped_allgather_async(arrs: Sequence[Any], name: str | None = None) -> GroupHandle:
+def grouped_allgather_async(arrs: Sequence[Any], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> GroupHandle:
     rt = _rt("grouped_allgather")
-    name = rt.auto_name("grouped_allgather", name)
-    return GroupHandle(name, [allgather_async(a, f"{name}.{i}") for i, a in enumerate(arrs)])
+    pset, _ = rt.resolve_set(process_set, "grouped_allgather")
+    name = rt.auto_name("grouped_allgather", name, pset)
+    return GroupHandle(name, [allgather_async(a, f"{name}.{i}", process_set) for i, a in enumerate(arrs)])
 
 
-def grouped_allgather(arrs: Sequence[Any], name: str | None = None) -> list[np.ndarray]:
-    return grouped_allgather_async(arrs, name).wait()
+def grouped_allgather(arrs: Sequence[Any], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return grouped_allgather_async(arrs, name, process_set).wait()
 
 
-def broadcast_async(arr: Any, root_rank: int, name: str | None = None) -> Handle:
+def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int) -> int:
+    """``root_rank`` is a global rank; it must be a member of the set."""
+    if not pset:
+        return _check_root(root_rank, what, len(ranks))
+    root = _check_root(root_rank, what, max(ranks) + 1)
+    if root not in ranks:
+        raise InvalidInputError(
+            f"{what}: root_rank={root} is not in process set {pset} (ranks {list(ranks)}); "
+            "root_rank is a global rank and must be one of them"
+        )
+    return root
+
+
+def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     rt = _rt("broadcast")
-    name = rt.auto_name("broadcast", name)
+    pset, ranks = rt.resolve_set(process_set, "broadcast")
+    name = rt.auto_name("broadcast", name, pset)
     what = f"broadcast {name!r}"
     a = as_array(arr, what)
-    root = _check_root(root_rank, what, rt.topo.size)
+    root = _check_set_root(root_rank, what, ranks, pset)
     dt = ops.check_dtype(a.dtype, what)
-    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root), [a])
+    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a])
 
 
-def broadcast(arr: Any, root_rank: int, name: str | None = None) -> np.ndarray:
-    """Every rank gets a copy of ``root_rank``'s array (all ranks pass the same shape and dtype).
+def broadcast(arr: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Every rank (of ``process_set``) gets a copy of ``root_rank``'s array (same shape and dtype everywhere).
 
         rank 0: [1, 2]   rank 1: [0, 0]   broadcast(x, 0)  ->   every rank: [1, 2]
+
+    ``root_rank`` is a global rank, also with a process set (as in Horovod).
     """
-    return broadcast_async(arr, root_rank, name).wait()
+    return broadcast_async(arr, root_rank, name, process_set).wait()
 
 
-def alltoall_async(arr: Any, splits: Any = None, name: str | None = None) -> Handle:
+def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     rt = _rt("alltoall")
-    name = rt.auto_name("alltoall", name)
+    pset, ranks = rt.resolve_set(process_set, "alltoall")
+    name = rt.auto_name("alltoall", name, pset)
     what = f"alltoall {name!r}"
     a = as_array(arr, what)
-    n = rt.topo.size
+    n = len(ranks)
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     if splits is None:
         if a.shape[0] % n:
             raise InvalidInputError(
@@ -405,71 +498,90 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None) -> Han
     else:
         s = np.asarray(splits)
         if s.dtype.kind not in "iu":
-            raise InvalidTypeError(f"{what}: splits must be integers, got dtype {s.dtype}")
+            raise InvalidTypeError(
+                f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
+            )
         if s.ndim != 1 or s.size != n:
-            raise InvalidInputError(f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}")
+            raise InvalidInputError(
+                f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
+            )
         if (s < 0).any():
-            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}")
+            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
         if int(s.sum()) != a.shape[0]:
             raise InvalidInputError(
                 f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
             )
         split_list = [int(v) for v in s]
     dt = ops.check_dtype(a.dtype, what)
-    req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list))
+    req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset)
     return rt.submit(req, [a])
 
 
-def alltoall(arr: Any, splits: Any = None, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def alltoall(arr: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
     """Rank i sends ``splits[j]`` rows to rank j; returns ``(received rows, received_splits)``.
 
         rank 0: [0, 1, 2] splits [1, 2]    rank 1: [7, 8] splits [1, 1]
         ->  rank 0: ([0, 7], [1, 1])        rank 1: ([1, 2, 8], [2, 1])
+
+    With a process set, i and j are ranks within the set (``splits`` has one entry per member).
     """
-    return alltoall_async(arr, splits, name).wait()
+    return alltoall_async(arr, splits, name, process_set).wait()
 
 
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: ProcessSet = global_process_set) -> Handle:
     rt = _rt("reducescatter")
-    name = rt.auto_name("reducescatter", name)
+    pset, _ = rt.resolve_set(process_set, "reducescatter")
+    name = rt.auto_name("reducescatter", name, pset)
     what = f"reducescatter {name!r}"
     a = as_array(arr, what)
     if a.ndim == 0:
-        raise InvalidInputError(f"{what}: needs an array with at least one dimension, got a 0-d array")
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what))
+                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
+                       pset=pset)
     return rt.submit(req, [a])
 
 
 def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce across ranks, then rank r keeps rows block r of dim 0 (lower ranks get the extra rows).
 
         rank 0: [1, 2, 3]   rank 1: [10, 20, 30]   op=Sum  ->   rank 0: [11, 22]   rank 1: [33]
+
+    With a process set, r is the rank within the set.
     """
-    return reducescatter_async(arr, op, name, prescale_factor, postscale_factor).wait()
+    return reducescatter_async(arr, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
 def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> GroupHandle:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> GroupHandle:
     rt = _rt("grouped_reducescatter")
-    name = rt.auto_name("grouped_reducescatter", name)
-    return GroupHandle(name, [reducescatter_async(a, op, f"{name}.{i}", prescale_factor, postscale_factor)
+    pset, _ = rt.resolve_set(process_set, "grouped_reducescatter")
+    name = rt.auto_name("grouped_reducescatter", name, pset)
+    return GroupHandle(name, [reducescatter_async(a, op, f"{name}.{i}", prescale_factor, postscale_factor, process_set)
                               for i, a in enumerate(arrs)])
 
 
 def grouped_reducescatter(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[np.ndarray]:
-    return grouped_reducescatter_async(arrs, op, name, prescale_factor, postscale_factor).wait()
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    return grouped_reducescatter_async(arrs, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
-def barrier() -> None:
-    """Return once every rank has called barrier()."""
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called barrier()."""
     rt = _rt("barrier")
-    rt.submit(wire.Request(rt.auto_name("barrier", None), wire.BARRIER), []).wait()
+    pset, _ = rt.resolve_set(process_set, "barrier")
+    rt.submit(wire.Request(rt.auto_name("barrier", None, pset), wire.BARRIER, pset=pset), []).wait()
 
 
 def join() -> int:
@@ -491,26 +603,32 @@ def synchronize(handle: AnyHandle) -> Any:
     return handle.wait()
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Every rank gets the root's Python object (pickled; only from ranks of this job)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Every rank (of ``process_set``) gets the root's Python object (pickled; only from ranks of this job).
+
+    ``root_rank`` is a global rank that belongs to the set.
+    """
     rt = _rt("broadcast_object")
-    name = rt.auto_name("broadcast_object", name)
-    _check_root(root_rank, f"broadcast_object {name!r}", rt.topo.size)
+    pset, ranks = rt.resolve_set(process_set, "broadcast_object")
+    name = rt.auto_name("broadcast_object", name, pset)
+    _check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
     payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
-    length = broadcast(length, root_rank, f"{name}.len")
+    length = broadcast(length, root_rank, f"{name}.len", process_set)
     data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
-    data = broadcast(data, root_rank, f"{name}.data")
+    data = broadcast(data, root_rank, f"{name}.data", process_set)
     return pickle.loads(data.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """A list with every rank's Python object, in rank order."""
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """A list with the Python object of every rank (of ``process_set``), in rank order."""
     rt = _rt("allgather_object")
-    name = rt.auto_name("allgather_object", name)
+    pset, _ = rt.resolve_set(process_set, "allgather_object")
+    name = rt.auto_name("allgather_object", name, pset)
     payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
-    data = allgather(payload, f"{name}.data")
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
+    data = allgather(payload, f"{name}.data", process_set)
     out, pos = [], 0
     for n in sizes.tolist():
         out.append(pickle.loads(data[pos:pos + n].tobytes()))

@@ -30,6 +30,18 @@ TOPOLOGY_VARS = frozenset(
         "RINGCOMM_NETWORK_INTERFACE",
     }
 )
+#: Set by ringcomm-run's elastic driver (ringcomm/elastic).
+TOPOLOGY_VARS |= {"RINGCOMM_ELASTIC_WORKER", "RINGCOMM_ELASTIC_TIMEOUT"}
+
+
+def _flag(raw: str) -> bool:
+    """A boolean setting: 1/true/yes/on or 0/false/no/off/empty; anything else is a ValueError."""
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +92,8 @@ class Settings:
     timeline: str = ""
     #: Logging level name for the ``ringcomm`` logger.
     log_level: str = "WARNING"
+    #: Encrypt the data and control planes (ZeroMQ CURVE, keys derived from the job secret).
+    encrypt: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -96,10 +110,10 @@ class Settings:
                 raise InvalidInputError(f"unknown setting {key}={raw!r}; known settings: {known}")
             kind = type(fields[name].default)
             try:
-                values[name] = kind(raw) if kind is not bool else raw.lower() in ("1", "true", "yes")
+                values[name] = kind(raw) if kind is not bool else _flag(raw)
             except ValueError:
                 raise InvalidInputError(
-                    f"{key}={raw!r} is not a valid {kind.__name__}"
+                    f"{key}={raw!r} is not a valid {kind.__name__}" + (" (use 1 or 0)" if kind is bool else "")
                 ) from None
         settings = cls(**values)  # type: ignore[arg-type]
         settings.validate()

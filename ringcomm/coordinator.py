@@ -73,19 +73,34 @@ _MUST_AGREE = {
     wire.BARRIER: (),
     wire.JOIN: (),
     wire.SHUTDOWN: (),
+    wire.ADD_PSET: ("splits",),
+    wire.REMOVE_PSET: ("root",),
 }
 
+_KIND_FIELD_LABEL = {(wire.ADD_PSET, "splits"): "the ranks", (wire.REMOVE_PSET, "root"): "the process set id"}
 
-def check_agreement(name: str, reqs: dict[int, Request]) -> str:
-    """Return '' if the ranks' requests for ``name`` are compatible, else an error message."""
+
+def set_label(pset: int, ranks: tuple[int, ...]) -> str:
+    """' in process set 1 (ranks [0, 2])' for a set other than the global one, else ''."""
+    return f" in process set {pset} (ranks {list(ranks)})" if pset else ""
+
+
+def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str:
+    """Return '' if the ranks' requests for ``name`` are compatible, else an error message.
+
+    ``reqs`` is keyed by global rank; ``where`` (e.g. `` in process set 1 (ranks [0, 2])``)
+    follows the op's name in the message.
+    """
     it = iter(reqs.values())
     first = next(it)
-    if first.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER, wire.BARRIER, wire.JOIN, wire.SHUTDOWN):
+    if first.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER, wire.BARRIER, wire.JOIN, wire.SHUTDOWN,
+                      wire.ADD_PSET, wire.REMOVE_PSET):
         if all(q == first for q in it):  # the common case: identical requests
             return ""
     kinds = {r: q.kind for r, q in reqs.items()}
     if len(set(kinds.values())) > 1:
-        return f"op '{name}': ranks disagree on the collective: {_describe(kinds)}. Every rank must call the same collective under one name."
+        return (f"op '{name}'{where}: ranks disagree on the collective: {_describe(kinds)}. "
+                "Every rank must call the same collective under one name.")
     kind = next(iter(kinds.values()))
     for field in _MUST_AGREE[kind]:
         values = {r: getattr(q, field) for r, q in reqs.items()}
@@ -93,23 +108,26 @@ def check_agreement(name: str, reqs: dict[int, Request]) -> str:
             values = {r: (v[0] if len(v) == 1 else list(v)) for r, v in values.items()}
         if field == "op":
             values = {r: _op_name(v) for r, v in values.items()}
+        if field == "splits":
+            values = {r: list(v or ()) for r, v in values.items()}
         if len({repr(v) for v in values.values()}) > 1:
+            label = _KIND_FIELD_LABEL.get((kind, field), _FIELD_LABEL.get(field, field))
             return (
-                f"{kind} '{name}': ranks disagree on {_FIELD_LABEL[field]}: {_describe(values)}. "
-                f"Pass the same {_FIELD_LABEL[field]} on every rank."
+                f"{kind} '{name}'{where}: ranks disagree on {label}: {_describe(values)}. "
+                f"Pass the same {label} on every rank."
             )
     if kind in (wire.ALLGATHER, wire.ALLTOALL):
         trailing = {r: tuple(q.shapes[0][1:]) if q.shapes and q.shapes[0] else () for r, q in reqs.items()}
         if len(set(trailing.values())) > 1:
             return (
-                f"{kind} '{name}': ranks disagree on the dimensions after the first: {_describe(trailing)}. "
+                f"{kind} '{name}'{where}: ranks disagree on the dimensions after the first: {_describe(trailing)}. "
                 "Only dim 0 may differ between ranks."
             )
     if kind == wire.ALLTOALL:
         size = len(reqs)
         bad = {r: len(q.splits or ()) for r, q in reqs.items() if len(q.splits or ()) != size}
         if bad:
-            return f"alltoall '{name}': splits must have one entry per rank ({size}): {_describe(bad)}."
+            return f"alltoall '{name}'{where}: splits must have one entry per rank ({size}): {_describe(bad)}."
     return ""
 
 
@@ -123,11 +141,22 @@ def _op_name(op: int) -> str:
 
 
 class Coordinator:
-    """Collects requests from ``size`` ranks and emits ordered, fused responses."""
+    """Collects requests from the ``size`` ranks of one process set and emits ordered, fused responses.
+
+    ``ranks`` are the set's global ranks (default ``0..size-1``, the global set);
+    :meth:`submit` takes global ranks, and messages name global ranks.
+    ``first_dims``/``splits`` in responses are in the order of ``ranks``.
+    """
 
     def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize,
-                 small_bytes: int = 0) -> None:
+                 small_bytes: int = 0, ranks: tuple[int, ...] | None = None, pset: int = 0) -> None:
         self.size = size
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
+        if len(self.ranks) != size:
+            raise ValueError(f"process set of size {size} given {len(self.ranks)} ranks")
+        self._members = frozenset(self.ranks)
+        self.pset = pset
+        self.where = set_label(pset, self.ranks)
         self.fusion_threshold = fusion_threshold
         self.small_bytes = small_bytes  # small allreduces fuse only with each other (rank 0 reduces them)
         self._itemsize = itemsize
@@ -142,16 +171,16 @@ class Coordinator:
 
     def submit(self, rank: int, req: Request, now: float = 0.0) -> None:
         """Record that ``rank`` announced ``req``."""
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} out of range for size {self.size}")
+        if rank not in self._members:
+            raise ValueError(f"rank {rank} is not a member of{self.where or ' the job'} (ranks {list(self.ranks)})")
         name = req.name
         if name in self._ready:
             # a rank re-used a name whose previous instance has not been taken yet
-            self._errors.setdefault(name, f"op '{name}' was submitted twice by rank {rank} before it completed")
+            self._errors.setdefault(name, f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed")
             return
         slot = self._pending.setdefault(name, {})
         if rank in slot:
-            self._errors[name] = f"op '{name}' was submitted twice by rank {rank} before it completed"
+            self._errors[name] = f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed"
         slot[rank] = req
         self._first_seen.setdefault(name, now)
         if req.kind == wire.JOIN and rank not in self._joined:
@@ -175,7 +204,7 @@ class Coordinator:
         if kind in (wire.JOIN, wire.SHUTDOWN):
             return
         joined = set(self._joined)
-        if joined and present | joined >= set(range(self.size)):
+        if joined and present | joined >= self._members:
             if kind != wire.ALLREDUCE:
                 self._errors[name] = (
                     f"{kind} '{name}' cannot run while rank(s) {sorted(joined - present)} have joined; "
@@ -200,19 +229,19 @@ class Coordinator:
         for name in ready:
             reqs = self._pending.pop(name)
             self._first_seen.pop(name, None)
-            error = self._errors.pop(name, "") or check_agreement(name, reqs)
+            error = self._errors.pop(name, "") or check_agreement(name, reqs, self.where)
             first = reqs[min(reqs)]
             if error:
                 if first.kind == wire.JOIN:
                     self._joined = []
                 kind = "stall" if name in self._stalled else "mismatch"
                 self._stalled.discard(name)
-                out.append(Response(first.kind, (name,), error=error, error_kind=kind))
+                out.append(Response(first.kind, (name,), error=error, error_kind=kind, pset=self.pset))
                 continue
             if first.kind == wire.JOIN:
                 last = self._joined[-1]
                 self._joined = []
-                out.append(Response(wire.JOIN, (name,), last_joined=last))
+                out.append(Response(wire.JOIN, (name,), last_joined=last, pset=self.pset))
             elif first.kind == wire.ALLREDUCE:
                 fusable.append((len(out), name, first))
                 out.append(None)
@@ -235,20 +264,23 @@ class Coordinator:
                     postscale=q.postscale,
                     numels=tuple(m[2].numel() for m in members),
                     joined=joined,
+                    pset=self.pset,
                 )
         return [r for r in out if r is not None]
 
     def _single(self, name: str, q: Request, reqs: dict[int, Request], joined: tuple[int, ...]) -> Response:
         kind = q.kind
         if kind == wire.ALLGATHER:
-            dims = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in range(self.size))
-            return Response(kind, (name,), dtype=q.dtype, first_dims=dims)
+            dims = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in self.ranks)
+            return Response(kind, (name,), dtype=q.dtype, first_dims=dims, pset=self.pset)
         if kind == wire.ALLTOALL:
-            splits = tuple(tuple(reqs[r].splits or ()) for r in range(self.size))
-            return Response(kind, (name,), dtype=q.dtype, splits=splits)
+            splits = tuple(tuple(reqs[r].splits or ()) for r in self.ranks)
+            return Response(kind, (name,), dtype=q.dtype, splits=splits, pset=self.pset)
+        if kind == wire.ADD_PSET:
+            return Response(kind, (name,), splits=(tuple(q.splits or ()),), pset=self.pset)
         return Response(
             kind, (name,), dtype=q.dtype, op=q.op, root=q.root, prescale=q.prescale,
-            postscale=q.postscale, numels=(q.numel(),), joined=joined,
+            postscale=q.postscale, numels=(q.numel(),), joined=joined, pset=self.pset,
         )
 
     # -- diagnostics ---------------------------------------------------------
@@ -261,7 +293,7 @@ class Coordinator:
                 continue
             slot = self._pending[name]
             kind = next(iter(slot.values())).kind
-            missing = tuple(r for r in range(self.size) if r not in slot and r not in self._joined)
+            missing = tuple(r for r in self.ranks if r not in slot and r not in self._joined)
             stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
         return stalls
 
@@ -274,3 +306,6 @@ class Coordinator:
 
     def pending_names(self) -> list[str]:
         return list(self._pending)
+
+    def has_ready(self) -> bool:
+        return bool(self._ready)

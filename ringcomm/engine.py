@@ -21,7 +21,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import tempfile
 import threading
 import time
 from typing import Any
@@ -29,16 +28,20 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import algorithms, ops, ring, shm_allreduce, wire
+from . import algorithms, auth, ops, ring, shm_allreduce, wire
 from .cache import ResponseCache
 from .config import Settings
-from .coordinator import SHUTDOWN_NAME, Coordinator
-from .errors import HorovodInternalError, MismatchError, PeerLostError, ShutdownError, StallError
+from .controller import Controller
+from .coordinator import SHUTDOWN_NAME, set_label
+from .errors import (
+    HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
+)
 from .handles import Handle
 from .ops import ReduceOp
+from .serving_link import ServingLink
 from .timeline import Timeline
 from .topology import Topology
-from .transport import DataPlane, remove_files
+from .transport import DataPlane, ipc_base, ipc_file, remove_files
 from .wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -55,6 +58,11 @@ class Entry:
     grouped: bool = False
     submitted_at: float = 0.0  # perf_counter when the user thread submitted it
     drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """Names are unique per process set: ``(set id, name)``."""
+        return (self.req.pset, self.req.name)
 
 
 class _NullLink:
@@ -73,6 +81,23 @@ class _NullLink:
         pass
 
 
+def _check_same_security(table: list[dict], rank: int) -> None:
+    """Raise when ranks disagree on ``RINGCOMM_ENCRYPT``: their handshakes would fail for ever."""
+    flags = {int(peer["rank"]): bool(peer.get("encrypt", False)) for peer in table}
+    if len(set(flags.values())) > 1:
+        on = [r for r, f in sorted(flags.items()) if f]
+        off = [r for r, f in sorted(flags.items()) if not f]
+        raise InvalidInputError(
+            f"rank {rank}: ranks {on} run with RINGCOMM_ENCRYPT=1 and ranks {off} without; encrypted and "
+            f"plain sockets cannot connect. Set RINGCOMM_ENCRYPT to the same value on every rank."
+        )
+
+
+#: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
+#: set count that set's ops alike, and messages of different sets never share a number.
+_PSET_SHIFT = 40
+
+
 class Engine:
     """Owns the sockets of one rank and executes collectives in rank 0's order."""
 
@@ -84,27 +109,37 @@ class Engine:
         self._wake_pending = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._inflight: dict[str, Entry] = {}
-        self._cache = ResponseCache(settings.cache_capacity)
-        self._seq = 0
+        self._inflight: dict[tuple[int, str], Entry] = {}
+        # per process set: its global ranks, its own op count and response cache (every member
+        # records the set's responses in the same order; rank 0 records every set's)
+        self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
+        self._links: dict[int, Any] = {}
+        self._seqs: dict[int, int] = {0: 0}
+        self._caches: dict[int, ResponseCache] = {0: ResponseCache(settings.cache_capacity)}
         self._stopping = False
         self._failed: BaseException | None = None
         self._fusion = np.empty(0, dtype=np.uint8)
-        self._small = settings.small_allreduce_bytes if self.size > 1 else 0
-        self._coord = Coordinator(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
-        self._payloads: dict[str, dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
-        self._warned_stalls: set[str] = set()
+        # payloads travel inside control frames, which are bounded: never more than one frame's share
+        self._small = min(settings.small_allreduce_bytes, wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
+        self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
+        self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
+        self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
+        self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
+        self._executing = False
+        self._serving: ServingLink | None = None
+        self._warned_stalls: set[tuple[int, str]] = set()
         self._phases: list[tuple[str, float, float]] = []
-        self._star_spans: dict[tuple[str, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
+        self._star_spans: dict[tuple[Any, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
-        self._idents = [f"rank{r}".encode() for r in range(1, self.size)]
+        self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank)
         self._server = None
         self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None
+        self._zap: auth.ZapThread | None = None
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
         self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
@@ -122,26 +157,33 @@ class Engine:
         from . import rendezvous
 
         topo, st = self.topo, self.settings
+        # every connection to this process proves it holds the job secret before it is attached
+        creds = auth.Credentials.derive(topo.secret, "job", encrypt=st.encrypt)
         ctx = self._ctx = zmq.Context(io_threads=st.io_threads)
+        self._zap = auth.ZapThread(ctx, creds, f"rank {self.rank}")  # before the first bind
         link = DataPlane(
             ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-            job_id=topo.job_id, round_=round_,
+            job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
         )
         self._link = link  # from here on, _close() closes it
-        ipc_dir = tempfile.gettempdir()
-        base = f"ipc://{ipc_dir}/ringcomm-{topo.job_id}-{os.getpid()}-{round_}"
+        base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
+            "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
         }
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            creds.apply_server(ctrl)
             ctrl.bind(base + "-ctrl")
             ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._ipc_paths.append(ipc_ep[len("ipc://"):])
+            path = ipc_file(ipc_ep)
+            if path is not None:
+                self._ipc_paths.append(path)
             ctrl.bind(f"tcp://{topo.addr}:0")
             info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
             if topo.host_rendezvous:
@@ -152,12 +194,17 @@ class Engine:
         else:
             ctrl = self._ctrl = ctx.socket(zmq.DEALER)
             ctrl.setsockopt(zmq.LINGER, 0)
+            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+            creds.apply_client(ctrl)
         self._ctrl = ctrl
+        if self.rank == 0:
+            self._serving = ServingLink(link, ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
         )
         self.peer_table = table
+        _check_same_security(table, self.rank)
         for peer in table:
             r = int(peer["rank"])
             same_host = peer["host"] == topo.hostname
@@ -165,7 +212,7 @@ class Engine:
                 link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
         if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                                 st.shm_allreduce_min_ranks):
-            self._shm_ar = shm_allreduce.ShmAllreduce(link, topo.job_id, round_, st.shm_allreduce_piece_bytes)
+            self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes)
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -225,6 +272,8 @@ class Engine:
             self._server.close()
         if self.timeline is not None:
             self.timeline.close()
+        if self._zap is not None:
+            self._zap.stop()
         if self._ctx is not None:
             self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
@@ -277,7 +326,7 @@ class Engine:
         lost = link.check_peers()
         if not lost or self._stopping:
             return
-        leaving = self._inflight.pop(SHUTDOWN_NAME, None)
+        leaving = self._inflight.pop((0, SHUTDOWN_NAME), None)
         if leaving is not None:
             # This rank is shutting down too: a peer that left has most likely finished the
             # collective shutdown before this rank received its response.  Finish quietly.
@@ -285,7 +334,8 @@ class Engine:
             leaving.handle.set_result(None)
             return
         peer = min(lost)
-        pending = sorted(self._inflight) + [e.req.name for e in self._queue]
+        pending = [e.req.name + set_label(e.req.pset, self._sets.get(e.req.pset, ()))
+                   for e in list(self._inflight.values()) + list(self._queue)]
         shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
         raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
@@ -294,14 +344,15 @@ class Engine:
             return 200  # re-check a peer whose connection closed while its process ran
         if self._coord is None:
             return None
-        if self.settings.cycle_time > 0 and self._coord._ready:
+        if self.settings.cycle_time > 0 and self._coord.has_ready():
             return max(1, int(self.settings.cycle_time))
-        if self._coord.pending_names():
+        if self._coord.has_pending():
             return 1000  # stall checks
         return None
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
+        self._backlog.clear()
         for entry in list(self._inflight.values()) + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(exc)
@@ -310,124 +361,188 @@ class Engine:
 
     def _drain_queue(self) -> None:
         items: list[Any] = []
+        carried = 0  # payload bytes in ``items``
         now = time.monotonic()
         drained_at = time.perf_counter()
         while self._queue:
             entry = self._queue.popleft()
             entry.drained_at = drained_at
-            self._inflight[entry.req.name] = entry
+            self._inflight[entry.key] = entry
             if self._coord is not None:
+                self._canon.setdefault(entry.key, entry.req)
                 self._coord.submit(0, entry.req, now)
             else:
-                cid = self._cache.lookup(entry.req)
-                item: Any = cid if cid is not None else list(entry.req)
-                if entry.req.kind == wire.ALLREDUCE and 0 < self._nbytes(entry) <= self._small:
+                pset = entry.req.pset
+                cache = self._caches.get(pset)
+                cid = cache.lookup(entry.req) if cache is not None else None
+                item: Any = list(entry.req) if cid is None else cid if pset == 0 else {"s": pset, "c": cid}
+                nbytes = self._nbytes(entry)
+                if entry.req.kind == wire.ALLREDUCE and 0 < nbytes <= self._small:
+                    if carried + nbytes > wire.CONTROL_DATA_BYTES:
+                        self._send_requests(items)  # keep every control frame within its bound
+                        items, carried = [], 0
                     item = {"q": item, "d": b"".join(a.tobytes() for a in entry.arrays)}
+                    carried += nbytes
                 items.append(item)
         if items:
-            assert self._ctrl is not None
-            self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+            self._send_requests(items)
 
-    def _drain_control(self) -> None:
-        """Handle one control message (the poller is level-triggered: it reports the next one)."""
+    def _send_requests(self, items: list[Any]) -> None:
+        assert self._ctrl is not None
+        self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+
+    def _drain_control(self) -> bool:
+        """Handle one control message (the poller is level-triggered: it reports the next one).
+
+        Returns whether there was one.
+        """
         assert self._ctrl is not None
         secret = self.topo.secret
         try:
             frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         if self._coord is not None:
             if len(frames) == 2:  # ROUTER: [sender identity, message]
                 self._on_request(frames[1], secret)
-            return
+            return True
         try:
             msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
-            if msg[0] != "resp":
-                raise ValueError(f"unexpected control message {msg[0]!r}")
-            resps = [wire.response_from_wire(r) for r in msg[1]]
-        except (ValueError, TypeError, IndexError) as exc:
+            resps = wire.parse_response_batch(msg)
+        except ProtocolError as exc:
             log.debug("rank %d: dropping control message: %s", self.rank, exc)
-            return
+            return True
         for resp in resps:
             self._execute(resp)
+        return True
+
+    def _serve_control(self) -> None:
+        """Rank 0, called while it waits inside a transfer: take every waiting request, and answer
+        the ready ops of sets without rank 0 (the others wait for rank 0's main loop: a set with
+        rank 0 cannot run its next op before rank 0 is done, and a shutdown must not reach the
+        other ranks while rank 0 still needs their data)."""
+        while self._drain_control():
+            pass
+        self._coordinate(nested=True)
 
     def _on_request(self, frame: bytes, secret: bytes) -> None:
         assert self._coord is not None
         try:
-            msg = wire.unpack_control(secret, frame)
-            kind, rank, items = msg
-            if kind != "req" or not isinstance(rank, int) or not 0 < rank < self.size:
-                raise ValueError(f"bad request header {kind!r} from {rank!r}")
+            rank, items = wire.parse_request_batch(wire.unpack_control(secret, frame), self.size)
             reqs = []
-            for it in items:
-                data = None
-                if isinstance(it, dict):
-                    it, data = it["q"], it["d"]
-                    if not isinstance(data, bytes):
-                        raise ValueError("payload is not bytes")
-                req = self._cache.get(it) if isinstance(it, int) else wire.request_from_wire(it)
-                reqs.append((req, data))
-        except (ValueError, TypeError, KeyError) as exc:
+            for it, data in items:
+                if not isinstance(it, wire.Request):  # a response-cache id: (set id, id)
+                    pset, cid = it
+                    try:
+                        it = self._caches[pset].get(cid)
+                    except KeyError:
+                        raise ProtocolError(f"unknown response-cache id {cid} of process set {pset} "
+                                            f"from rank {rank}") from None
+                reqs.append((it, data))
+        except ProtocolError as exc:
             log.debug("coordinator: dropping control message: %s", exc)
             return
         now = time.monotonic()
         for req, data in reqs:
             if data is not None:
-                self._payloads.setdefault(req.name, {})[rank] = data
+                self._payloads.setdefault((req.pset, req.name), {})[rank] = data
+            self._canon.setdefault((req.pset, req.name), req)
             self._coord.submit(rank, req, now)
 
-    def _coordinate(self) -> None:
+    def _coordinate(self, nested: bool = False) -> None:
         coord = self._coord
         assert coord is not None
         now = time.monotonic()
-        if self.settings.cycle_time > 0 and coord._ready:
+        if self.settings.cycle_time > 0 and coord.has_ready():
             if (now - self._last_emit) * 1000 < self.settings.cycle_time:
                 return
-        resps = coord.take_responses()
+        pairs = coord.take_responses(skip_member=0 if nested else None)
         if self._payloads:
-            resps = [self._star_reduce(r) for r in resps]
-        if resps:
+            pairs = [(self._star_reduce(r, members), members) for r, members in pairs]
+        if pairs:
             self._last_emit = now
             if self.timeline is not None and self.timeline.mark_cycles:
                 self.timeline.marker("CYCLE", time.perf_counter())
+            self._record_emitted(pairs)
             if self.size > 1:
-                assert self._ctrl is not None
-                frame = wire.pack_control(self.topo.secret, ["resp", [list(r) for r in resps]])
-                for ident in self._idents:
-                    try:
-                        self._ctrl.send_multipart([ident, frame])
-                    except zmq.ZMQError as exc:
-                        # that rank's connection is gone: it left after the collective shutdown,
-                        # or it died, which its data-plane monitor reports as a lost peer
-                        if exc.errno != zmq.EHOSTUNREACH:
-                            raise
-                        log.debug("rank 0: %s is gone; response not delivered", ident.decode())
-            for resp in resps:
-                self._execute(resp)
+                self._send_responses(pairs)
+            self._backlog.extend(resp for resp, members in pairs if 0 in members)
+            if not self._executing:  # else this runs inside rank 0's current transfer: they wait their turn
+                while self._backlog:
+                    self._execute(self._backlog.popleft())
         self._check_stalls(now)
+
+    def _record_emitted(self, pairs: list[tuple[Response, tuple[int, ...]]]) -> None:
+        """Rank 0 caches every set's requests as it emits them, members cache theirs as they execute.
+
+        The order is the same, so the caches agree; rank 0 must know an id before a member can
+        send it, and it may not be a member of the set at all.
+        """
+        for resp, _ in pairs:
+            if resp.kind == wire.ADD_PSET and not resp.error:
+                self._caches[resp.root] = ResponseCache(self.settings.cache_capacity)
+            if resp.kind == wire.REMOVE_PSET and not resp.error:
+                self._caches.pop(resp.root, None)
+            if resp.error or resp.joined or resp.kind not in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
+                continue
+            cache = self._caches.get(resp.pset)
+            for name in resp.names:
+                req = self._canon.get((resp.pset, name))
+                if cache is not None and req is not None:
+                    cache.record(req)
+        for resp, _ in pairs:
+            for name in resp.names:
+                self._canon.pop((resp.pset, name), None)
+
+    def _send_responses(self, pairs: list[tuple[Response, tuple[int, ...]]]) -> None:
+        """Each rank gets the responses of its sets, in emission order (one message per distinct list)."""
+        assert self._ctrl is not None
+        per_rank: dict[int, list[int]] = {}
+        for i, (_, members) in enumerate(pairs):
+            for r in members:
+                if r != 0:
+                    per_rank.setdefault(r, []).append(i)
+        frames: dict[tuple[int, ...], list[bytes]] = {}
+        for r, idx in per_rank.items():
+            key = tuple(idx)
+            if key not in frames:  # each batch keeps the result data of a frame within its bound
+                frames[key] = [wire.pack_control(self.topo.secret, ["resp", [list(resp) for resp in batch]])
+                               for batch in _control_batches([pairs[i][0] for i in idx])]
+            ident = self._idents[r]
+            try:
+                for frame in frames[key]:
+                    self._ctrl.send_multipart([ident, frame])
+            except zmq.ZMQError as exc:
+                # that rank's connection is gone: it left after the collective shutdown,
+                # or it died, which its data-plane monitor reports as a lost peer
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                log.debug("rank 0: %s is gone; response not delivered", ident.decode())
 
     @staticmethod
     def _nbytes(entry: Entry) -> int:
         return sum(a.nbytes for a in entry.arrays)
 
-    def _star_reduce(self, resp: Response) -> Response:
+    def _star_reduce(self, resp: Response, members: tuple[int, ...]) -> Response:
         """Rank 0 reduces a small allreduce from the payloads sent with the requests (2 hops, no ring)."""
-        payloads = [self._payloads.pop(n, {}) for n in resp.names]
+        payloads = [self._payloads.pop((resp.pset, n), {}) for n in resp.names]
         if resp.kind != wire.ALLREDUCE or resp.error or not resp.numels:
             return resp
         started = time.perf_counter()
         dtype = np.dtype(resp.dtype)
+        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
+            return resp  # too much to carry in one control frame (many small ones fused): run the ring
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
         acc: np.ndarray | None = None
         total = sum(resp.numels)
-        for rank in range(self.size):
+        for rank in members:
             if rank in joined:
                 continue
             if rank == 0:
                 arrays = []
                 for n in resp.names:
-                    entry = self._inflight.get(n)
+                    entry = self._inflight.get((resp.pset, n))
                     if entry is None:
                         return resp
                     arrays.extend(entry.arrays)
@@ -449,9 +564,9 @@ class Engine:
                 ops.reduce_into(op, acc, contrib)
         if acc is None:
             return resp
-        ops.scale_inplace(acc, ops.postscale(op, self.size, resp.postscale))
+        ops.scale_inplace(acc, ops.postscale(op, len(members), resp.postscale))
         if self.timeline is not None:
-            self._star_spans[tuple(resp.names)] = (started, time.perf_counter())
+            self._star_spans[(resp.pset, *resp.names)] = (started, time.perf_counter())
         return resp._replace(data=acc.tobytes())
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
@@ -471,28 +586,28 @@ class Engine:
         assert self._coord is not None
         st = self.settings
         after = min(st.stall_check_seconds, st.stall_shutdown_seconds or st.stall_check_seconds)
-        for stall in self._coord.stalled(now, after):
-            text = (f"{stall.kind} '{stall.name}' was submitted by ranks {list(stall.submitted)} "
-                    f"{stall.waited:.0f} s ago but ranks {list(stall.missing)} have not submitted it")
+        for pset, stall in self._coord.stalled(now, after):
+            text = (f"{stall.kind} '{stall.name}'{self._coord.where(pset)} was submitted by ranks "
+                    f"{list(stall.submitted)} {stall.waited:.0f} s ago but ranks {list(stall.missing)} "
+                    "have not submitted it")
             if st.stall_shutdown_seconds and stall.waited >= st.stall_shutdown_seconds:
-                self._coord.fail(stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
-                                             f"{st.stall_shutdown_seconds:g})")
+                self._coord.fail(pset, stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
+                                                   f"{st.stall_shutdown_seconds:g})")
                 continue
-            if stall.name in self._warned_stalls or stall.waited < st.stall_check_seconds:
+            if (pset, stall.name) in self._warned_stalls or stall.waited < st.stall_check_seconds:
                 continue
-            self._warned_stalls.add(stall.name)
+            self._warned_stalls.add((pset, stall.name))
             log.warning("stall: %s; every rank must run the same collectives in the end", text)
 
     # -- execution -----------------------------------------------------------
 
     def _execute(self, resp: Response) -> None:
-        seq = self._seq
-        self._seq += 1
-        entries = [self._inflight.pop(n) for n in resp.names if n in self._inflight]
+        pset = resp.pset
+        entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
         tl = self.timeline
         start = time.perf_counter()
         if tl is not None:
-            star = self._star_spans.get(tuple(resp.names))  # rank 0 reduced it before answering
+            star = self._star_spans.get((resp.pset, *resp.names))  # rank 0 reduced it before answering
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
                 tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, star[0] if star else start)
@@ -503,11 +618,17 @@ class Engine:
             for e in entries:
                 e.handle.set_error(err)
             return
-        if not resp.joined:
+        # the set's op count advances only for ops that move data (errors may reach one rank only)
+        n = self._seqs.get(pset, 0)
+        self._seqs[pset] = n + 1
+        seq = (pset << _PSET_SHIFT) | n
+        if not resp.joined and self._coord is None:  # rank 0 recorded it when it emitted the response
+            cache = self._caches.get(pset)
             for e in entries:
-                if e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
-                    self._cache.record(e.req)
+                if cache is not None and e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
+                    cache.record(e.req)
         try:
+            self._executing = True
             results = self._dispatch(resp, entries, seq)
         except PeerLostError as exc:
             for e in entries:
@@ -520,6 +641,8 @@ class Engine:
             for e in entries:
                 e.handle.set_error(err)
             raise err from exc
+        finally:
+            self._executing = False
         if tl is not None:
             end = time.perf_counter()
             args = {"op": seq, "fused": len(resp.names), "tensors": sum(len(e.arrays) for e in entries),
@@ -544,21 +667,68 @@ class Engine:
             self._fusion = np.empty(need, dtype=np.uint8)
         return self._fusion[:need].view(dtype)
 
+    def set_ranks(self, pset: int) -> tuple[int, ...] | None:
+        """The global ranks of registered process set ``pset`` (None if unknown); any thread."""
+        return self._sets.get(pset)
+
+    def find_set(self, ranks: tuple[int, ...]) -> int | None:
+        """The id of the registered set with exactly these ranks, if any; any thread."""
+        for pset, members in list(self._sets.items()):
+            if members == ranks:
+                return pset
+        return None
+
+    def set_ids(self) -> list[int]:
+        return sorted(self._sets)
+
+    def _link_for(self, pset: int) -> Any:
+        """The link of a process set: the job's own for the global set, else a view with set ranks."""
+        base = self._serving if self._serving is not None else self._link
+        if pset == 0:
+            return base
+        link = self._links.get(pset)
+        if link is None:
+            link = self._links[pset] = algorithms.SubLink(base, self._sets[pset])
+        return link
+
+    def _register_set(self, resp: Response) -> int:
+        """Every rank, in the same order: an ADD_PSET response creates set ``resp.root``."""
+        pset, ranks = resp.root, tuple(resp.splits[0])
+        self._sets[pset] = ranks
+        self._seqs[pset] = 0
+        if self.rank in ranks:
+            self._caches.setdefault(pset, ResponseCache(self.settings.cache_capacity))
+        return pset
+
+    def _unregister_set(self, pset: int) -> None:
+        self._sets.pop(pset, None)
+        self._links.pop(pset, None)
+        self._seqs.pop(pset, None)
+        self._caches.pop(pset, None)
+
     def _dispatch(self, resp: Response, entries: list[Entry], seq: int) -> list[Any]:
         kind = resp.kind
         if kind in (wire.BARRIER, wire.SHUTDOWN):
             return [None] * len(entries)
         if kind == wire.JOIN:
             return [resp.last_joined] * len(entries)
+        if kind == wire.ADD_PSET:
+            return [self._register_set(resp)] * len(entries)
+        if kind == wire.REMOVE_PSET:
+            self._unregister_set(resp.root)
+            return [True] * len(entries)
+        link = self._link_for(resp.pset)
+        rank, size = link.rank, link.size
         dtype = np.dtype(resp.dtype)
         seg = self._seg_elems(dtype)
         if kind == wire.ALLREDUCE:
-            return self._allreduce(resp, entries, seq, dtype, seg)
+            return self._allreduce(resp, entries, seq, dtype, seg, link)
         (entry,) = entries
         arr = entry.arrays[0]
         if kind == wire.BROADCAST:
             out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
-            algorithms.broadcast(self._link, out.reshape(-1), resp.root, seq, seg)
+            root = self._sets[resp.pset].index(resp.root)  # a global rank: its index in the set
+            algorithms.broadcast(link, out.reshape(-1), root, seq, seg)
             return [out]
         if kind == wire.ALLGATHER:
             rest = arr.shape[1:]
@@ -566,38 +736,39 @@ class Engine:
             counts = [d * row for d in resp.first_dims]
             out = np.empty((sum(resp.first_dims), *rest), dtype=dtype)
             flat = out.reshape(-1)
-            start = sum(counts[: self.rank])
-            flat[start:start + counts[self.rank]] = arr.reshape(-1)
-            algorithms.ring_allgatherv(self._link, flat, counts, seq, seg)
+            start = sum(counts[:rank])
+            flat[start:start + counts[rank]] = arr.reshape(-1)
+            algorithms.ring_allgatherv(link, flat, counts, seq, seg)
             return [out]
         if kind == wire.ALLTOALL:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))
-            recv_rows = [resp.splits[i][self.rank] for i in range(self.size)]
+            recv_rows = [resp.splits[i][rank] for i in range(size)]
             out = np.empty((sum(recv_rows), *rest), dtype=dtype)
             algorithms.alltoall(
-                self._link, arr.reshape(-1), [s * row for s in resp.splits[self.rank]],
+                link, arr.reshape(-1), [s * row for s in resp.splits[rank]],
                 out.reshape(-1), [s * row for s in recv_rows], seq, seg,
             )
             return [(out, np.asarray(recv_rows, dtype=np.int64))]
         if kind == wire.REDUCESCATTER:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))
-            rows = ring.split_sizes(arr.shape[0], self.size)
+            rows = ring.split_sizes(arr.shape[0], size)
             buf = self._scratch(dtype, arr.size)
             buf[...] = arr.reshape(-1)
             op = ReduceOp(resp.op)
             ops.scale_inplace(buf, resp.prescale)
             a, b = algorithms.ring_reducescatter(
-                self._link, buf, [r * row for r in rows], op, seq, seg,
-                ops.postscale(op, self.size, resp.postscale),
+                link, buf, [r * row for r in rows], op, seq, seg,
+                ops.postscale(op, size, resp.postscale),
             )
-            return [buf[a:b].reshape(rows[self.rank], *rest).copy()]
+            return [buf[a:b].reshape(rows[rank], *rest).copy()]
         raise HorovodInternalError(f"unknown collective {kind!r}")  # pragma: no cover
 
-    def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int) -> list[Any]:
+    def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int,
+                   link: Any) -> list[Any]:
         op = ReduceOp(resp.op)
-        post = ops.postscale(op, self.size, resp.postscale)
+        post = ops.postscale(op, link.size, resp.postscale)
         total = sum(resp.numels)
         arrays = [a for e in entries for a in e.arrays]
         single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
@@ -633,15 +804,15 @@ class Engine:
         marks: list[float] | None = [] if self.timeline is not None else None
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
-            shm_ar = self._shm_ar
-            if not (shm_ar is not None and buf.nbytes >= self.settings.shm_allreduce_min_bytes
-                    and shm_ar.allreduce(buf, op, seq, post, src_buf=src, marks=marks)):
-                algorithms.ring_allreduce(self._link, buf, op, seq, seg, post, src_buf=src, marks=marks)
+            shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
+            if not (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
+                    and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks)):
+                algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
             if resp.data:
-                reduced_from = self._star_spans.pop(tuple(resp.names), (t0, t2))[0]
+                reduced_from = self._star_spans.pop((resp.pset, *resp.names), (t0, t2))[0]
                 phases.append(("RANK0_REDUCE", reduced_from, t2))
             elif marks:
                 phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]
@@ -664,3 +835,21 @@ class Engine:
         if self.timeline is not None:
             self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
         return results
+
+
+def _control_batches(resps: list[Response]) -> list[list[Response]]:
+    """Split responses into batches whose result data stays within ``wire.CONTROL_DATA_BYTES``.
+
+    Without this, many small allreduces reduced at rank 0 in one cycle made one
+    control frame larger than ``wire.MAX_CONTROL_BYTES``; the other ranks dropped
+    it and waited forever for their results.
+    """
+    batches: list[list[Response]] = [[]]
+    carried = 0
+    for resp in resps:
+        if batches[-1] and carried + len(resp.data) > wire.CONTROL_DATA_BYTES:
+            batches.append([])
+            carried = 0
+        batches[-1].append(resp)
+        carried += len(resp.data)
+    return batches

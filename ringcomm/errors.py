@@ -29,6 +29,14 @@ class DuplicateNameError(InvalidInputError):
     """An op with this name is already in flight on this rank."""
 
 
+class ProtocolError(RingcommError, ValueError):
+    """A message that does not follow ringcomm's wire protocol: garbage, truncated, wrong types.
+
+    Raised by every decoder (control envelope, requests, responses, data-plane
+    messages); the engine drops such a message (logged at DEBUG) instead of failing.
+    """
+
+
 class HorovodInternalError(RingcommError, RuntimeError):
     """A collective failed after it was submitted (Horovod's name, kept for ``except`` clauses)."""
 

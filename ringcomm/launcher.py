@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write a Chrome-trace timeline of the collectives to PATH (sets RINGCOMM_TIMELINE)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="print the job id, the rendezvous address and each worker's pid to stderr")
+    _add_elastic_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with its arguments")
     return parser
 
@@ -111,9 +112,59 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     except OSError as exc:
         parser.error(f"cannot read --hostfile {args.hostfile}: {exc.strerror or exc}")
+    _check_elastic_arguments(parser, args)
     if not args.command:
         parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
     return args
+
+
+def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
+    """Elastic mode (``--host-discovery-script``): see :mod:`ringcomm.elastic.driver`."""
+    group = parser.add_argument_group("elastic training (with --host-discovery-script)")
+    group.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                       help="run elastically: SCRIPT prints the available hosts as host:slots lines; polled "
+                            "every second; workers come and go as it changes")
+    group.add_argument("--min-np", type=int, default=None, metavar="N",
+                       help="fewest workers to run with (default: -np)")
+    group.add_argument("--max-np", type=int, default=None, metavar="N",
+                       help="most workers to run with (default: every discovered slot)")
+    group.add_argument("--slots-per-host", type=int, default=1, metavar="N",
+                       help="slots of a discovered host printed without :slots (default: 1)")
+    group.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="how long to wait for --min-np workers before failing (default: 600)")
+    group.add_argument("--reset-limit", type=int, default=None, metavar="N",
+                       help="fail after the job re-formed N times (default: no limit)")
+    group.add_argument("--blacklist-failures", type=int, default=3, metavar="N",
+                       help="blacklist a host once N of its workers failed (default: 3)")
+    group.add_argument("--blacklist-cooldown", type=float, default=60.0, metavar="SECONDS",
+                       help="a blacklisted host gets no new workers for this long, doubled each time (default: 60)")
+
+
+def _check_elastic_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.host_discovery_script is None:
+        given = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
+                                          ("--reset-limit", args.reset_limit)) if value is not None]
+        if given:
+            parser.error(f"{', '.join(given)} need --host-discovery-script (elastic mode)")
+        return
+    if args.hosts is not None or args.hostfile is not None:
+        parser.error("-H/--hostfile and --host-discovery-script exclude each other: in elastic mode the script "
+                     "names the hosts")
+    min_np = args.min_np if args.min_np is not None else args.num_proc
+    if min_np < 1:
+        parser.error(f"--min-np must be at least 1, got {min_np}")
+    if min_np > args.num_proc:
+        parser.error(f"--min-np {min_np} is larger than -np {args.num_proc}")
+    if args.max_np is not None and args.max_np < args.num_proc:
+        parser.error(f"--max-np {args.max_np} is smaller than -np {args.num_proc}")
+    if args.slots_per_host < 1:
+        parser.error(f"--slots-per-host must be at least 1, got {args.slots_per_host}")
+    if not args.elastic_timeout > 0:
+        parser.error(f"--elastic-timeout must be > 0 seconds, got {args.elastic_timeout}")
+    if args.reset_limit is not None and args.reset_limit < 0:
+        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
+    if args.blacklist_failures < 1 or args.blacklist_cooldown < 0:
+        parser.error("--blacklist-failures must be >= 1 and --blacklist-cooldown >= 0")
 
 
 def plan_hosts(hosts: str | None, hostfile: str | None, num_proc: int) -> list[_hosts.Placement] | None:
@@ -231,6 +282,10 @@ def _remove_job_files(job_id: str) -> None:
 
 def run_job(args: argparse.Namespace) -> int:
     """Run the job described by parsed ``args``; returns the launcher's exit status."""
+    if getattr(args, "host_discovery_script", None) is not None:
+        from .elastic import driver
+
+        return driver.run(args)
     size = args.num_proc
     job_id = secrets.token_hex(4)
     secret = secrets.token_bytes(32)
@@ -316,10 +371,14 @@ def _start_rank(
     """Start ``rank`` here with ``env``, or on ``host`` through ``--ssh-command`` with ``env`` on its command line."""
     if not over_ssh:
         return spawn(rank, args.command, env, exits, host)
-    line = remote.remote_command(os.getcwd(), remote.forwarded_env(env), args.command, sys.executable, job_id, rank,
-                                 REMOTE_GRACE_SECONDS)
+    forwarded = remote.forwarded_env(env)
+    secret = forwarded.pop("RINGCOMM_SECRET")  # never on a command line: it goes through the ssh's input
+    line = remote.remote_command(os.getcwd(), forwarded, args.command, sys.executable, job_id, rank,
+                                 REMOTE_GRACE_SECONDS, secret_on_stdin=True)
     argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
-    return spawn(rank, argv, os.environ, exits, host, remote=True)
+    worker = spawn(rank, argv, os.environ, exits, host, remote=True)
+    worker.send_input(secret + "\n")
+    return worker
 
 
 def _wait_for_end(

@@ -64,15 +64,22 @@ def remote_command(
     job_id: str,
     rank: int,
     grace: float,
+    secret_on_stdin: bool = False,
 ) -> str:
     """The shell command line that runs ``command`` as rank ``rank`` on a remote host.
 
     ``env`` is exported as it is (filter it with :func:`forwarded_env` first);
     ``python`` must exist at that path on the remote host (the same virtual
-    environment everywhere, as with horovodrun).
+    environment everywhere, as with horovodrun).  With ``secret_on_stdin`` the
+    remote end reads ``RINGCOMM_SECRET`` from the first line of its input
+    instead: a command line is visible to every user in the process lists of
+    both hosts, so ``env`` must then not hold the secret.
     """
+    if secret_on_stdin and "RINGCOMM_SECRET" in env:
+        raise ValueError("secret_on_stdin: RINGCOMM_SECRET must not be on the command line too")
     assignments = [f"{k}={v}" for k, v in sorted(env.items())]
-    wrapper = [python, "-m", "ringcomm.rexec", "--grace", f"{grace:g}", "--job", job_id, "--rank", str(rank), "--"]
+    wrapper = [python, "-m", "ringcomm.rexec", "--grace", f"{grace:g}", "--job", job_id, "--rank", str(rank),
+               *(["--secret-on-stdin"] if secret_on_stdin else []), "--"]
     line = f"cd {shlex.quote(cwd)} && exec env {shlex.join([*assignments, *wrapper, *command])}"
     if len(line.encode()) > MAX_COMMAND_BYTES:
         biggest = sorted(env, key=lambda k: len(env[k]), reverse=True)[:3]

@@ -9,10 +9,17 @@ is two frames::
 
     [tag, body]    body = msgpack(dict)    tag = HMAC-SHA256(secret, body)
 
-The tag is checked with :func:`hmac.compare_digest` *before* the body is
-unpacked; anything unauthenticated or unparseable is dropped (logged at DEBUG
-on ``ringcomm.rendezvous``).  Bodies are msgpack only -- nothing is ever
-unpickled.  Requests and their replies:
+Two layers keep strangers out.  The connection itself is authenticated at
+the ZeroMQ handshake (PLAIN with a password derived from the secret, checked
+by the server's ZAP handler, :mod:`.auth`): a peer without the secret is
+refused before any of its messages reach the server (logged at DEBUG on
+``ringcomm.auth``).  Then every message's tag is checked with
+:func:`hmac.compare_digest` *before* the body is unpacked; anything
+unauthenticated or unparseable is dropped (logged at DEBUG on
+``ringcomm.rendezvous``).  Bodies are msgpack only -- nothing is ever
+unpickled.  The rendezvous carries endpoints, host names and process ids,
+never tensor data, so it stays PLAIN under ``RINGCOMM_ENCRYPT`` (its server
+may be the launcher, which has no job settings).  Requests and their replies:
 
 =============================================  ==========================================
 request                                        reply
@@ -48,6 +55,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from .auth import Credentials, ZapHandler
 from .errors import InvalidTypeError, RendezvousError, RendezvousTimeoutError
 
 __all__ = [
@@ -72,6 +80,13 @@ _POLL_SECONDS = 0.05
 _REPLY_GRACE_SECONDS = 0.5
 #: How long a timed-out ``register`` asks the server who did arrive, for the error message.
 _STATUS_PROBE_SECONDS = 0.3
+#: The label the rendezvous credentials are derived under (:meth:`Credentials.derive`).
+CREDENTIALS_LABEL = "rendezvous"
+
+
+def credentials(secret: bytes) -> Credentials:
+    """What a rendezvous connection must prove: PLAIN, with a password derived from ``secret``."""
+    return Credentials.derive(secret, CREDENTIALS_LABEL)
 
 _FIX_HINT = "Start every rank, or raise RINGCOMM_START_TIMEOUT / ringcomm-run --start-timeout."
 
@@ -151,9 +166,13 @@ class RendezvousServer:
         self._size = size
         self._secret = bytes(secret)
         self._context = zmq.Context()
+        creds = credentials(self._secret)
+        # answered by the server thread's own poll loop, which never blocks for long
+        self._zap = ZapHandler(self._context, creds, "rendezvous")
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        creds.apply_server(self._socket)
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         bracketed = f"[{host}]" if ":" in host else host
@@ -163,6 +182,7 @@ class RendezvousServer:
             self._port = int(endpoint.rpartition(":")[2])
         except zmq.ZMQError as exc:
             self._socket.close(0)
+            self._zap.close()
             self._context.term()
             raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}") from exc
         self._address = f"tcp://{bracketed}:{self._port}"
@@ -198,6 +218,20 @@ class RendezvousServer:
         with self._lock:
             return sorted(self._rounds)
 
+    def registrations(self, round: int = 0) -> dict[int, dict[str, Any]]:  # noqa: A002 - the protocol's name
+        """rank -> info of the ranks registered so far in an open ``round`` (a copy; ``{}`` once complete).
+
+        For tests and debugging: what each rank published, e.g. its endpoints, before the table is out.
+        """
+        with self._lock:
+            state = self._rounds.get(round)
+            return {r: dict(info) for r, info in state.infos.items()} if state else {}
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections refused at the handshake so far (peers without the job's secret)."""
+        return self._zap.refused
+
     def close(self) -> None:
         """Stop the server thread and release the socket; safe to call more than once."""
         if self._closed:
@@ -224,13 +258,17 @@ class RendezvousServer:
         sock = self._socket
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._zap.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 timeout = _POLL_SECONDS
                 if self._pending_gets:
                     soonest = min(deadline for _, _, deadline in self._pending_gets)
                     timeout = max(0.0, min(timeout, soonest - time.monotonic()))
-                if poller.poll(timeout * 1000):
+                events = dict(poller.poll(timeout * 1000))
+                if self._zap.socket in events:
+                    self._zap.handle()  # handshakes of new connections
+                if sock in events:
                     # Drain everything queued before checking deadlines again.
                     while True:
                         try:
@@ -243,6 +281,7 @@ class RendezvousServer:
             log.exception("rendezvous server at %s stopped on an internal error", self._address)
         finally:
             sock.close(0)
+            self._zap.close()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         """Route one received multipart message; never raises for a peer's misbehaviour."""
@@ -386,11 +425,13 @@ class _Client:
     def __init__(self, address: str, secret: bytes) -> None:
         self.address = address
         self.secret = bytes(secret)
+        creds = credentials(self.secret)  # raises for an empty secret, before anything is opened
         self.context = zmq.Context()
         try:
             self.socket = self.context.socket(zmq.DEALER)
             self.socket.setsockopt(zmq.LINGER, 0)
             self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            creds.apply_client(self.socket)
             if address.startswith("tcp://["):
                 self.socket.setsockopt(zmq.IPV6, 1)
             self.socket.connect(address)
@@ -399,7 +440,13 @@ class _Client:
             raise RendezvousError(f"cannot connect to the rendezvous at {address!r}: {exc}") from exc
 
     def send(self, message: dict[str, Any]) -> None:
-        self.socket.send_multipart(_encode(self.secret, message))
+        """Queue ``message``; never blocks (a server that refused this connection leaves it nowhere to go)."""
+        try:
+            self.socket.send_multipart(_encode(self.secret, message), zmq.NOBLOCK)
+        except zmq.Again:
+            # the handshake failed -- the server does not know this secret -- and ZeroMQ dropped the
+            # connection: the caller times out and says so
+            log.debug("the rendezvous at %s has no connection for us; message not sent", self.address)
 
     def recv(self, deadline: float, *ops: str) -> dict[str, Any] | None:
         """The next authenticated reply to one of ``ops`` before ``deadline`` (monotonic), or ``None``."""
@@ -471,7 +518,13 @@ def register(
                 reply = got
             else:
                 raise RendezvousTimeoutError(_timeout_message(address, rank, size, round, timeout, got))
-        return list(_check(reply, address)["table"])
+        table = _check(reply, address).get("table")
+        if not isinstance(table, list) or len(table) != size or not all(isinstance(t, dict) for t in table):
+            raise RendezvousError(
+                f"the rendezvous at {address} answered with a malformed table (expected {size} entries): "
+                "is another program listening on that port with the same secret?"
+            )
+        return table
 
 
 def _timeout_message(

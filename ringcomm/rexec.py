@@ -25,6 +25,7 @@ import argparse
 import glob
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -107,11 +108,40 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
     return removed
 
 
+#: Seconds to wait for the secret line the launcher writes into the ssh's input.
+SECRET_TIMEOUT = 60.0
+
+
+def read_secret(fd: int, timeout: float) -> str | None:
+    """The first line on ``fd``: hex digits only (the launcher writes ``RINGCOMM_SECRET`` and a newline).
+
+    Reads byte by byte so nothing after the line is consumed (the rest of the input is
+    watched for its end).  None on end of input, a timeout, or anything but hex.
+    """
+    deadline = time.monotonic() + timeout
+    line = b""
+    while len(line) <= 256:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        byte = os.read(fd, 1)
+        if not byte:
+            return None
+        if byte == b"\n":
+            text = line.decode("ascii", "replace").strip()
+            return text if text and all(c in "0123456789abcdefABCDEF" for c in text) else None
+        line += byte
+    return None
+
+
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=_PROG, description="run a ringcomm rank on this host for ringcomm-run")
     parser.add_argument("--grace", type=float, default=2.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--job", default="", help="the job id, to remove files dead ranks left behind")
     parser.add_argument("--rank", type=int, default=-1, help="the rank this command runs as")
+    parser.add_argument("--secret-on-stdin", action="store_true",
+                        help="read RINGCOMM_SECRET from the first line of standard input (not the command line, "
+                             "which every user of both hosts can see in the process list)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
@@ -125,8 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns its exit status (128 + N when killed by signal N)."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     host = socket.gethostname()
+    env = dict(os.environ)
+    if args.secret_on_stdin:
+        secret = read_secret(0, SECRET_TIMEOUT)
+        if secret is None:
+            print(f"{_PROG}: no job secret arrived on standard input within {SECRET_TIMEOUT:g} s on {host}",
+                  file=sys.stderr, flush=True)
+            return 2
+        env["RINGCOMM_SECRET"] = secret
     try:
-        child = subprocess.Popen(args.command, stdin=subprocess.DEVNULL, start_new_session=True)
+        child = subprocess.Popen(args.command, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     except OSError as exc:
         print(f"{_PROG}: cannot start {args.command[0]!r} on {host}: {exc}", file=sys.stderr, flush=True)
         return 127 if isinstance(exc, FileNotFoundError) else 126

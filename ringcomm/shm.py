@@ -9,13 +9,23 @@ socket) with one memcpy, and no payload passes through ZeroMQ's I/O thread.
 
 The sender creates the file; the receiver maps it when the first
 notification arrives and unlinks the name at once, so nothing is left in
-/dev/shm once both sides have it mapped.
+/dev/shm once both sides have it mapped (the sender also unlinks it at the
+first ack, and the receiver at close if it never mapped it): a rank killed
+with SIGKILL leaves no segment behind.
+
+The files are private to the user running the job: created with mode 0600
+(``O_EXCL``: never a file someone prepared under that name), and the receiver
+maps only a file its own user owns with no group or other access.  This path
+bypasses ZeroMQ and so its authentication and encryption; what protects it is
+that only the job's user (or root) can open the file, the same users who can
+read the ranks' memory anyway.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 
 import numpy as np
 
@@ -43,6 +53,13 @@ class SlotRing:
         try:
             if create:
                 os.ftruncate(fd, size)
+            else:
+                info = os.fstat(fd)
+                if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+                    raise PermissionError(
+                        f"shared-memory file {path} belongs to uid {info.st_uid} with mode "
+                        f"{stat.S_IMODE(info.st_mode):o}; ringcomm maps only its own user's private files"
+                    )
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)

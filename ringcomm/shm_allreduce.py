@@ -173,26 +173,24 @@ class ShmAllreduce:
     does every later call.
     """
 
-    def __init__(self, link: Link, job_id: str, round_: int, piece_bytes: int) -> None:
-        self.link = link
+    def __init__(self, job_id: str, round_: int, piece_bytes: int) -> None:
         self.path = region_path(job_id, round_)
         self.slab_bytes = slab_bytes_for(piece_bytes)
         self.region: Region | None = None
         self.broken = False  # setup failed somewhere: the ring does every op
         self._rounds = 0  # rounds run so far (all ops): its parity picks the set
 
-    def _barrier(self, seq: int, tag: int) -> None:
+    @staticmethod
+    def _barrier(link: Link, seq: int, tag: int) -> None:
         """Returns once every rank has called it with the same ``seq`` and ``tag``."""
-        link = self.link
         peers = [j for j in range(link.size) if j != link.rank]
         for j in peers:
             link.send(j, seq, tag, _EMPTY)
         for j in peers:
             link.recv(j, seq, tag)
 
-    def _setup(self, seq: int) -> bool:
+    def _setup(self, link: Link, seq: int) -> bool:
         """Rank 0 creates the region, the others map it, rank 0 unlinks it; all agree on the outcome."""
-        link = self.link
         peers = range(1, link.size)
         ok = True
         if link.rank == 0:
@@ -229,6 +227,7 @@ class ShmAllreduce:
 
     def allreduce(
         self,
+        link: Link,
         buf: np.ndarray,
         op: ReduceOp,
         seq: int,
@@ -236,7 +235,7 @@ class ShmAllreduce:
         src_buf: np.ndarray | None = None,
         marks: list[float] | None = None,
     ) -> bool:
-        """Reduce ``buf`` (1-D, contiguous) across ranks in place, as ``ring_allreduce`` does.
+        """Reduce ``buf`` (1-D, contiguous) across the ranks of ``link`` (the job's, every time) in place.
 
         With ``src_buf`` the input is read from there and ``buf`` only written.
         ``postscale`` is applied once per element, by the rank that reduces it.
@@ -249,12 +248,11 @@ class ShmAllreduce:
         """
         if self.broken:
             return False
-        link = self.link
         size, rank = link.size, link.rank
         inp = buf if src_buf is None else src_buf
         if buf.size == 0:
             return True
-        if self.region is None and not self._setup(seq):
+        if self.region is None and not self._setup(link, seq):
             return False
         region = self.region
         assert region is not None
@@ -293,14 +291,14 @@ class ShmAllreduce:
         # set; every rank wrote that set's result slab for piece k before barrier k+1 and
         # finished copying it out before barrier k+2, after which piece k+2 is reduced.
         copy_in(0)
-        self._barrier(seq, BARRIER_TAG)
+        self._barrier(link, seq, BARRIER_TAG)
         for k in range(len(ps)):
             reduce_own(k)
             if k + 1 < len(ps):
                 copy_in(k + 1)
             elif marks is not None:
                 marks.append(time.perf_counter())
-            self._barrier(seq, BARRIER_TAG | (k + 1))
+            self._barrier(link, seq, BARRIER_TAG | (k + 1))
             s, a, b, _, _ = slab_ranges(k)
             np.copyto(buf[a:b], region.view(s, size, dtype, b - a))
         link.flush()

@@ -3,6 +3,8 @@
 Sources, first match wins (the order matters: ``mpirun`` inside a Slurm
 allocation also sets ``SLURM_*``; torchrun under Slurm sets both too):
 
+0. ``ringcomm-run`` elastic mode: ``RINGCOMM_ELASTIC_WORKER`` -- the place in the newest
+   world is asked from the launcher's driver (:mod:`ringcomm.elastic.worker`).
 1. ``ringcomm-run``: ``RINGCOMM_RANK``, ``RINGCOMM_SIZE``, ... and ``RINGCOMM_RENDEZVOUS_ADDR``.
 2. torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the
@@ -65,6 +67,8 @@ class Topology:
     job_id: str = ""
     hostname: str = ""
     source: str = "single"
+    #: rendezvous round to register in (elastic jobs: the driver's generation); None: count init() calls
+    round: int | None = None
     #: the IPv4 address this rank binds its tcp sockets on and gives the other ranks
     addr: str = "127.0.0.1"
     #: where rank 0 binds the rendezvous when ``host_rendezvous`` ("0.0.0.0": every interface)
@@ -93,7 +97,17 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
             f"rank from {src} is {rank} but the world size is {size}; ranks must be 0..{size - 1}"
         )
     if not 0 <= local_rank < max(local_size, 1):
-        raise InvalidInputError(f"local rank from {src} is {local_rank} with local size {local_size}")
+        raise InvalidInputError(
+            f"local rank from {src} is {local_rank} with local size {local_size}; "
+            f"local ranks must be 0..{max(local_size, 1) - 1}"
+        )
+
+
+def _secret(env: Mapping[str, str]) -> bytes:
+    try:
+        return bytes.fromhex(env.get("RINGCOMM_SECRET", ""))
+    except ValueError:
+        raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
 
 
 def _literal_loopback(host: str) -> bool:
@@ -184,7 +198,10 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, cross_rank, cross_size,
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source="torchrun",
+        # names of sockets and shared memory carry the job id; with the rendezvous address in it, two
+        # jobs on one host that share a RINGCOMM_SECRET still get different names
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=hostname, source="torchrun",
         addr=pick_address(env, [master]), **where,  # type: ignore[arg-type]
     )
 
@@ -227,7 +244,8 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, 0, 1,
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=hostname, source=src,
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=hostname, source=src,
         addr=pick_address(env, [master]), derive=derive, **where,  # type: ignore[arg-type]
     )
 
@@ -271,7 +289,8 @@ def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, node_id, len(nodes),
-        secret=secret, job_id=hashlib.sha256(secret).hexdigest()[:8], hostname=nodes[node_id], source=src,
+        secret=secret, job_id=hashlib.sha256(secret + f"{master}:{port}".encode()).hexdigest()[:8],
+        hostname=nodes[node_id], source=src,
         addr=pick_address(env, toward), **where,  # type: ignore[arg-type]
     )
 
@@ -280,6 +299,10 @@ def from_env(environ: Mapping[str, str] | None = None) -> Topology:
     """Read the topology; raises InvalidInputError for an inconsistent environment."""
     env = os.environ if environ is None else environ
     hostname = env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
+    if env.get("RINGCOMM_ELASTIC_WORKER"):  # started by ringcomm-run's elastic driver: ask it (blocks)
+        from .elastic.worker import topology_from_driver
+
+        return topology_from_driver(env, hostname, _secret(env), env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4))
     if "RINGCOMM_RANK" in env or "RINGCOMM_SIZE" in env:
         return _from_ringcomm_run(env, hostname)
     if "RANK" in env and "WORLD_SIZE" in env:

@@ -11,7 +11,23 @@ Owned by the engine thread.  Messages on a pair's socket:
 - ``A`` ack: the sender may reuse that slot.
 
 Data messages carry ``(seq, tag)``; one that arrives before it is asked for
-(another segment or op from the same peer) waits in a per-peer stash.
+(another segment or op from the same peer) waits in a per-peer stash.  A
+message that does not parse (``wire.parse_data``) is dropped and logged at
+DEBUG; frames larger than a segment are refused by ZeroMQ (``MAXMSGSIZE``).
+
+Nothing is left on the file system when a rank is killed: on Linux the ipc
+endpoints live in the abstract socket namespace (no files), and a
+shared-memory ring's name is unlinked as soon as both sides have it mapped
+(by the receiver when it maps it, by the sender at the first ack, and by the
+receiver at close for a ring it never mapped).
+
+Every connection is authenticated at the handshake (:mod:`.auth`): the bound
+sockets are security servers checked by the context's ZAP handler, the
+connecting ones present credentials derived from the job secret.  A stranger
+is refused before it can take a bound PAIR socket's single slot, so what a
+socket receives comes from the one peer it was meant for.  (The abstract ipc
+namespace has no file permissions: any local user can connect, and is refused
+there.)
 """
 
 from __future__ import annotations
@@ -19,21 +35,28 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import struct
+import sys
+import tempfile
+import time
 
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import shm
-from .errors import PeerLostError
+from . import shm, wire
+from .auth import Credentials
+from .errors import PeerLostError, ProtocolError
 
 log = logging.getLogger("ringcomm.transport")
 
-_NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag
-_INLINE = struct.Struct("<cQI")  # b"I", seq, tag
-_ACK = struct.Struct("<cH")  # b"A", slot
+_NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # the message layouts live in the pure codec
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
+#: Seconds a closed connection on a bound socket is re-checked: the peer's own closing detaches it
+#: from the socket within milliseconds; a stranger's (refused, or a port scan) never attached
+_SUSPECT_SECONDS = 1.0
+#: A bound socket found without its peer this long after a connection closed has lost the peer
+#: (not sooner: ZeroMQ attaches a newly authenticated connection a moment after reporting it)
+_DETACHED_SECONDS = 0.1
 
 
 class DataPlane:
@@ -41,10 +64,14 @@ class DataPlane:
 
     def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
                  socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
-                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0) -> None:
+                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0,
+                 max_payload_bytes: int = 0, *, credentials: Credentials) -> None:
+        """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
+        must already have a ZAP handler for them (:class:`ringcomm.auth.ZapThread`)."""
         self.rank = rank
         self.size = size
         self._ctx = ctx
+        self._creds = credentials
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
         self._sockbuf = socket_buffer_bytes
@@ -52,6 +79,7 @@ class DataPlane:
         self._slot_bytes = shm_slot_bytes
         self._shm_min = shm_min_bytes
         self._job, self._round = job_id, round_
+        self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
@@ -61,23 +89,35 @@ class DataPlane:
         self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
         self._shm_peers: set[int] = set()
+        self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
+        self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
+        self._op: dict[int, int] = {}  # peer -> the op this rank last received from it
+        self._taken: dict[int, set[int]] = {}  # peer -> tags of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self._local_pids: dict[int, int] = {}  # same-host peers' process ids
-        #: peers whose connection closed while their process still ran (a stranger on a bound
-        #: port, or a process that is exiting): re-checked until they are gone
-        self.suspects: set[int] = set()
+        self._authenticated: set[int] = set()  # peers whose connection completed its handshake
+        #: peers whose bound socket saw a connection close (the peer's, or a stranger's): peer ->
+        #: when; re-checked until the peer is found gone or still attached after _SUSPECT_SECONDS
+        self.suspects: dict[int, float] = {}
         self.lost: dict[int, str] = {}  # peers whose connection closed
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
         self.stats: collections.Counter[str] = collections.Counter()
 
-    def _socket(self, peer: int) -> zmq.Socket:
+    def _socket(self, peer: int, server: bool) -> zmq.Socket:
         sock = self._ctx.socket(zmq.PAIR)
+        if server:
+            self._creds.apply_server(sock)
+        else:
+            self._creds.apply_client(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(min(self._timeout, _SLICE) * 1000)))
+        if self._max_payload > 0:
+            # ZeroMQ drops a connection whose frame announces more than this before allocating it
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload + 64)
         # ZMTP heartbeats, answered by the peer's ZeroMQ I/O thread (no GIL involved): a peer
         # process that is stopped or wedged as a whole stops answering, its connection is
         # closed after the peer timeout, and the monitor below reports it as lost.
@@ -88,7 +128,7 @@ class DataPlane:
             sock.setsockopt(zmq.SNDBUF, self._sockbuf)
             sock.setsockopt(zmq.RCVBUF, self._sockbuf)
         self._socks[peer] = sock
-        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         return sock
 
     # -- peer loss -----------------------------------------------------------
@@ -106,25 +146,46 @@ class DataPlane:
                     event = recv_monitor_message(mon, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
-                    self.suspects.add(peer)
-        for peer in sorted(self.suspects):
-            if self._is_gone(peer):
-                self.suspects.discard(peer)
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    # only the peer holds the credentials, so only its connection gets this far
+                    self._authenticated.add(peer)
+                elif event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
+                    self.suspects.setdefault(peer, time.monotonic())
+        now = time.monotonic()
+        for peer, since in sorted(self.suspects.items()):
+            if self._is_gone(peer, now - since):
+                del self.suspects[peer]
                 self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
+            elif now - since > _SUSPECT_SECONDS:
+                del self.suspects[peer]
+                log.debug("rank %d: a connection to the socket for rank %d closed, but rank %d is still "
+                          "attached: a stranger (refused at the handshake, or a port scan)", self.rank, peer, peer)
         return found
 
-    def _is_gone(self, peer: int) -> bool:
-        """Whether a disconnect on ``peer``'s socket means the peer itself is gone.
+    def _is_gone(self, peer: int, suspected_for: float) -> bool:
+        """Whether a closed connection on ``peer``'s socket means the peer itself is gone.
 
         This rank connected to lower-ranked peers: only the peer can be on the other end.
         It bound the socket for higher-ranked peers, so anyone may connect and leave (a port
-        scan, garbage): there the peer counts as gone only if its process is (same host).
+        scan, a refused stranger): there the peer is gone once its process is (same host), or
+        once its authenticated connection is no longer attached to the socket (any host).
         """
         if peer < self.rank:
             return True
         pid = self._local_pids.get(peer)
-        return pid is None or not _process_alive(pid)
+        if pid is not None and not _process_alive(pid):
+            return True
+        return peer in self._authenticated and suspected_for >= _DETACHED_SECONDS and not self._attached(peer)
+
+    def _attached(self, peer: int) -> bool:
+        """Whether the bound socket for ``peer`` has its peer's connection attached.
+
+        A PAIR socket is writable exactly while its one pipe is attached (no send limit is set),
+        and only an authenticated connection ever gets that pipe.  Reading ``EVENTS`` first
+        applies the commands ZeroMQ's I/O thread has posted, such as a pipe's termination.
+        """
+        sock = self._socks.get(peer)
+        return sock is not None and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         return PeerLostError(
@@ -139,13 +200,14 @@ class DataPlane:
         """Bind one socket for each higher-ranked peer; returns ``[ipc, tcp]`` endpoints by peer rank."""
         table: list[list[str] | None] = [None] * self.size
         for peer in range(self.rank + 1, self.size):
-            sock = self._socket(peer)
+            sock = self._socket(peer, server=True)
             eps = []
             for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
                 sock.bind(ep)
                 eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-                if ep.startswith("ipc://"):
-                    self.ipc_paths.append(ep[len("ipc://"):])
+                path = ipc_file(ep)
+                if path is not None:
+                    self.ipc_paths.append(path)
             table[peer] = eps
         return table
 
@@ -159,9 +221,10 @@ class DataPlane:
             eps = endpoints[self.rank]
             if eps is None:
                 raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
-            self._socket(peer).connect(eps[0] if same_host else eps[1])
+            self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
         if same_host and self._slots > 0:
             self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
+            self._shm_sources.add(peer)
 
     def _out_ring(self, dst: int) -> shm.SlotRing | None:
         """This rank's ring to ``dst``, created the first time a payload could use it."""
@@ -192,6 +255,10 @@ class DataPlane:
         for ring in (*self._out_rings.values(), *self._in_rings.values()):
             ring.unlink()
             ring.close()
+        # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
+        # remove it: this rank does (the name is unique to the pair, the round and the job).
+        remove_files([shm.ring_path(self._job, self._round, src, self.rank) for src in self._shm_sources])
+        self._shm_sources.clear()
         self._out_rings.clear()
         self._in_rings.clear()
         remove_files(self.ipc_paths)
@@ -256,35 +323,68 @@ class DataPlane:
         while True:
             try:
                 frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
-                break
             except zmq.Again:
                 if not block:
                     return None
-            # a slice passed with no data: has a peer gone?
-            waited += _SLICE
-            self.check_peers()
-            if self.lost:
-                peer = src if src in self.lost else min(self.lost)
-                raise self.lost_error(peer, f" while rank {self.rank} waited for data from rank {src}")
-            if waited >= self._timeout:
-                raise PeerLostError(
-                    f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
-                    f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                )
-        head = frames[0].bytes
-        kind = head[:1]
-        if kind == b"A":
-            self._free[src].append(_ACK.unpack(head)[1])
+                # a slice passed with no data: has a peer gone?
+                waited += _SLICE
+                self.check_peers()
+                if self.lost:
+                    peer = src if src in self.lost else min(self.lost)
+                    raise self.lost_error(peer, f" while rank {self.rank} waited for data from rank {src}")
+                if waited >= self._timeout:
+                    raise PeerLostError(
+                        f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
+                        f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
+                    )
+                continue
+            try:
+                return self._accept(src, frames)
+            except ProtocolError as exc:
+                # Not something a ringcomm peer sends: drop it (the stream itself is intact,
+                # since ZeroMQ delivers whole messages) and keep waiting for real data.
+                self.stats["dropped"] += 1
+                log.debug("rank %d: dropped a data message from rank %d: %s", self.rank, src, exc)
+                if not block:
+                    return None
+
+    def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
+        """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
+        msg = wire.parse_data(frames[0].bytes, len(frames), self._slots, self._slot_bytes)
+        if msg.kind == b"A":
+            free = self._free.get(src)
+            if free is None or msg.slot in free:
+                raise ProtocolError(f"ack of slot {msg.slot}, which is not in use towards rank {src}")
+            free.append(msg.slot)
+            if src not in self._acked:  # the receiver has the ring mapped: its name can go
+                self._acked.add(src)
+                self._out_rings[src].unlink()
             return None
-        if kind == b"S":
-            _, slot, n, seq, tag = _NOTE.unpack(head)
-            self._stash[src][(seq, tag)] = [slot, n]
-            return (seq, tag)
-        if kind == b"I" and len(frames) == 2:
-            _, seq, tag = _INLINE.unpack(head)
-            self._stash[src][(seq, tag)] = frames[1]
-            return (seq, tag)
-        raise PeerLostError(f"rank {self.rank}: malformed data message from rank {src}: {head[:16]!r}")
+        key = (msg.seq, msg.tag)
+        current = self._op.get(src, -1)
+        if key in self._stash[src] or (msg.seq == current and msg.tag in self._taken[src]):
+            raise ProtocolError(f"a second message for op {msg.seq} tag {msg.tag}")
+        if msg.seq < current:  # every message of an earlier op was taken before it completed
+            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op {current})")
+        if msg.kind == b"S":
+            self._in_ring(src)
+            self._stash[src][key] = [msg.slot, msg.nbytes]
+        else:
+            self._stash[src][key] = frames[1]
+        return key
+
+    def _in_ring(self, src: int) -> shm.SlotRing:
+        """The ring ``src`` writes to this rank, mapped (and its name unlinked) on first use."""
+        ring = self._in_rings.get(src)
+        if ring is None:
+            path = shm.ring_path(self._job, self._round, src, self.rank)
+            try:
+                ring = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
+            except (OSError, ValueError) as exc:
+                raise ProtocolError(f"shared-memory notification, but no ring {path} to map: {exc}") from None
+            self._in_rings[src] = ring
+            ring.unlink()  # both sides have it mapped now
+        return ring
 
     def _ack_held(self, src: int) -> None:
         held = self._held.get(src)
@@ -294,36 +394,40 @@ class DataPlane:
                 sock.send(_ACK.pack(b"A", slot), copy=True)
             held.clear()
 
+    def _enter(self, src: int, seq: int) -> None:
+        """This rank now receives op ``seq`` from ``src``: earlier ops' messages are stale from here on."""
+        if seq != self._op.get(src, -1):
+            self._op[src] = seq
+            self._taken[src] = set()
+
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
+        self._enter(src, seq)
         key = (seq, tag)
         stash = self._stash[src]
         while key not in stash:
             self._pump(src, block=True)
-        return self._open(src, stash.pop(key))
+        return self._open(src, key, stash.pop(key))
 
     def recv_any(self, src: int, seq: int) -> tuple[int, memoryview | np.ndarray]:
         """The next payload of op ``seq`` from ``src``, whichever tag arrives first."""
         self._ack_held(src)
+        self._enter(src, seq)
         stash = self._stash[src]
         for key in stash:
             if key[0] == seq:
-                return key[1], self._open(src, stash.pop(key))
+                return key[1], self._open(src, key, stash.pop(key))
         while True:
             key = self._pump(src, block=True)
             if key is not None and key[0] == seq:
-                return key[1], self._open(src, stash.pop(key))
+                return key[1], self._open(src, key, stash.pop(key))
 
-    def _open(self, src: int, item: object) -> memoryview | np.ndarray:
+    def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
+        self._taken[src].add(key[1])
         if isinstance(item, list):
             slot, n = item
-            ring = self._in_rings.get(src)
-            if ring is None:
-                path = shm.ring_path(self._job, self._round, src, self.rank)
-                ring = self._in_rings[src] = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
-                ring.unlink()  # both sides have it mapped now
             self._held[src].append(slot)
-            return ring.slot(slot, n)
+            return self._in_rings[src].slot(slot, n)
         return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
@@ -340,6 +444,26 @@ class DataPlane:
                 ) from None
         self._trackers.clear()
 
+
+
+#: Linux has an abstract socket namespace: ipc endpoints there are names, not files, so a
+#: process killed by SIGKILL leaves nothing behind.  Elsewhere they are files in the temp dir.
+ABSTRACT_IPC = sys.platform.startswith("linux")
+
+
+def ipc_base(job_id: str, pid: int, round_: int) -> str:
+    """The prefix of this process's ipc endpoints (job id, pid and round make it unique on the host)."""
+    name = f"ringcomm-{job_id}-{pid}-{round_}"
+    if ABSTRACT_IPC:
+        return f"ipc://@{name}"
+    return f"ipc://{tempfile.gettempdir()}/{name}"
+
+
+def ipc_file(endpoint: str) -> str | None:
+    """The socket file behind an ipc endpoint, which its owner must remove; None if there is none."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    return endpoint[len("ipc://"):]
 
 
 def remove_files(paths: list[str]) -> None:

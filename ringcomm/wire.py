@@ -5,18 +5,23 @@ A control message is one ZeroMQ frame ``tag + body``: ``body`` is msgpack,
 parsed, and parsing never executes anything (no pickle), so a stranger's bytes
 are dropped without effect.
 
-Data-plane messages are ``[header, payload]``: a fixed 24-byte header
-(job token, source rank, op sequence number, tag) and the raw array bytes.
+Data-plane messages (see transport.py) start with a small fixed-size struct:
+a shared-memory notification ``S``, an inline payload ``I`` (the payload is
+the second frame) or a slot ack ``A``.  Every decoder here raises one error
+type, :class:`~ringcomm.errors.ProtocolError`, for anything malformed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import reprlib
 import struct
 from typing import Any, NamedTuple
 
 import msgpack
+
+from .errors import ProtocolError
 
 # ---------------------------------------------------------------------------
 # kinds of collective
@@ -30,11 +35,18 @@ REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
 JOIN = "join"
 SHUTDOWN = "shutdown"
-KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN)
+ADD_PSET = "add_process_set"  # global set: register ranks ``splits`` as a new process set
+REMOVE_PSET = "remove_process_set"  # global set: forget process set ``root``
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET)
+_KIND_SET = frozenset(KINDS)
 
 
 class Request(NamedTuple):
-    """What one rank announces to the coordinator for one named op."""
+    """What one rank announces to the coordinator for one named op.
+
+    ``pset`` is the id of the process set the op runs on (0: every rank); names
+    are unique per set, and ``root`` is a global rank.
+    """
 
     name: str
     kind: str
@@ -45,6 +57,7 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple[int, ...] | None = None
+    pset: int = 0
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -69,7 +82,10 @@ class Response(NamedTuple):
     ``splits[r]`` is rank r's split vector (alltoall).  ``error`` set means the
     op failed on every rank with that message.  ``data`` set means rank 0
     already reduced the (small) payloads the ranks sent with their requests:
-    every rank just unpacks it, no ring.
+    every rank just unpacks it, no ring.  ``pset`` is the op's process set:
+    only its members receive the response, and ``first_dims``/``splits`` are
+    indexed by rank within the set.  For ``ADD_PSET``, ``root`` is the new
+    set's id and ``splits[0]`` its ranks.
     """
 
     kind: str
@@ -87,37 +103,164 @@ class Response(NamedTuple):
     error: str = ""
     data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
     error_kind: str = ""  # "stall" for a stall turned into an error; otherwise a mismatch
+    pset: int = 0
 
 
-def _tuplify(x: Any) -> Any:
-    if isinstance(x, list):
-        return tuple(_tuplify(v) for v in x)
-    return x
+#: Largest integer a field may hold: shapes, counts and ranks are int64 on every rank.
+_INT_MAX = 2**63 - 1
+#: Wire names of the reduce ops (``ops.ReduceOp`` values) and dtypes; wire.py stays free of NumPy.
+_OPS = frozenset({0, 1, 3, 4, 5})  # Average, Sum, Min, Max, Product; Adasum (2) is refused at the call
+_DTYPES = frozenset({"", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"})
+_ERROR_KINDS = frozenset({"", "stall", "mismatch"})
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 2, 60, 60, 6, 4
+
+
+def _short(value: Any) -> str:
+    """A bounded repr of a peer's value (never recursing into deep nesting)."""
+    return _repr.repr(value)
+
+
+def _bad(what: str, field: str, value: Any) -> ProtocolError:
+    return ProtocolError(f"malformed {what}: field {field!r} is {_short(value)}")
+
+
+def _int(what: str, field: str, v: Any, lo: int = 0) -> int:
+    if type(v) is not int or not lo <= v <= _INT_MAX:
+        raise _bad(what, field, v)
+    return v
+
+
+def _ints(what: str, field: str, v: Any, lo: int = 0) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)):
+        raise _bad(what, field, v)
+    return tuple(_int(what, field, x, lo) for x in v)
+
+
+def _str(what: str, field: str, v: Any, allowed: frozenset[str] | None = None) -> str:
+    if not isinstance(v, str) or (allowed is not None and v not in allowed):
+        raise _bad(what, field, v)
+    return v
+
+
+def _num(what: str, field: str, v: Any) -> float:
+    if type(v) not in (int, float):
+        raise _bad(what, field, v)
+    return float(v)
+
+
+def _op(what: str, v: Any) -> int:
+    if type(v) is not int or v not in _OPS:
+        raise _bad(what, "op", v)
+    return v
+
+
+def _fields(what: str, obj: Any, cls: type) -> dict[str, Any]:
+    """The named fields of a message list, defaults filled in."""
+    names = cls._fields  # type: ignore[attr-defined]
+    if not isinstance(obj, list) or not 2 <= len(obj) <= len(names):
+        raise ProtocolError(f"malformed {what}: expected a list of 2..{len(names)} fields, got {_short(obj)}")
+    d = dict(cls._field_defaults)  # type: ignore[attr-defined]
+    d.update(zip(names, obj))
+    return d
 
 
 def request_from_wire(obj: Any) -> Request:
-    """Rebuild a Request from its msgpack form; raises ValueError on anything malformed."""
-    if not isinstance(obj, list) or not 2 <= len(obj) <= len(Request._fields):
-        raise ValueError(f"malformed request: {obj!r:.200}")
-    req = Request(*(_tuplify(v) for v in obj))
-    if not isinstance(req.name, str) or req.kind not in KINDS:
-        raise ValueError(f"malformed request: {obj!r:.200}")
-    return req
+    """Rebuild a Request from its msgpack form; raises :class:`ProtocolError` on anything malformed.
 
-
-_RESP_TUPLE_FIELDS = tuple(Response._fields.index(f) for f in ("names", "numels", "first_dims", "splits", "joined"))
+    Every field is checked for its type and range (no recursion: a request is
+    at most two levels deep), so a peer's garbage can only produce this one error.
+    """
+    w = "request"
+    d = _fields(w, obj, Request)
+    shapes, splits = d["shapes"], d["splits"]
+    if not isinstance(shapes, (list, tuple)):
+        raise _bad(w, "shapes", shapes)
+    return Request(
+        name=_str(w, "name", d["name"]),
+        kind=_str(w, "kind", d["kind"], _KIND_SET),
+        dtype=_str(w, "dtype", d["dtype"], _DTYPES),
+        shapes=tuple(_ints(w, "shapes", s) for s in shapes),
+        op=_op(w, d["op"]),
+        root=_int(w, "root", d["root"], lo=-1),
+        prescale=_num(w, "prescale", d["prescale"]),
+        postscale=_num(w, "postscale", d["postscale"]),
+        splits=None if splits is None else _ints(w, "splits", splits),
+        pset=_int(w, "pset", d["pset"]),
+    )
 
 
 def response_from_wire(obj: Any) -> Response:
-    if not isinstance(obj, list) or not 2 <= len(obj) <= len(Response._fields):
-        raise ValueError(f"malformed response: {obj!r:.200}")
-    for i in _RESP_TUPLE_FIELDS:
-        if i < len(obj):
-            obj[i] = _tuplify(obj[i])
-    resp = Response(*obj)
-    if resp.kind not in KINDS:
-        raise ValueError(f"malformed response: {obj!r:.200}")
-    return resp
+    """Rebuild a Response from its msgpack form; raises :class:`ProtocolError` on anything malformed."""
+    w = "response"
+    d = _fields(w, obj, Response)
+    names, splits, data = d["names"], d["splits"], d["data"]
+    if not isinstance(names, (list, tuple)) or not isinstance(splits, (list, tuple)):
+        raise _bad(w, "names/splits", (names, splits))
+    if not isinstance(data, bytes):
+        raise _bad(w, "data", type(data).__name__)
+    return Response(
+        kind=_str(w, "kind", d["kind"], _KIND_SET),
+        names=tuple(_str(w, "names", n) for n in names),
+        dtype=_str(w, "dtype", d["dtype"], _DTYPES),
+        op=_op(w, d["op"]),
+        root=_int(w, "root", d["root"], lo=-1),
+        prescale=_num(w, "prescale", d["prescale"]),
+        postscale=_num(w, "postscale", d["postscale"]),
+        numels=_ints(w, "numels", d["numels"]),
+        first_dims=_ints(w, "first_dims", d["first_dims"]),
+        splits=tuple(_ints(w, "splits", s) for s in splits),
+        joined=_ints(w, "joined", d["joined"]),
+        last_joined=_int(w, "last_joined", d["last_joined"], lo=-1),
+        error=_str(w, "error", d["error"]),
+        data=data,
+        error_kind=_str(w, "error_kind", d["error_kind"], _ERROR_KINDS),
+        pset=_int(w, "pset", d["pset"]),
+    )
+
+
+def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | tuple[int, int], bytes | None]]]:
+    """Split a decoded ``["req", rank, items]`` message: the sender's rank and its items.
+
+    Each item is a :class:`Request` or a response-cache id — an int for the
+    global set, ``{"s": set id, "c": id}`` for another process set, returned as
+    ``(set id, id)`` — with the small-allreduce payload sent along
+    (``{"q": item, "d": bytes}``) or None.  Raises :class:`ProtocolError` for anything else.
+    """
+    if not isinstance(msg, list) or len(msg) != 3 or msg[0] != "req":
+        raise ProtocolError(f"malformed request batch: {_short(msg)}")
+    _, rank, items = msg
+    if type(rank) is not int or not 0 < rank < size:
+        raise ProtocolError(f"request batch from rank {_short(rank)}, not one of 1..{size - 1}")
+    if not isinstance(items, list):
+        raise ProtocolError(f"malformed request batch: items are {_short(items)}")
+    out: list[tuple[Request | tuple[int, int], bytes | None]] = []
+    for it in items:
+        data = None
+        if isinstance(it, dict) and "q" in it:
+            if set(it) != {"q", "d"} or not isinstance(it["d"], bytes):
+                raise ProtocolError(f"malformed request with payload: keys {_short(list(it))}")
+            it, data = it["q"], it["d"]
+        if isinstance(it, dict):  # a cached request of another process set
+            if set(it) != {"s", "c"}:
+                raise ProtocolError(f"malformed cached request: keys {_short(list(it))}")
+            out.append(((_int("cached request", "s", it["s"]), _int("cached request", "c", it["c"])), data))
+        elif type(it) is int:
+            if not 0 <= it <= _INT_MAX:
+                raise ProtocolError(f"response-cache id {it} is out of range")
+            out.append(((0, it), data))
+        else:
+            out.append((request_from_wire(it), data))
+    return rank, out
+
+
+def parse_response_batch(msg: Any) -> list[Response]:
+    """The responses of a decoded ``["resp", [response, ...]]`` message; raises :class:`ProtocolError`."""
+    if not isinstance(msg, list) or len(msg) != 2 or msg[0] != "resp" or not isinstance(msg[1], list):
+        raise ProtocolError(f"malformed response batch: {_short(msg)}")
+    return [response_from_wire(r) for r in msg[1]]
 
 
 # ---------------------------------------------------------------------------
@@ -145,47 +288,72 @@ def pack_control(secret: bytes, msg: Any) -> bytes:
 
 #: Largest control body accepted (a request list of thousands of tensors fits easily).
 MAX_CONTROL_BYTES = 64 * 1024 * 1024
+#: Senders split batches so that the array data in one control frame stays below this
+#: (one item carries at most this much), leaving MAX_CONTROL_BYTES ample room for the rest.
+CONTROL_DATA_BYTES = 16 * 1024 * 1024
 
 
 def unpack_control(secret: bytes, frame: bytes) -> Any:
-    """Verify and decode a control frame; raises ValueError for anything not from the job."""
+    """Verify and decode a control frame; raises :class:`ProtocolError` for anything not from the job.
+
+    msgpack bounds every container and string by the frame's length, so no
+    length field inside the body can make it allocate more than the frame.
+    """
     if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise ValueError("control message must be one frame")
+        raise ProtocolError("control message must be one frame")
     frame = bytes(frame)
     if len(frame) < TAG_BYTES:
-        raise ValueError(f"control frame of {len(frame)} bytes is too short")
+        raise ProtocolError(f"control frame of {len(frame)} bytes is too short")
     if len(frame) > MAX_CONTROL_BYTES + TAG_BYTES:
-        raise ValueError("control message too large")
+        raise ProtocolError(f"control message of {len(frame)} bytes is larger than {MAX_CONTROL_BYTES + TAG_BYTES}")
     tag, body = frame[:TAG_BYTES], frame[TAG_BYTES:]
     if not hmac.compare_digest(tag, sign(secret, body)):
-        raise ValueError("bad authentication tag")
+        raise ProtocolError("bad authentication tag")
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises several types
-        raise ValueError(f"undecodable control body: {exc}") from None
+        raise ProtocolError(f"undecodable control body: {exc}") from None
 
 
 # ---------------------------------------------------------------------------
-# data-plane header
+# data-plane messages (the pair socket between two ranks; see transport.py)
 
-_HEADER = struct.Struct("<8sIQI")
-HEADER_SIZE = _HEADER.size
-
-
-def job_token(secret: bytes) -> bytes:
-    """8 bytes derived from the secret that every data message carries."""
-    return hashlib.sha256(b"ringcomm-data" + secret).digest()[:8]
+NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag: the payload is in a shared-memory slot
+INLINE = struct.Struct("<cQI")  # b"I", seq, tag: the payload is the second frame
+ACK = struct.Struct("<cH")  # b"A", slot: the receiver is done with that slot
 
 
-def pack_header(token: bytes, src: int, seq: int, tag: int) -> bytes:
-    return _HEADER.pack(token, src, seq, tag)
+class DataMessage(NamedTuple):
+    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"`` or ``b"A"``."""
+
+    kind: bytes
+    seq: int = 0
+    tag: int = 0
+    slot: int = -1
+    nbytes: int = 0
 
 
-def unpack_header(token: bytes, header: bytes) -> tuple[int, int, int]:
-    """``(src, seq, tag)``; raises ValueError for a wrong size or token."""
-    if len(header) != HEADER_SIZE:
-        raise ValueError(f"bad data header length {len(header)}")
-    tok, src, seq, tag = _HEADER.unpack(header)
-    if not hmac.compare_digest(tok, token):
-        raise ValueError("data message with a foreign job token")
-    return src, seq, tag
+def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMessage:
+    """Parse a data-plane message's first frame; raises :class:`ProtocolError` for anything malformed.
+
+    ``nframes`` is the message's frame count (an inline payload is the second
+    frame, every other kind is one frame); ``slots`` and ``slot_bytes`` bound
+    a shared-memory notification, so a bad slot number can never address memory
+    outside the ring.
+    """
+    kind = head[:1]
+    if kind == b"S" and len(head) == NOTE.size and nframes == 1:
+        _, slot, n, seq, tag = NOTE.unpack(head)
+        if slot >= slots or n > slot_bytes:
+            raise ProtocolError(f"data notification for slot {slot} of {n} bytes; the ring has {slots} slots "
+                                f"of {slot_bytes} bytes")
+        return DataMessage(b"S", seq, tag, slot, n)
+    if kind == b"I" and len(head) == INLINE.size and nframes == 2:
+        _, seq, tag = INLINE.unpack(head)
+        return DataMessage(b"I", seq, tag)
+    if kind == b"A" and len(head) == ACK.size and nframes == 1:
+        slot = ACK.unpack(head)[1]
+        if slot >= slots:
+            raise ProtocolError(f"ack of slot {slot}; the ring has {slots} slots")
+        return DataMessage(b"A", slot=slot)
+    raise ProtocolError(f"malformed data message: {nframes} frame(s), first {len(head)} bytes {head[:16]!r}")

@@ -14,8 +14,9 @@ and are started with ``ringcomm-run -np 4 python train.py``.
 Modules: :mod:`.basics` (init, rank, size...), :mod:`.collectives` (async and
 in-place ops), :mod:`.autograd` (differentiable ops), :mod:`.optimizer`
 (``DistributedOptimizer``), :mod:`.functions` (parameter/optimizer/object
-broadcast), :mod:`.compression`, :mod:`.timeline`, :mod:`.tensors` (torch <->
-NumPy staging, bfloat16, CUDA through pinned memory).
+broadcast), :mod:`.sync_batch_norm` (``SyncBatchNorm``), :mod:`.elastic`,
+:mod:`.compression`, :mod:`.timeline`, :mod:`.tensors` (torch <-> NumPy
+staging, bfloat16, CUDA through pinned memory).
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .handles import Handle
 from .optimizer import DistributedOptimizer, GradientsPendingError
+from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline
+
+from . import elastic  # noqa: E402  (hvd.elastic.run, TorchState, ElasticSampler)
 
 __version__ = "0.1.0"
 
@@ -112,8 +116,6 @@ __all__ = [name for name in dir() if not name.startswith("_") and name not in ("
 
 # Horovod names that exist there but not (yet) here: a clear error instead of a bare AttributeError.
 _NOT_YET = {
-    "SyncBatchNorm": "SyncBatchNorm is not supported yet",
-    "elastic": "elastic training (hvd.elastic) is not supported yet",
     "sparse_allreduce_async": "sparse allreduce is not supported yet; use DistributedOptimizer(sparse_as_dense=True)",
 }
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .basics import global_process_set, rank, size
+from .basics import global_process_set, set_rank, set_size
 from .collectives import (
     Average, allgather_async, allreduce_async, alltoall_async, broadcast_async,
     grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async,
@@ -113,7 +113,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 def _first_dims(counts: Sequence[int], process_set: Any) -> torch.Tensor:
     """Every rank's ``counts`` as a (size, len(counts)) int64 tensor (row r: rank r's first dims)."""
     mine = torch.tensor([list(counts)], dtype=torch.int64)
-    return allgather(mine, process_set=process_set).view(size(), len(counts))
+    return allgather(mine, process_set=process_set).view(set_size(process_set), len(counts))
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -129,7 +129,7 @@ class HorovodAllgather(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad_reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
         dims = _first_dims([ctx.dim], ctx.process_set)[:, 0]
-        offset = int(dims[: rank()].sum())
+        offset = int(dims[: set_rank(ctx.process_set)].sum())
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
 
 
@@ -157,7 +157,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average, process_set=ctx.process_set)
         dims = _first_dims(ctx.dims, ctx.process_set)
-        offsets = dims[: rank()].sum(dim=0)
+        offsets = dims[: set_rank(ctx.process_set)].sum(dim=0)
         out = [g.narrow(0, int(off), d) for g, off, d in zip(reduced, offsets, ctx.dims)]
         return (None, None, *out)
 
@@ -183,7 +183,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad_reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
-        if rank() != ctx.root_rank:
+        if set_rank(None) != ctx.root_rank:  # root_rank is a global rank
             grad_reduced = torch.zeros_like(grad_reduced)
         return grad_reduced, None, None, None
 
@@ -232,9 +232,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
-def _scatter_grad_scale(op: Any, scales: tuple[float, float]) -> float:
+def _scatter_grad_scale(op: Any, scales: tuple[float, float], process_set: Any) -> float:
     factor = scales[0] * scales[1]
-    return factor / size() if op == Average else factor
+    return factor / set_size(process_set) if op == Average else factor
 
 
 class HorovodReducescatter(torch.autograd.Function):
@@ -251,7 +251,7 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
-        factor = _scatter_grad_scale(ctx.op, ctx.scales)
+        factor = _scatter_grad_scale(ctx.op, ctx.scales, ctx.process_set)
         if factor != 1.0:
             grad = grad * factor
         return grad, None, None, None, None, None
@@ -286,7 +286,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         gathered = grouped_allgather([g.contiguous() for g in grads], process_set=ctx.process_set)
-        factor = _scatter_grad_scale(ctx.op, ctx.scales)
+        factor = _scatter_grad_scale(ctx.op, ctx.scales, ctx.process_set)
         if factor != 1.0:
             gathered = [g * factor for g in gathered]
         return (None, None, None, None, None, *gathered)

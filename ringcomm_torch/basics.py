@@ -15,10 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Sequence
+
 import torch
 
 import ringcomm as _rc
 from ringcomm.errors import InvalidInputError
+from ringcomm.process_sets import ProcessSet, global_process_set
+
+add_process_set = _rc.add_process_set
+remove_process_set = _rc.remove_process_set
 
 __all__ = [
     "init", "shutdown", "is_initialized",
@@ -27,27 +33,28 @@ __all__ = [
     "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "check_process_set",
+    "check_process_set", "set_rank", "set_size",
 ]
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Start (or join) the job: every rank must call it before any collective.
 
     Without a launcher environment this makes a one-process job (size 1).
-    ``comm`` (an MPI communicator in Horovod) and ``process_sets`` are accepted
-    for signature compatibility; only their defaults are supported.
+    ``comm`` (an MPI communicator in Horovod) is accepted for signature
+    compatibility only.  ``process_sets``: a list of :class:`ProcessSet` to
+    register now (the same list on every rank), or ``"dynamic"`` to allow
+    :func:`add_process_set` / :func:`remove_process_set` later::
+
+        even = hvd.ProcessSet([0, 2])
+        hvd.init(process_sets=[even])      # every rank: even.process_set_id == 1
     """
     if comm is not None and comm != []:
         raise InvalidInputError(
             "hvd.init(comm=...): ringcomm does not use MPI communicators; start the job with "
             "`ringcomm-run -np N python script.py` and call hvd.init() without arguments"
         )
-    if process_sets:
-        raise InvalidInputError(
-            "hvd.init(process_sets=...): process sets other than the global one are not supported yet"
-        )
-    _rc.init()
+    _rc.init(process_sets=process_sets)
 
 
 def shutdown() -> None:
@@ -142,57 +149,20 @@ def cuda_built() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class ProcessSet:
-    """A subset of ranks.  Only the global set (every rank) is supported for now.
-
-    It exists so that Horovod signatures (``process_set=global_process_set``)
-    keep working; any other set raises a clear error when used.
-    """
-
-    def __init__(self, ranks: list[int] | None = None) -> None:
-        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
-        self.process_set_id = 0 if ranks is None else None
-
-    def _is_global(self) -> bool:
-        return self.ranks is None or (is_initialized() and self.ranks == list(range(size())))
-
-    def size(self) -> int:
-        return size() if self.ranks is None else len(self.ranks)
-
-    def rank(self) -> int:
-        return rank() if self.ranks is None else self.ranks.index(rank())
-
-    def included(self) -> bool:
-        return self.ranks is None or rank() in self.ranks
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet(ranks={self.ranks})"
-
-
-global_process_set = ProcessSet()
-
-
 def check_process_set(process_set: Any, what: str) -> None:
-    """Raise :class:`InvalidInputError` unless ``process_set`` is the global set (or None)."""
+    """Raise unless ``process_set`` is registered and includes this rank (None: the global set)."""
+    _rc.api.resolve_process_set(process_set, what)
+
+
+def set_rank(process_set: Any) -> int:
+    """This rank's index within ``process_set`` (the global rank for the global set)."""
     if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet) and process_set._is_global():
-        return
-    raise InvalidInputError(
-        f"{what}: process_set={process_set!r} is not supported yet; only the global process set "
-        "(every rank) is. Leave process_set at its default."
-    )
+        return rank()
+    return int(process_set.rank())
 
 
-def add_process_set(process_set: Any) -> ProcessSet:
-    """Not supported yet: raises :class:`InvalidInputError`."""
-    raise InvalidInputError(
-        "hvd.add_process_set: process sets other than the global one are not supported yet"
-    )
-
-
-def remove_process_set(process_set: Any) -> bool:
-    """Not supported yet: raises :class:`InvalidInputError`."""
-    raise InvalidInputError(
-        "hvd.remove_process_set: process sets other than the global one are not supported yet"
-    )
+def set_size(process_set: Any) -> int:
+    """Number of ranks in ``process_set`` (the job size for the global set)."""
+    if process_set is None or process_set is global_process_set:
+        return size()
+    return int(process_set.size())

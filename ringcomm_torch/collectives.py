@@ -128,7 +128,8 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
             dest = target if target is not None else empty_result(tensor)
             return s.write_back(dest)
     core = _rc.allreduce_async(s.array, op=op, name=_core_name("allreduce", name),
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=out)
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=out,
+                               process_set=process_set)
     return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
 
 
@@ -178,7 +179,8 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
     order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
     subs = [_rc.grouped_allreduce_async([staged[i].array for i in by_dtype[dt]], op=op,
                                         name=base if base is None or len(by_dtype) == 1 else f"{base}.{dt}",
-                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        process_set=process_set)
             for dt in sorted(by_dtype)]
     core = _Several(subs)
 
@@ -231,7 +233,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     what = "allgather"
     check_process_set(process_set, what)
     s = stage(tensor, reduce=False, what=what)
-    core = _rc.allgather_async(s.array, name=_core_name("allgather", name))
+    core = _rc.allgather_async(s.array, name=_core_name("allgather", name), process_set=process_set)
 
     def finish(raw: Any) -> torch.Tensor:
         return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
@@ -247,7 +249,8 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     if not tensors:
         return completed("allgather", [])
     staged = [stage(t, reduce=False, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    core = _rc.grouped_allgather_async([s.array for s in staged], name=_core_name("allgather", name))
+    core = _rc.grouped_allgather_async([s.array for s in staged], name=_core_name("allgather", name),
+                                       process_set=process_set)
 
     def finish(raw: Any) -> list[torch.Tensor]:
         return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
@@ -257,6 +260,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 # ---------------------------------------------------------------- broadcast
 
 def _check_root(root_rank: Any, what: str) -> int:
+    """A global rank of this job (the core checks that it belongs to the process set)."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
         raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
     n = size()
@@ -271,7 +275,7 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
     check_process_set(process_set, what)
     root = _check_root(root_rank, what)
     s = stage(tensor, reduce=False, what=what)
-    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name))
+    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name), process_set=process_set)
 
     def finish(raw: Any) -> torch.Tensor:
         if in_place:
@@ -335,7 +339,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     s = stage(tensor, reduce=False, what=what)
     split_arr = _splits_array(splits, what)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    core = _rc.alltoall_async(s.array, splits=split_arr, name=_core_name("alltoall", name))
+    core = _rc.alltoall_async(s.array, splits=split_arr, name=_core_name("alltoall", name), process_set=process_set)
 
     def finish(raw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = raw
@@ -362,7 +366,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     check_process_set(process_set, what)
     s = stage(tensor, reduce=True, what=what)
     core = _rc.reducescatter_async(s.array, op=op, name=_core_name("reducescatter", name),
-                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                   process_set=process_set)
 
     def finish(raw: Any) -> torch.Tensor:
         return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
@@ -381,7 +386,8 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
     core = _rc.grouped_reducescatter_async([s.array for s in staged], op=op,
                                            name=_core_name("reducescatter", name),
-                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                           process_set=process_set)
 
     def finish(raw: Any) -> list[torch.Tensor]:
         return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
@@ -391,10 +397,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 # ---------------------------------------------------------------- control
 
 def barrier(process_set: Any = global_process_set) -> None:
-    """Block until every rank has called ``barrier()``."""
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
     check_process_set(process_set, "barrier")
     token = Handle("barrier", None, None, lambda _raw: None)
-    _rc.barrier()
+    _rc.barrier(process_set=process_set)
     token.wait()
 
 

@@ -149,22 +149,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
-    """Return ``root_rank``'s Python object on every rank (pickled; other ranks' ``obj`` is ignored).
+    """Return ``root_rank``'s Python object on every rank of ``process_set`` (pickled; others' ``obj`` is ignored).
+
+    ``root_rank`` is a global rank; with a process set it must be one of the set's ranks.
 
     Example (size 2)::
 
         state = hvd.broadcast_object(checkpoint if hvd.rank() == 0 else None, root_rank=0)
     """
     check_process_set(process_set, "broadcast_object")
-    return _rc.broadcast_object(obj, root_rank, name)
+    return _rc.broadcast_object(obj, root_rank, name, process_set=process_set)
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
-    """A list of every rank's Python object, in rank order.
+    """A list of the Python object of every rank (of ``process_set``), in rank order.
 
     Example (size 2)::
 
         hvd.allgather_object({"rank": hvd.rank()})   # every rank: [{"rank": 0}, {"rank": 1}]
     """
     check_process_set(process_set, "allgather_object")
-    return _rc.allgather_object(obj, name)
+    return _rc.allgather_object(obj, name, process_set=process_set)

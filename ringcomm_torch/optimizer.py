@@ -112,6 +112,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     gradient_predivide_factor: with Average, scale by ``1/f`` before the sum and ``f/size`` after.
     groups: an int (that many fused groups) or a list of lists of parameters to reduce together.
     sparse_as_dense: densify sparse gradients before reducing (else they raise).
+    process_set: reduce over the ranks of this ``hvd.ProcessSet`` only (default: every rank);
+        only its members may create the optimizer (others get a ``ValueError``), e.g. with
+        ``ps = hvd.ProcessSet([0, 2])`` ranks 0 and 2 average their gradients between themselves.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,

@@ -74,12 +74,14 @@ class TwoHosts:
             raise
         self.ssh = workdir / "fake-ssh"
         self.ssh_log = workdir / "ssh.log"
+        self.ssh_lines = workdir / "ssh-lines.log"  # the remote command lines, as a process list shows them
         cases = "\n".join(f'  {self.addr[s]}) ns={self.ns[s]} ;;' for s in ("a", "b"))
         self.ssh.write_text(
             "#!/bin/sh\n"
             'opts=""\n'
             'while [ $# -gt 2 ]; do opts="$opts $1"; shift; done\n'
             f'echo "$opts $1" >> {self.ssh_log}\n'
+            f'printf "%s\\n" "$2" >> {self.ssh_lines}\n'
             'case "$1" in\n'
             f"{cases}\n"
             '  *) echo "ssh: Could not resolve hostname $1: Name or service not known" >&2; exit 255 ;;\n'

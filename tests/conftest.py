@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# CI and this machine are shared 2-core boxes: a per-example time limit only measures the neighbours.
+# Multi-process tests have pytest-timeout deadlines instead.
+settings.register_profile("ringcomm", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ringcomm")
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -47,19 +53,22 @@ def remove_files_of(pids: list[int]) -> None:
 def start_torchrun_job(args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
     """Start ``world`` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), no launcher.
 
-    Each process's stdout and stderr come back merged in ``proc.stdout`` (text).
+    Each process's stdout and stderr come back merged in ``proc.stdout`` (text); ``proc.job_id``
+    is the job id ringcomm derives (the prefix of the job's socket and shared-memory names).
     """
     import socket
+
+    from ringcomm import topology
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [
-        subprocess.Popen(
-            [sys.executable, *args],
-            env=job_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), **env),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
+    procs = []
+    for r in range(world):
+        penv = job_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), **env)
+        proc = subprocess.Popen([sys.executable, *args], env=penv, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        proc.job_id = topology.from_env(penv).job_id  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs

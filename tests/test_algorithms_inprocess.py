@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ringcomm import algorithms, ring
 from ringcomm.ops import ReduceOp
+from ringcomm.auth import Credentials, ZapThread
 from ringcomm.transport import DataPlane
 
 
@@ -204,24 +205,28 @@ def test_short_message_is_detected_as_stream_desync() -> None:
 
 @pytest.fixture
 def zmq_links(tmp_path):
-    made: list[tuple[zmq.Context, list[DataPlane]]] = []
+    made: list[tuple[zmq.Context, ZapThread, list[DataPlane]]] = []
 
-    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0) -> list[DataPlane]:
+    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False) -> list[DataPlane]:
         ctx = zmq.Context()
+        creds = Credentials.derive(b"k" * 32, "job", encrypt=encrypt)
+        zap = ZapThread(ctx, creds, "test")
         planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0, shm_slots=shm_slots, shm_slot_bytes=4096,
-                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}") for r in range(size)]
+                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}", credentials=creds)
+                  for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
         for r, p in enumerate(planes):
             for q in range(size):
                 if q != r:
                     p.connect(q, tables[q], same_host=(q % 2 == 0), description=f"thread {q}")
-        made.append((ctx, planes))
+        made.append((ctx, zap, planes))
         return planes
 
     yield build
-    for ctx, planes in made:
+    for ctx, zap, planes in made:
         for p in planes:
             p.close()
+        zap.stop()
         ctx.term()
 
 
@@ -272,3 +277,70 @@ def test_shared_memory_rings_are_unlinked_once_mapped(zmq_links) -> None:
     paths = [ring.path for link in links for ring in link._out_rings.values()]
     assert len(paths) == 1  # the fixture puts only even ranks on "this host" for each rank
     assert not any(os.path.exists(p) for p in paths)
+
+
+@pytest.mark.timeout(30)
+def test_malformed_data_messages_are_dropped_and_real_ones_still_arrive(zmq_links) -> None:
+    """Findings of the fuzzing: a bad slot number read outside the ring, a stray ack freed a slot in use,
+    a short header raised struct.error in the engine thread, a repeated or stale message stayed in the
+    stash for ever.  Each is now dropped and counted."""
+    from ringcomm import wire
+
+    links = zmq_links(2, shm_slots=2)  # rank 1 counts rank 0 as same-host: it would map rank 0's ring
+    raw = links[0]._socks[1]
+    first, second, real = np.full(4, 1.0), np.full(4, 2.0), np.full(4, 3.0)
+    for frames in (
+        [b"Z" + bytes(16)],  # unknown kind
+        [wire.NOTE.pack(b"S", 5, 8, 3, 9)],  # slot 5 of a 2-slot ring
+        [wire.NOTE.pack(b"S", 0, 8, 3, 9)],  # a valid slot of a ring rank 0 never created
+        [wire.ACK.pack(b"A", 0)],  # an ack for a slot rank 1 never used
+        [wire.ACK.pack(b"A", 0)[:2]],  # truncated
+        [wire.INLINE.pack(b"I", 3, 0)],  # inline without its payload
+        [wire.INLINE.pack(b"I", 3, 0), b"x", b"y"],  # one frame too many
+        [wire.INLINE.pack(b"I", 3, 0), first.tobytes()],  # real
+        [wire.INLINE.pack(b"I", 3, 0), second.tobytes()],  # a second message for the same (seq, tag)
+        [wire.INLINE.pack(b"I", 2, 0), second.tobytes()],  # for an op that is over once op 3 is received
+    ):
+        raw.send_multipart(frames)
+    links[0].send(1, 3, 1, real)
+    assert np.frombuffer(links[1].recv(0, 3, 0), np.float64).tolist() == first.tolist()
+    assert np.frombuffer(links[1].recv(0, 3, 1), np.float64).tolist() == real.tolist()
+    assert links[1].stats["dropped"] == 9
+    assert all(key[0] >= 3 for key in links[1]._stash[0])  # nothing stale kept
+    # and the pair still runs collectives
+    def fn(link, r):
+        buf = np.full(5000, r + 1.0)
+        algorithms.ring_allreduce(link, buf, ReduceOp.SUM, 4, 256)
+        return buf
+
+    assert all((buf == 3.0).all() for buf in run_ranks(links, fn))
+
+
+def test_a_tag_outside_the_op_is_a_stream_error() -> None:
+    """A segment number the op does not have used to raise IndexError from deep inside the ring."""
+    links = queue_links(2)
+    links[0].send(1, 0, (7 << 20) | 3, np.zeros(2, np.float32))
+    with pytest.raises(algorithms.StreamError, match="no segment 3 of ring step 7"):
+        algorithms.ring_allreduce(links[1], np.zeros(4, np.float32), ReduceOp.SUM, 0, 16)
+
+
+@pytest.mark.timeout(30)
+def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
+    """A notification whose ring file is shorter than the ring (mmap raises ValueError, not OSError)
+    is dropped like any malformed message; the file is not mapped."""
+    import os
+
+    from ringcomm import shm, wire
+
+    links = zmq_links(2, shm_slots=2)
+    path = shm.ring_path(links[1]._job, links[1]._round, 0, 1)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 10)
+    try:
+        links[0]._socks[1].send_multipart([wire.NOTE.pack(b"S", 0, 8, 0, 0)])
+        links[0].send(1, 0, 1, np.ones(2))
+        assert np.frombuffer(links[1].recv(0, 0, 1), np.float64).tolist() == [1.0, 1.0]
+        assert links[1].stats["dropped"] == 1 and 0 not in links[1]._in_rings
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

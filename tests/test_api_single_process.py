@@ -255,3 +255,42 @@ def test_log_level_setting(monkeypatch) -> None:
     logging.getLogger("ringcomm").setLevel(logging.WARNING)
     with pytest.raises(ValueError, match="RINGCOMM_LOG_LEVEL='loud'"):
         Settings.from_env({"RINGCOMM_LOG_LEVEL": "loud"})
+
+
+def test_process_set_arguments_are_validated(monkeypatch) -> None:
+    for key in list(__import__("os").environ):
+        if key.startswith("RINGCOMM_") or key in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    with pytest.raises(ValueError, match="duplicate"):
+        rc.ProcessSet([0, 0])
+    with pytest.raises(ValueError, match=">= 0"):
+        rc.ProcessSet([-1])
+    with pytest.raises(TypeError, match="ints"):
+        rc.ProcessSet([0.5])
+    with pytest.raises(ValueError, match="'dynamic'"):
+        rc.init(process_sets="dynamc")
+    assert not rc.is_initialized()
+    with pytest.raises(ValueError, match="do not form a process set"):  # init fails cleanly, no engine left
+        rc.init(process_sets=[rc.ProcessSet([1])])
+    assert not rc.is_initialized()
+    alone = rc.ProcessSet([0])
+    rc.init(process_sets=[alone])
+    try:
+        assert alone.process_set_id == 0 and alone.rank() == 0 and alone.size() == 1  # every rank: the global set
+        with pytest.raises(ValueError, match="process_sets='dynamic'"):
+            rc.add_process_set([0])
+        with pytest.raises(TypeError, match="must be a ProcessSet"):
+            rc.allreduce(np.ones(2), process_set=[0])
+        with pytest.raises(ValueError, match="not a registered process set"):
+            rc.allgather(np.ones(2), process_set=rc.ProcessSet([0, 3]))
+        np.testing.assert_array_equal(rc.allreduce(np.ones(2), process_set=alone), np.ones(2))
+    finally:
+        rc.shutdown()
+    with pytest.raises(ValueError, match="not a registered process set"):  # from before shutdown()
+        rc.init()
+        try:
+            stale = rc.ProcessSet([0])
+            stale.process_set_id, stale._round = 1, -5
+            rc.barrier(process_set=stale)
+        finally:
+            rc.shutdown()

@@ -44,7 +44,7 @@ def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "allreduce", "--np", "2", "--sizes", "4K", "64K",
            "--iters", "3", "--repeats", "1", "--warmup", "1", "--job-timeout", "50",
-           "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
+           "--json", str(out), "--out-dir", str(tmp_path), "--no-plot", "--encrypt"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -52,10 +52,10 @@ def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
     assert data["meta"]["cpu_count"] >= 1 and data["meta"]["python"] and data["meta"]["date"]
     section = data["collectives"]["allreduce"]
     assert section["op"] == "allreduce" and section["nps"] == [2] and section["sizes"] == [4096, 65536]
-    assert {"ringcomm", "gloo"} <= set(section["systems"])
+    assert {"ringcomm", "gloo", "ringcomm-encrypted"} <= set(section["systems"])
 
     runs = {r["system"]: r for r in section["runs"]}
-    for system in ("ringcomm", "gloo"):
+    for system in ("ringcomm", "gloo", "ringcomm-encrypted"):
         run = runs[system]
         assert run["ok"] and run["np"] == 2, run
         assert [r["bytes"] for r in run["results"]] == [4096, 65536]
@@ -73,11 +73,14 @@ def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
         assert ratio["latency"] == pytest.approx(rc_["median_ms"] / gloo["median_ms"])
         assert ratio["busbw"] == pytest.approx(rc_["busbw_gbps"] / gloo["busbw_gbps"])
         assert math.isclose(ratio["latency"] * ratio["busbw"], 1.0, rel_tol=1e-9)
+        cost = row["ratio_encrypted_over_plain"]  # --encrypt: RINGCOMM_ENCRYPT=1 vs the plain ringcomm run
+        assert cost["latency"] == pytest.approx(row["systems"]["ringcomm-encrypted"]["median_ms"] / rc_["median_ms"])
         # the median is the median of the raw per-iteration times
         raw = next(r for r in runs["ringcomm"]["results"] if r["bytes"] == row["bytes"])["times_s"]
         assert rc_["median_ms"] == pytest.approx(sorted(raw)[1] * 1e3)
 
     assert "| 2 | 4 KiB |" in proc.stdout and "latency ratio" in proc.stdout
+    assert "ringcomm encrypted ms" in proc.stdout and "encrypted/plain latency" in proc.stdout
 
 
 @pytest.mark.multiprocess

@@ -205,13 +205,12 @@ def test_fifty_init_shutdown_cycles_leak_nothing() -> None:
 def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
     """Without a launcher to clean up after them, ranks remove their ipc and shared-memory files."""
     import glob
-    import hashlib
     import tempfile
 
 
     secret = "ab" * 16
-    job = hashlib.sha256(bytes.fromhex(secret)).hexdigest()[:8]
     procs = start_torchrun_job([str(WORKERS / "cycles_worker.py")], 3, RINGCOMM_SECRET=secret, CYCLES="10")
+    job = procs[0].job_id
     outs = [p.communicate(timeout=80)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     left = glob.glob(f"{tempfile.gettempdir()}/ringcomm-{job}-*") + glob.glob(f"/dev/shm/ringcomm-{job}-*")
@@ -221,20 +220,28 @@ def test_a_clean_job_leaves_no_socket_or_shared_memory_files(tmp_path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(tmp_path) -> None:
-    """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices."""
+    """A stranger's bytes on the job's tcp ports are dropped by ZeroMQ; the running job never notices.
+
+    Raw bytes, and ZeroMQ peers that speak the protocol but lack the job's secret: no security at all,
+    or PLAIN with a wrong password, each sending well-formed data and control messages.
+    """
     import json
-    import os
     import socket
     import struct
     import subprocess
     import sys
 
+    import zmq
+
     from conftest import job_env
+    from ringcomm import wire
 
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
            str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "1500"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
     half_open: list[socket.socket] = []
+    zmq_ctx = zmq.Context()
+    strangers: list[zmq.Socket] = []
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("ports-*.json"))) < 3 and time.monotonic() < deadline:
@@ -255,8 +262,24 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
                     s.sendall(payload)
             half = socket.create_connection(("127.0.0.1", port), timeout=2)  # left open, silent
             half_open.append(half)
+        forged_ctrl = [wire.pack_control(b"not the job's secret", ["req", 1, []])]
+        for port in ports:
+            for kind, password in ((zmq.PAIR, None), (zmq.PAIR, b"guess"), (zmq.DEALER, None), (zmq.DEALER, b"guess")):
+                sock = zmq_ctx.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                if password is not None:
+                    sock.plain_username, sock.plain_password = b"ringcomm", password
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                for seq in range(0, 200, 7):  # well-formed inline data for ops the job will run
+                    forged_data = [struct.pack("<cQI", b"I", seq, 0), b"\x00" * 4096]
+                    sock.send_multipart(forged_data if kind == zmq.PAIR else forged_ctrl, zmq.NOBLOCK)
+                strangers.append(sock)
+        time.sleep(0.5)  # their handshakes fail meanwhile; the NULL ones keep retrying until the end
         out, err = job.communicate(timeout=60)
     finally:
+        for sock in strangers:
+            sock.close(0)
+        zmq_ctx.term()
         for s in half_open:
             s.close()
         if job.poll() is None:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 
 import pytest
+import zmq
 
 from _launcher_helpers import REPO_ROOT, launcher_cmd, launcher_env
 from _netns import TwoHosts, unavailable_reason
@@ -43,10 +44,10 @@ def hosts(tmp_path):
         two.close()
 
 
-def start(hosts: TwoHosts, *args: str) -> subprocess.Popen[str]:
-    """``ringcomm-run -v -H a:2,b:2 --ssh-command FAKE ARGS...`` inside namespace a."""
+def start(hosts: TwoHosts, *args: str, **env: str) -> subprocess.Popen[str]:
+    """``ringcomm-run -v -H a:2,b:2 --ssh-command FAKE ARGS...`` inside namespace a (``env``: added to its environment)."""
     argv = launcher_cmd("-v", "--ssh-command", str(hosts.ssh), *args)
-    return subprocess.Popen(hosts.exec_argv("a", argv), env=launcher_env(), cwd=REPO_ROOT, text=True,
+    return subprocess.Popen(hosts.exec_argv("a", argv), env=launcher_env(**env), cwd=REPO_ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -62,9 +63,13 @@ def assert_nothing_left(hosts: TwoHosts, stderr: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoHosts) -> None:
+@pytest.mark.parametrize("encrypt", ["0", "1"])
+def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoHosts, encrypt: str) -> None:
+    """Also encrypted (RINGCOMM_ENCRYPT=1 reaches the remote ranks through the forwarded environment)."""
+    if encrypt == "1" and not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE (built without libsodium)")
     proc = start(hosts, *two_by_two(hosts), "--ssh-port", "2222", "--ssh-identity-file", "/nonexistent/key",
-                 sys.executable, str(WORKERS / "placement_worker.py"))
+                 sys.executable, str(WORKERS / "placement_worker.py"), RINGCOMM_ENCRYPT=encrypt)
     out, err = proc.communicate(timeout=50)
     assert proc.returncode == 0, out + err
     for rank in range(4):
@@ -78,10 +83,16 @@ def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoH
     # the ring sends to rank + 1: 1 -> 2 and 3 -> 0 cross the link (tcp), 0 -> 1 and 2 -> 3 use shared memory
     assert places[1]["stats"].get("inline", 0) > 0 and places[3]["stats"].get("inline", 0) > 0
     assert places[0]["stats"].get("shm", 0) > 0 and places[2]["stats"].get("shm", 0) > 0
+    mechanism = zmq.CURVE if encrypt == "1" else zmq.PLAIN  # every data socket authenticated; encrypted if asked
+    assert [(p["encrypted"], p["mechanisms"]) for p in places] == [(encrypt == "1", [mechanism])] * 4
     assert f"rendezvous at tcp://{a}:" in err
     assert re.findall(r"rank (\d): pid \d+ on (\S+)( \(ssh\))?", err) == [
         ("0", a, ""), ("1", a, ""), ("2", b, " (ssh)"), ("3", b, " (ssh)")]
     assert hosts.ssh_log.read_text().split("\n") == [f" -p 2222 -i /nonexistent/key {b}"] * 2 + [""]
+    # the job's secret reached the remote ranks (they authenticated) through the ssh's input, never
+    # through a command line that any user of either host could read in the process list
+    lines = hosts.ssh_lines.read_text()
+    assert lines.count("--secret-on-stdin") == 2 and "RINGCOMM_SECRET" not in lines
     assert_nothing_left(hosts, err)
 
 

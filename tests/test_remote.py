@@ -177,3 +177,39 @@ def test_files_of_dead_ranks_are_removed_and_live_ones_kept() -> None:
         for path in files:
             if os.path.exists(path):
                 os.unlink(path)
+
+
+@pytest.mark.timeout(30)
+def test_the_secret_comes_through_the_input_and_the_input_still_stops_the_rank() -> None:
+    """The launcher writes RINGCOMM_SECRET into the ssh's input, not onto a command line others can read."""
+    code = "import os, sys, time; print(os.environ['RINGCOMM_SECRET'], flush=True); time.sleep(60)"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringcomm.rexec", "--grace", "1", "--secret-on-stdin", "--",
+         sys.executable, "-c", code],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        proc.stdin.write("00ff9a\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "00ff9a"
+        proc.stdin.close()  # and the rest of the input is still watched: its end stops the rank
+        assert proc.wait(10) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(30)
+def test_no_secret_line_means_no_rank() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ringcomm.rexec", "--secret-on-stdin", "--", sys.executable, "-c", "print('ran')"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    out, err = proc.communicate("not hex!\n", timeout=20)
+    assert proc.returncode == 2 and "ran" not in out and "no job secret arrived" in err
+
+
+def test_the_remote_line_refuses_to_carry_the_secret_when_it_goes_through_the_input() -> None:
+    line = remote.remote_command("/w", {"A": "1"}, ["true"], "/py", "job1", 0, 2.0, secret_on_stdin=True)
+    assert "--secret-on-stdin" in line
+    with pytest.raises(ValueError):
+        remote.remote_command("/w", {"RINGCOMM_SECRET": "ab"}, ["true"], "/py", "job1", 0, 2.0, secret_on_stdin=True)

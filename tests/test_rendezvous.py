@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from ringcomm.errors import RendezvousError, RendezvousTimeoutError
-from ringcomm.rendezvous import RendezvousServer, kv_get, kv_set, register, sign, verify
+from ringcomm.rendezvous import RendezvousServer, credentials, kv_get, kv_set, register, sign, verify
 
 SECRET = b"s" * 32
 
@@ -41,11 +41,12 @@ def _expected(size: int) -> list[dict]:
 
 
 def _send_raw(address: str, frames: list[bytes]) -> None:
-    """Send arbitrary frames from a throwaway DEALER and close it."""
+    """Send arbitrary frames from a throwaway DEALER that passes the handshake, and close it."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
+        credentials(SECRET).apply_client(sock)
         sock.connect(address)
         sock.send_multipart(frames)
         sock.close()
@@ -251,6 +252,7 @@ def test_kv_wrong_types_are_refused(server4):
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        credentials(SECRET).apply_client(sock)
         sock.connect(server4.address)
         for request in ({"op": "set", "key": "k", "value": "text"}, {"op": "nope"}):
             body = msgpack.packb(request)
@@ -295,3 +297,135 @@ def test_constructor_validates_arguments():
         RendezvousServer(size=0, secret=SECRET)
     with pytest.raises(ValueError):
         RendezvousServer(size=2, secret=b"")
+
+
+def _stranger_sends(address: str, frames: list[bytes], setup) -> int:
+    """Connect a DEALER prepared by ``setup(sock)``, send ``frames``; returns the handshake's outcome event."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    outcome = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | \
+        zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        setup(sock)
+        mon = sock.get_monitor_socket(outcome)
+        sock.connect(address)
+        sock.send_multipart(frames, zmq.NOBLOCK)  # queued until the handshake decides
+        assert mon.poll(5000), "no handshake outcome within 5 s"
+        event = recv_monitor_message(mon)["event"]
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
+        return event
+    finally:
+        ctx.term()
+
+
+def _curve_random_keys(sock: zmq.Socket) -> None:
+    public, secret = zmq.curve_keypair()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()[0], public, secret
+
+
+@pytest.mark.timeout(20)
+def test_a_stranger_without_the_secret_is_refused_at_the_handshake(caplog):
+    """Even a correctly signed message (say, a replayed one) is not acted upon over an unauthenticated connection."""
+    caplog.set_level(logging.DEBUG, logger="ringcomm.auth")
+    body = msgpack.packb({"op": "register", "round": 0, "rank": 0, "size": 2, "info": {"evil": True}})
+    signed = [sign(SECRET, body), body]
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        strangers = {
+            "no security (NULL)": lambda sock: None,
+            "PLAIN, another job's password": lambda sock: credentials(b"another job's secret").apply_client(sock),
+            "PLAIN, a made-up password": lambda sock: (setattr(sock, "plain_username", b"ringcomm"),
+                                                       setattr(sock, "plain_password", b"guess")),
+        }
+        if zmq.has("curve"):
+            strangers["CURVE, random keys"] = _curve_random_keys
+        for name, setup in strangers.items():
+            event = _stranger_sends(server.address, signed, setup)
+            assert event != zmq.EVENT_HANDSHAKE_SUCCEEDED, name
+        time.sleep(0.2)
+        assert server.open_rounds() == []  # not one of the signed registrations was acted upon
+        assert server.refused_connections == 2  # the two PLAIN ones reached the ZAP handler
+        refused = [r.getMessage() for r in caplog.records if r.name == "ringcomm.auth"]
+        assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "ringcomm.auth")
+        assert sum("rendezvous: refused a PLAIN connection from 127.0.0.1: wrong password" in m for m in refused) == 2
+        # the same signed frames over an authenticated connection are acted upon: the gate was the handshake
+        assert _stranger_sends(server.address, signed, credentials(SECRET).apply_client) == \
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        deadline = time.monotonic() + 2
+        while server.open_rounds() != [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.registrations(0) == {0: {"evil": True}}
+
+
+@pytest.mark.timeout(10)
+def test_a_client_with_the_wrong_secret_times_out_promptly_and_says_why():
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        start = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError, match="did not answer at all.*RINGCOMM_SECRET"):
+            register(server.address, b"wrong", 0, 2, {}, 1.5)  # re-sends after the refusal never block
+        with pytest.raises(RendezvousTimeoutError):
+            kv_get(server.address, b"wrong", "k", 0.3)
+        assert time.monotonic() - start < 4.0
+        assert server.refused_connections >= 2
+
+
+# -- fuzzing: the rendezvous decoder and the server's request handling -------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ringcomm import rendezvous  # noqa: E402
+
+_leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
+           | st.binary(max_size=6))
+_values = st.recursive(_leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                       max_leaves=10)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.binary(max_size=64), max_size=4), _values)
+def test_decoder_returns_a_map_or_none_for_any_frames(frames: list[bytes], obj: object) -> None:
+    """Arbitrary frames, and authenticated msgpack of any structure: a dict or None, never an exception."""
+    for candidate in (frames, [sign(SECRET, f) for f in frames[:1]] + frames[1:2],
+                      [sign(SECRET, b := msgpack.packb(obj)), b]):
+        got = rendezvous._decode(SECRET, candidate, "fuzz")
+        assert got is None or isinstance(got, dict)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    with RendezvousServer(size=2, secret=SECRET) as server:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        credentials(SECRET).apply_client(sock)
+        sock.connect(server.address)
+        yield server, sock
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(op=st.sampled_from(["register", "set", "get", "status", "nonsense"]) | _values,
+       fields=st.dictionaries(st.sampled_from(["round", "rank", "size", "info", "key", "value", "wait"]), _values))
+def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(fuzz_target, caplog, op, fields) -> None:
+    """Every field of every request with values of any type: refused or served, never an internal
+    error, and the server keeps answering."""
+    server, sock = fuzz_target
+    caplog.set_level(logging.DEBUG, logger="ringcomm.rendezvous")
+    if isinstance(fields.get("wait"), (int, float)):
+        fields["wait"] = min(fields["wait"], 0.2) if fields["wait"] == fields["wait"] else 0.2
+    sock.send_multipart(rendezvous._encode(SECRET, {"op": op, **fields}))
+    sock.send_multipart(rendezvous._encode(SECRET, {"op": "status", "round": 99}))
+    deadline = time.monotonic() + 5
+    while True:  # the status reply proves the request before it was handled and the server lives
+        assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000), "the server stopped answering"
+        reply = rendezvous._decode(SECRET, sock.recv_multipart(), "server")
+        if reply and reply.get("op") == "status" and reply.get("size") == 2:
+            break
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

@@ -127,7 +127,7 @@ def test_matches_rank_order_reference_bitwise(size, n, dtype, op, piece, separat
     post = 1.0 / size if op is ReduceOp.AVERAGE else (0.5 if seed % 3 == 0 else 1.0)
     job = new_job()
     links = queue_links(size)
-    algs = [ShmAllreduce(link, job, 0, piece) for link in links]
+    algs = [ShmAllreduce(job, 0, piece) for _ in links]
     cases = [inputs_for(size, n + k, dtype, seed + k) for k in range(ops_count)]  # several ops: sets alternate
 
     def fn(link, r):
@@ -135,10 +135,10 @@ def test_matches_rank_order_reference_bitwise(size, n, dtype, op, piece, separat
         for seq, ins in enumerate(cases):
             if separate:
                 out = np.full(ins[r].size, 7, dtype)
-                assert algs[r].allreduce(out, op, seq, post, src_buf=ins[r])
+                assert algs[r].allreduce(link, out, op, seq, post, src_buf=ins[r])
             else:
                 out = ins[r].copy()
-                assert algs[r].allreduce(out, op, seq, post)
+                assert algs[r].allreduce(link, out, op, seq, post)
             outs.append(out)
         return outs
 
@@ -168,13 +168,13 @@ def test_many_rounds_alternate_sets_without_races() -> None:
     size, piece, rounds = 3, 64, 100
     job = new_job()
     links = queue_links(size)
-    algs = [ShmAllreduce(link, job, 0, piece) for link in links]
+    algs = [ShmAllreduce(job, 0, piece) for _ in links]
     n = rounds * (piece // 8)
     ins = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(size)]
 
     def fn(link, r):
         out = np.empty(n, np.float64)
-        assert algs[r].allreduce(out, ReduceOp.SUM, 0, src_buf=ins[r])
+        assert algs[r].allreduce(link, out, ReduceOp.SUM, 0, src_buf=ins[r])
         return out
 
     try:
@@ -196,12 +196,12 @@ def test_setup_failure_is_agreed_and_falls_back() -> None:
         pass
     try:
         links = queue_links(3)
-        algs = [ShmAllreduce(link, job, 0, 1024) for link in links]
+        algs = [ShmAllreduce(job, 0, 1024) for _ in links]
 
         def fn(link, r):
             buf = np.full(10, r, np.int32)
-            first = algs[r].allreduce(buf, ReduceOp.SUM, 0)
-            second = algs[r].allreduce(buf, ReduceOp.SUM, 1)
+            first = algs[r].allreduce(link, buf, ReduceOp.SUM, 0)
+            second = algs[r].allreduce(link, buf, ReduceOp.SUM, 1)
             return first, second, buf
 
         for r, (first, second, buf) in enumerate(run_ranks(links, fn)):

@@ -48,7 +48,7 @@ def test_every_horovod_name_exists():
 
 def test_out_of_scope_names_explain_themselves():
     with pytest.raises(AttributeError, match="not supported yet"):
-        hvd.SyncBatchNorm  # noqa: B018
+        hvd.sparse_allreduce_async  # noqa: B018
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -430,6 +430,39 @@ def test_broadcast_optimizer_state_keeps_parameters_and_state(make):
     hvd.broadcast_optimizer_state(hvd.DistributedOptimizer(opt) if not isinstance(opt, torch.optim.LBFGS)
                                   else opt, root_rank=0)
     assert str(opt.state_dict()) == str(sd)
+
+
+def test_sync_batch_norm_function_gradcheck_and_size_one():
+    """The cross-rank function itself (its collectives are identities at size 1): gradcheck in float64,
+    and the module equals BatchNorm at size 1, including running stats and eval mode."""
+    from ringcomm_torch.sync_batch_norm import _SyncBatchNormFunction
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(2, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w, b):
+        return _SyncBatchNormFunction.apply(x, w, b, None, None, 1e-5, 0.1, hvd.global_process_set)
+
+    assert torch.autograd.gradcheck(fn, (x, w, b), fast_mode=True)
+    ref = torch.nn.functional.batch_norm(x, None, None, w, b, True, 0.1, 1e-5)
+    assert torch.allclose(fn(x, w, b), ref, atol=1e-12)
+    rm, rv = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    _SyncBatchNormFunction.apply(x, w, b, rm, rv, 1e-5, 0.1, hvd.global_process_set)
+    rm2, rv2 = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    torch.nn.functional.batch_norm(x, rm2, rv2, w, b, True, 0.1, 1e-5)
+    assert torch.allclose(rm, rm2) and torch.allclose(rv, rv2)  # unbiased variance in running_var
+    bn, plain = hvd.SyncBatchNorm(3), torch.nn.BatchNorm2d(3)
+    xs = torch.randn(4, 3, 5, 5)
+    assert torch.allclose(bn(xs), plain(xs), atol=1e-6)
+    assert torch.allclose(bn.running_var, plain.running_var)
+    bn.eval(), plain.eval()
+    assert torch.allclose(bn(xs), plain(xs), atol=1e-6)
+    with pytest.raises(ValueError, match="2 or more dimensions"):
+        bn(torch.randn(3))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        _SyncBatchNormFunction.apply(torch.randn(1, 3), None, None, None, None, 1e-5, 0.1, hvd.global_process_set)
 
 
 def test_copy_spans_made_before_the_op_is_named_go_to_its_timeline_row(tmp_path):

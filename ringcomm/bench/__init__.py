@@ -7,7 +7,8 @@ Subcommands (see ``python -m ringcomm.bench --help``):
     launcher) and torch.distributed gloo jobs (plain subprocesses) on the same
     sizes, so machine drift hits both; report median latency, bus bandwidth
     and the ratios ringcomm/gloo.  A Horovod column appears only when
-    ``import horovod.torch`` works.
+    ``import horovod.torch`` works.  ``--encrypt`` adds ringcomm with
+    ``RINGCOMM_ENCRYPT=1`` (CURVE) and an encrypted/plain latency column.
 ``ceiling``
     Throughput of one ZeroMQ PUSH->PULL stream (16 MiB messages, zero-copy
     send, ipc and tcp loopback) and of a NumPy 64 MiB copy.

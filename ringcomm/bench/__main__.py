@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _util, ceiling, collectives, report, resources, training
+from . import _launch, _util, ceiling, collectives, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -69,9 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, default=3, help="untimed iterations per size and job (default: 3)")
     g.add_argument("--repeats", type=_positive, default=3,
                    help="alternating rounds (one job per system each) per world size (default: 3)")
-    g.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo", "horovod"),
+    g.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo", "horovod", _launch.ENCRYPTED),
                    default=["ringcomm", "gloo", "horovod"],
-                   help="systems to run (default: all; Horovod only if importable)")
+                   help="systems to run (default: ringcomm, gloo, horovod; Horovod only if importable)")
+    g.add_argument("--encrypt", action="store_true",
+                   help=f"also run ringcomm with RINGCOMM_ENCRYPT=1 ({_launch.ENCRYPTED}), alternated with the "
+                        "others; the table gains an encrypted/plain latency column")
 
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench",
                                      description="Benchmark ringcomm side by side with torch.distributed gloo.",
@@ -112,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _collective_config(op: str, args: argparse.Namespace) -> collectives.CollectiveConfig:
     sizes = args.sizes or [_util.parse_size(s) for s in collectives.DEFAULT_SIZES]
+    systems = list(args.systems)
+    if args.encrypt and _launch.ENCRYPTED not in systems:
+        systems.insert(systems.index("ringcomm") + 1 if "ringcomm" in systems else 0, _launch.ENCRYPTED)
     return collectives.CollectiveConfig(op=op, nps=args.np, sizes=sizes, iters=args.iters, warmup=args.warmup,
-                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=args.systems)
+                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=systems)
 
 
 def run_command(args: argparse.Namespace) -> dict[str, Any]:

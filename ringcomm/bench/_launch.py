@@ -13,6 +13,8 @@ from . import _procs, _util
 
 #: Systems in the order they run within one repeat (and appear in reports).
 SYSTEMS = ("ringcomm", "gloo", "horovod")
+#: ringcomm with RINGCOMM_ENCRYPT=1 (``--encrypt``): the same worker, CURVE on every connection.
+ENCRYPTED = "ringcomm-encrypted"
 
 
 def ringcomm_commands(np_: int, module: str, args: Sequence[str]) -> list[list[str]]:
@@ -60,6 +62,9 @@ def run_system(system: str, np_: int, module: str, args: Sequence[str], timeout:
     """Run one job of ``system`` with ``np_`` ranks; a gloo job whose port was taken is retried once."""
     if system == "ringcomm":
         return _procs.run_job(ringcomm_commands(np_, module, args), _util.worker_env(True), timeout)
+    if system == ENCRYPTED:
+        env = _util.worker_env(True, {"RINGCOMM_ENCRYPT": "1"})
+        return _procs.run_job(ringcomm_commands(np_, module, args), env, timeout)
     if system == "horovod":
         return _procs.run_job(horovod_commands(np_, module, args), _util.worker_env(False), timeout)
     if system == "gloo":

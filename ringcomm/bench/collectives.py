@@ -21,6 +21,7 @@ DEFAULT_SIZES = ("4K", "64K", "1M", "16M", "64M")
 DEFAULT_NPS = (2, 4)
 WORKER_MODULES = {
     "ringcomm": "ringcomm.bench._rc_worker",
+    _launch.ENCRYPTED: "ringcomm.bench._rc_worker",
     "gloo": "ringcomm.bench._gloo_worker",
     "horovod": "ringcomm.bench._hvd_worker",
 }
@@ -167,6 +168,11 @@ def summarize(op: str, runs: Sequence[dict[str, Any]], nps: Sequence[int], sizes
                     "algbw_gbps": moved / med / 1e9,
                 }
             rc_, gloo = row["systems"].get("ringcomm"), row["systems"].get("gloo")
+            enc = row["systems"].get(_launch.ENCRYPTED)
+            row["ratio_encrypted_over_plain"] = None if not (rc_ and enc) else {
+                "latency": enc["median_ms"] / rc_["median_ms"],
+                "mean_latency": enc["mean_ms"] / rc_["mean_ms"],
+            }
             row["ratio_ringcomm_over_gloo"] = None if not (rc_ and gloo) else {
                 "latency": rc_["median_ms"] / gloo["median_ms"],
                 # small-message gloo times are bimodal here (p10 0.35 ms, p90 3.8 ms at 4 KiB, np 2),

@@ -10,7 +10,8 @@ from typing import Any
 
 from . import _util
 
-SYSTEM_LABELS = {"ringcomm": "ringcomm", "gloo": "gloo", "horovod": "Horovod"}
+SYSTEM_LABELS = {"ringcomm": "ringcomm", "gloo": "gloo", "horovod": "Horovod",
+                 "ringcomm-encrypted": "ringcomm encrypted"}
 
 
 def sig(value: float | None, digits: int = 3) -> str:
@@ -53,16 +54,33 @@ def collective_markdown(section: dict[str, Any]) -> str:
         "the mean-latency ratio compares mean per-op times (what a loop of ops experiences).",
         "",
     ]
+    if "ringcomm-encrypted" in systems:
+        lines[-2] += (" Encrypted/plain: ringcomm with RINGCOMM_ENCRYPT=1 (CURVE) over ringcomm as configured, "
+                      "alternated in the same run.")
     head = ["np", "size"] + [f"{SYSTEM_LABELS[s]} ms" for s in systems] \
-        + [f"{SYSTEM_LABELS[s]} GB/s" for s in systems] + ["latency ratio", "mean-latency ratio", "bus bw ratio"]
+        + [f"{SYSTEM_LABELS[s]} GB/s" for s in systems]
+    versus_gloo = "ringcomm" in systems and "gloo" in systems
+    if versus_gloo:
+        head += ["latency ratio", "mean-latency ratio", "bus bw ratio"]
+    encrypted = "ringcomm-encrypted" in systems and "ringcomm" in systems
+    if encrypted:
+        head += ["encrypted/plain latency", "encrypted/plain mean latency"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in section["summary"]:
         cells = [str(row["np"]), _util.format_size(row["bytes"])]
         cells += [sig(row["systems"].get(s, {}).get("median_ms")) for s in systems]
         cells += [sig(row["systems"].get(s, {}).get("busbw_gbps")) for s in systems]
-        ratio = row["ratio_ringcomm_over_gloo"] or {}
-        cells += [sig(ratio.get("latency"), 2), sig(ratio.get("mean_latency"), 2), sig(ratio.get("busbw"), 2)]
+        if versus_gloo:
+            ratio = row["ratio_ringcomm_over_gloo"] or {}
+            cells += [sig(ratio.get("latency"), 2), sig(ratio.get("mean_latency"), 2), sig(ratio.get("busbw"), 2)]
+        if encrypted:
+            cost = row.get("ratio_encrypted_over_plain") or {}
+            cells += [sig(cost.get("latency"), 2), sig(cost.get("mean_latency"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
+    for ratio in section.get("ratios", []):
+        rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
+        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+                     f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -105,6 +123,10 @@ def training_markdown(section: dict[str, Any]) -> str:
     for row in section["summary"]:
         eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
         lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
+    for ratio in section.get("ratios", []):
+        rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
+        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+                     f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
     lines += [""] + [f"- {n}" for n in notes] + ([""] if notes else [])
@@ -149,7 +171,7 @@ def plot(sections: Sequence[dict[str, Any]], path: str, title: str = "") -> str 
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib); no plot drawn"
-    colors = {"ringcomm": "C0", "gloo": "C1", "horovod": "C2"}
+    colors = {"ringcomm": "C0", "gloo": "C1", "horovod": "C2", "ringcomm-encrypted": "C4"}
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D", "v", "x"]
     fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)

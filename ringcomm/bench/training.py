@@ -90,7 +90,9 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         for repeat in range(cfg.repeats):
-            jobs = [("single", "single", 1)] + [(s, sys_, np_) for np_ in cfg.nps for s, sys_ in setups]
+            # odd rounds run the distributed setups in reverse order, so neither always goes first
+            order = setups if repeat % 2 == 0 else setups[::-1]
+            jobs = [("single", "single", 1)] + [(s, sys_, np_) for np_ in cfg.nps for s, sys_ in order]
             for setup, system, np_ in jobs:
                 _util.log(f"training {LABELS[setup]} np={np_} (round {repeat + 1}/{cfg.repeats}) ...")
                 out = os.path.join(tmp, f"{setup}-np{np_}-r{repeat}.json")
@@ -110,7 +112,27 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
         "notes": notes,
         "runs": runs,
         "summary": summarize(runs),
+        "ratios": round_ratios(runs),
     }
+
+
+def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ringcomm/DDP img/s within each round (the two jobs ran back to back), and their median, per np.
+
+    >>> round_ratios([{"setup": "ddp", "np": 2, "repeat": 0, "ok": True, "img_per_s": 100.0},
+    ...               {"setup": "ringcomm", "np": 2, "repeat": 0, "ok": True, "img_per_s": 110.0}])
+    [{'np': 2, 'per_round': [1.1], 'median': 1.1}]
+    """
+    out = []
+    for np_ in sorted({r["np"] for r in runs if r["setup"] == "ringcomm"}):
+        per_round = []
+        for repeat in sorted({r["repeat"] for r in runs}):
+            pair = {r["setup"]: r for r in runs if r["np"] == np_ and r["repeat"] == repeat and r["ok"]}
+            if "ddp" in pair and "ringcomm" in pair:
+                per_round.append(round(pair["ringcomm"]["img_per_s"] / pair["ddp"]["img_per_s"], 4))
+        if per_round:
+            out.append({"np": np_, "per_round": per_round, "median": _util.median(per_round)})
+    return out
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

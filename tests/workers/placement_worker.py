@@ -3,13 +3,15 @@
 Usage: python placement_worker.py
 Prints "CASE <i> OK" per case (each checked against NumPy on every rank, see
 collectives_worker.py), then one line "PLACE <json>" with the rank's topology,
-the address it bound, and how many payloads it sent through shared memory
-(same host) and inline through a socket.
+the address it bound, how many payloads it sent through shared memory
+(same host) and inline through a socket, and how its sockets authenticate.
 """
 
 from __future__ import annotations
 
 import json
+
+import zmq
 
 import ringcomm as rc
 from collectives_worker import run_case
@@ -36,6 +38,8 @@ print("PLACE " + json.dumps({
     "rank": topo.rank, "size": topo.size, "local_rank": topo.local_rank, "local_size": topo.local_size,
     "cross_rank": topo.cross_rank, "cross_size": topo.cross_size, "source": topo.source, "addr": topo.addr,
     "host": topo.hostname, "stats": dict(rt.engine._link.stats),
+    "encrypted": rt.settings.encrypt,  # and the security mechanism of its data sockets (zmq.PLAIN / CURVE)
+    "mechanisms": sorted({s.getsockopt(zmq.MECHANISM) for s in rt.engine._link._socks.values()}),
 }), flush=True)
 rc.barrier()
 rc.shutdown()
