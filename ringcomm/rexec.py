@@ -90,7 +90,8 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
 
     ipc socket files carry their owner's pid (``ringcomm-JOB-PID-...``) and are removed once that
     pid is gone; shared-memory rings ``ringcomm-JOB-ROUND-SRC-DST`` are removed when ``SRC`` is
-    ``rank`` (this wrapper's rank, whose process is gone by now).
+    ``rank`` (this wrapper's rank, whose process is gone by now), and by rank 0's wrapper the
+    shared-memory allreduce region ``ringcomm-JOB-ROUND-allreduce``.
     """
     removed = []
     own = re.compile(rf"ringcomm-{re.escape(job_id)}-(\d+)-")
@@ -98,7 +99,8 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
         m = own.match(os.path.basename(path))
         if m and not _pid_alive(int(m.group(1))):
             removed.append(path)
-    ring = re.compile(rf"ringcomm-{re.escape(job_id)}-\d+-{rank}-\d+")
+    # rank 0 also creates the job-wide allreduce region ``ringcomm-JOB-ROUND-allreduce`` (shm_allreduce.py)
+    ring = re.compile(rf"ringcomm-{re.escape(job_id)}-\d+-({rank}-\d+{'|allreduce' if rank == 0 else ''})")
     removed += [p for p in glob.glob(f"/dev/shm/ringcomm-{job_id}-*") if ring.fullmatch(os.path.basename(p))]
     for path in removed:
         try:

@@ -261,3 +261,22 @@ def test_threshold_zero_keeps_the_ring(tmp_path) -> None:
     for r in range(3):
         assert f"[{r}]<stdout>:SHM ALL OK" in proc.stdout
 
+
+
+@needs_shm
+def test_remote_cleanup_removes_the_region_with_rank_0() -> None:
+    """On a remote host, rank 0's wrapper (``ringcomm.rexec``) removes a region its rank left behind."""
+    from ringcomm import rexec
+
+    job = new_job()
+    path = shm_allreduce.region_path(job, 0)
+    with open(path, "wb"):
+        pass
+    try:
+        assert path not in rexec.remove_job_files(job, rank=1)
+        assert os.path.exists(path)
+        assert path in rexec.remove_job_files(job, rank=0)
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
