@@ -29,6 +29,8 @@ after epoch 4):
 
 from __future__ import annotations
 
+import abc
+
 import copy
 import functools
 import logging
@@ -47,7 +49,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _RESET_ATTEMPTS = 5
 
 
-class State:
+class State(abc.ABC):
     """Tracks what must survive a membership change; subclasses say how to save, restore and sync it.
 
     ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank; ``get_rank()``
@@ -89,17 +91,17 @@ class State:
         if self._bcast_object(updated):
             raise HostsUpdatedInterrupt("the hosts of this elastic job changed; re-forming at this commit")
 
+    @abc.abstractmethod
     def save(self) -> None:
         """Keep a copy of the current state in memory."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def restore(self) -> None:
         """Go back to the last saved state, undoing uncommitted changes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sync(self) -> None:
         """Make every rank's state rank 0's (collective)."""
-        raise NotImplementedError
 
 
 class ObjectState(State):

@@ -11,6 +11,8 @@ sync it); anything else is a plain attribute handled like ``ObjectState``::
 
 from __future__ import annotations
 
+import abc
+
 import copy
 from typing import Any
 
@@ -26,20 +28,23 @@ __all__ = ["TorchState", "StateHandler", "ModelStateHandler", "OptimizerStateHan
            "LRSchedulerStateHandler", "SamplerStateHandler"]
 
 
-class StateHandler:
+class StateHandler(abc.ABC):
     """How one object is saved, restored and synced."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
 
+    @abc.abstractmethod
     def save(self) -> None:
-        raise NotImplementedError
+        """Save this state (subclasses)."""
 
+    @abc.abstractmethod
     def restore(self) -> None:
-        raise NotImplementedError
+        """Restore this state (subclasses)."""
 
+    @abc.abstractmethod
     def sync(self) -> None:
-        raise NotImplementedError
+        """Sync this state (subclasses)."""
 
     def set_value(self, value: Any) -> None:
         self.value = value
