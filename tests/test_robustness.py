@@ -59,17 +59,17 @@ def _zmtp_announce(port: int, socket_type: bytes, announce: int) -> str:
     import struct
 
     with socket.create_connection(("127.0.0.1", port), timeout=3) as s:
-        s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
-        props = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
-        s.sendall(b"\x04" + bytes([len(props)]) + props)
-        s.sendall(b"\x02" + struct.pack(">Q", announce) + b"x" * 100)
         try:
+            s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+            props = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+            s.sendall(b"\x04" + bytes([len(props)]) + props)
+            s.sendall(b"\x02" + struct.pack(">Q", announce) + b"x" * 100)
             while s.recv(4096):
                 pass
         except socket.timeout:
             return "open"  # still waiting for the announced bytes: it would buffer them all
-        except ConnectionResetError:
-            pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # dropped, possibly before all of the above was sent (the handshake is refused at once)
     return "closed"
 
 
