@@ -40,19 +40,35 @@ def ring_path(job_id: str, round_: int, src: int, dst: int) -> str:
     return os.path.join(SHM_DIR, f"ringcomm-{job_id}-{round_}-{src}-{dst}")
 
 
-class SlotRing:
-    """A mapped ring of equal slots."""
+def unlink(path: str) -> None:
+    """Remove a shared-memory file; no error if it is already gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
-    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
+
+class MappedFile:
+    """``nbytes`` of a file under /dev/shm, mapped: created (exclusively, mode 0600) or opened.
+
+    An opened file must be this user's, private (no group or other access) and
+    exactly ``nbytes`` long, else :class:`OSError` (``PermissionError``): ranks
+    map only their own job's files.  ``reserve`` allocates the pages at creation
+    (``posix_fallocate``), so a full /dev/shm fails here rather than with SIGBUS
+    at the first write.
+    """
+
+    def __init__(self, path: str, nbytes: int, create: bool, reserve: bool = False) -> None:
         self.path = path
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        size = slots * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes) if reserve else os.ftruncate(fd, nbytes)
+                except OSError:
+                    unlink(path)
+                    raise
             else:
                 info = os.fstat(fd)
                 if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
@@ -60,20 +76,15 @@ class SlotRing:
                         f"shared-memory file {path} belongs to uid {info.st_uid} with mode "
                         f"{stat.S_IMODE(info.st_mode):o}; ringcomm maps only its own user's private files"
                     )
-            self._map = mmap.mmap(fd, size)
+                if info.st_size != nbytes:
+                    raise OSError(f"shared-memory file {path}: {info.st_size} bytes, expected {nbytes}")
+            self._map = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
 
-    def slot(self, index: int, nbytes: int) -> np.ndarray:
-        start = index * self.slot_bytes
-        return self._bytes[start:start + nbytes]
-
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink(self.path)
 
     def close(self) -> None:
         self._bytes = np.zeros(0, np.uint8)
@@ -81,3 +92,16 @@ class SlotRing:
             self._map.close()
         except BufferError:  # a view is still alive somewhere; the GC frees the map later
             pass
+
+
+class SlotRing(MappedFile):
+    """A mapped ring of equal slots."""
+
+    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
+        super().__init__(path, slots * slot_bytes, create)
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+
+    def slot(self, index: int, nbytes: int) -> np.ndarray:
+        start = index * self.slot_bytes
+        return self._bytes[start:start + nbytes]

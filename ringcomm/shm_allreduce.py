@@ -48,7 +48,6 @@ ranks agree to use the ring), never a SIGBUS later.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from collections.abc import Sequence
@@ -114,51 +113,17 @@ def region_path(job_id: str, round_: int) -> str:
 # -- the shared region -----------------------------------------------------------
 
 
-class Region:
+class Region(shm.MappedFile):
     """The mapped shared region of one job (see the module docstring for its layout)."""
 
     def __init__(self, path: str, size: int, slab_bytes: int, create: bool) -> None:
-        self.path, self.size, self.slab_bytes = path, size, slab_bytes
-        nbytes = region_bytes(size, slab_bytes)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # the pages exist now: no SIGBUS on a full /dev/shm
-                except OSError:
-                    os.close(fd)
-                    fd = -1
-                    self._unlink()
-                    raise
-            elif os.fstat(fd).st_size != nbytes:
-                raise OSError(f"{path}: {os.fstat(fd).st_size} bytes, expected {nbytes}")
-            self._map = mmap.mmap(fd, nbytes)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        super().__init__(path, region_bytes(size, slab_bytes), create, reserve=True)
+        self.size, self.slab_bytes = size, slab_bytes
 
     def view(self, set_: int, slab: int, dtype: np.dtype, n: int) -> np.ndarray:
         """The first ``n`` elements of a slab, as ``dtype``."""
         start = slab_offset(set_, slab, self.size, self.slab_bytes)
         return self._bytes[start:start + n * dtype.itemsize].view(dtype)
-
-    def _unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-    def unlink(self) -> None:
-        self._unlink()
-
-    def close(self) -> None:
-        self._bytes = np.zeros(0, np.uint8)
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere; the GC frees the map later
-            pass
 
 
 # -- the algorithm ---------------------------------------------------------------
