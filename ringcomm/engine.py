@@ -212,7 +212,8 @@ class Engine:
                 link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
         if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                                 st.shm_allreduce_min_ranks):
-            self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes)
+            self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
+                                                       st.peer_timeout)
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -658,6 +659,11 @@ class Engine:
         if resp.kind == wire.SHUTDOWN:
             self._stopping = True
 
+    def _watch_peer(self, peer: int) -> None:
+        """Raises if ``peer`` (awaited at a shared-memory barrier) or any other peer is known gone."""
+        if isinstance(self._link, DataPlane):
+            self._link.raise_if_lost(peer, "a shared-memory barrier")
+
     def _seg_elems(self, dtype: np.dtype) -> int:
         return max(1, self.settings.segment_bytes // dtype.itemsize)
 
@@ -806,7 +812,8 @@ class Engine:
             ops.scale_inplace(buf, resp.prescale)
             shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
             if not (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
-                    and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks)):
+                    and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
+                                        watch=self._watch_peer)):
                 algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if marks is not None:

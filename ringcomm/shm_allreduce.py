@@ -50,11 +50,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import ring, shm
+from . import ring, shm, shm_barrier
 from .algorithms import Link
 from .ops import ReduceOp, combine, reduce_into, scale_inplace
 
@@ -97,13 +97,13 @@ def owner_ranges(m: int, size: int) -> list[tuple[int, int]]:
 
 
 def region_bytes(size: int, slab_bytes: int) -> int:
-    """Bytes of the shared region: 2 sets x (``size`` input slabs + 1 result slab)."""
-    return 2 * (size + 1) * slab_bytes
+    """Bytes of the shared region: the barrier counters, then 2 sets x (``size`` input slabs + 1 result slab)."""
+    return shm_barrier.header_bytes(size) + 2 * (size + 1) * slab_bytes
 
 
 def slab_offset(set_: int, slab: int, size: int, slab_bytes: int) -> int:
     """Byte offset of input slab ``slab`` (0..size-1) or the result slab (``slab == size``) of set 0 or 1."""
-    return (set_ * (size + 1) + slab) * slab_bytes
+    return shm_barrier.header_bytes(size) + (set_ * (size + 1) + slab) * slab_bytes
 
 
 def region_path(job_id: str, round_: int) -> str:
@@ -119,6 +119,10 @@ class Region(shm.MappedFile):
     def __init__(self, path: str, size: int, slab_bytes: int, create: bool) -> None:
         super().__init__(path, region_bytes(size, slab_bytes), create, reserve=True)
         self.size, self.slab_bytes = size, slab_bytes
+
+    def header(self) -> np.ndarray:
+        """The barrier counters (:mod:`ringcomm.shm_barrier`), zero in a fresh region."""
+        return self._bytes[:shm_barrier.header_bytes(self.size)]
 
     def view(self, set_: int, slab: int, dtype: np.dtype, n: int) -> np.ndarray:
         """The first ``n`` elements of a slab, as ``dtype``."""
@@ -138,16 +142,26 @@ class ShmAllreduce:
     does every later call.
     """
 
-    def __init__(self, job_id: str, round_: int, piece_bytes: int) -> None:
+    def __init__(self, job_id: str, round_: int, piece_bytes: int, peer_timeout: float = 30.0,
+                 futex: bool | None = None) -> None:
+        """``futex``: meet through :mod:`ringcomm.shm_barrier` (default: where it is available) rather
+        than messages over the data plane."""
         self.path = region_path(job_id, round_)
         self.slab_bytes = slab_bytes_for(piece_bytes)
         self.region: Region | None = None
         self.broken = False  # setup failed somewhere: the ring does every op
         self._rounds = 0  # rounds run so far (all ops): its parity picks the set
+        self._futex = shm_barrier.available() if futex is None else futex
+        self._meet: shm_barrier.ShmBarrier | None = None
+        self._meetings = 0  # barriers so far (all ops): the futex barrier's numbers
+        self._peer_timeout = peer_timeout
 
-    @staticmethod
-    def _barrier(link: Link, seq: int, tag: int) -> None:
-        """Returns once every rank has called it with the same ``seq`` and ``tag``."""
+    def _barrier(self, link: Link, seq: int, tag: int, watch: Callable[[int], None] | None) -> None:
+        """Returns once every rank has called it (with the same ``seq`` and ``tag``)."""
+        if self._meet is not None:
+            self._meetings += 1
+            self._meet.wait(self._meetings, watch)
+            return
         peers = [j for j in range(link.size) if j != link.rank]
         for j in peers:
             link.send(j, seq, tag, _EMPTY)
@@ -188,6 +202,9 @@ class ShmAllreduce:
             if self.region is not None:
                 self.region.close()
                 self.region = None
+        elif self._futex:
+            assert self.region is not None
+            self._meet = shm_barrier.ShmBarrier(self.region.header(), link.rank, link.size, self._peer_timeout)
         return ok
 
     def allreduce(
@@ -199,13 +216,15 @@ class ShmAllreduce:
         postscale: float = 1.0,
         src_buf: np.ndarray | None = None,
         marks: list[float] | None = None,
+        watch: Callable[[int], None] | None = None,
     ) -> bool:
         """Reduce ``buf`` (1-D, contiguous) across the ranks of ``link`` (the job's, every time) in place.
 
         With ``src_buf`` the input is read from there and ``buf`` only written.
         ``postscale`` is applied once per element, by the rank that reduces it.
         With ``marks``, the ``time.perf_counter()`` at which this rank finished
-        its last reduction is appended.  Returns False (and leaves ``buf``
+        its last reduction is appended.  ``watch(j)``, called now and then
+        while rank ``j`` is awaited at a barrier, raises if ``j`` is gone.  Returns False (and leaves ``buf``
         untouched) when the shared region is unavailable on some rank.
 
             rank 0: [1, 2, 3]   rank 1: [10, 20, 30]   rank 2: [100, 200, 300]
@@ -256,14 +275,14 @@ class ShmAllreduce:
         # set; every rank wrote that set's result slab for piece k before barrier k+1 and
         # finished copying it out before barrier k+2, after which piece k+2 is reduced.
         copy_in(0)
-        self._barrier(link, seq, BARRIER_TAG)
+        self._barrier(link, seq, BARRIER_TAG, watch)
         for k in range(len(ps)):
             reduce_own(k)
             if k + 1 < len(ps):
                 copy_in(k + 1)
             elif marks is not None:
                 marks.append(time.perf_counter())
-            self._barrier(link, seq, BARRIER_TAG | (k + 1))
+            self._barrier(link, seq, BARRIER_TAG | (k + 1), watch)
             s, a, b, _, _ = slab_ranges(k)
             np.copyto(buf[a:b], region.view(s, size, dtype, b - a))
         link.flush()

@@ -187,6 +187,13 @@ class DataPlane:
         sock = self._socks.get(peer)
         return sock is not None and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
+    def raise_if_lost(self, awaited: int, what: str = "data") -> None:
+        """Raise :class:`PeerLostError` if a peer is found gone (``awaited`` first, if it is one of them)."""
+        self.check_peers()
+        if self.lost:
+            peer = awaited if awaited in self.lost else min(self.lost)
+            raise self.lost_error(peer, f" while rank {self.rank} waited for {what} from rank {awaited}")
+
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         return PeerLostError(
             f"rank {self.rank}: lost rank {peer} ({self.peer_names.get(peer, '?')}): its connection closed or it "
@@ -328,10 +335,7 @@ class DataPlane:
                     return None
                 # a slice passed with no data: has a peer gone?
                 waited += _SLICE
-                self.check_peers()
-                if self.lost:
-                    peer = src if src in self.lost else min(self.lost)
-                    raise self.lost_error(peer, f" while rank {self.rank} waited for data from rank {src}")
+                self.raise_if_lost(src, "data")
                 if waited >= self._timeout:
                     raise PeerLostError(
                         f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "

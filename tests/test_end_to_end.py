@@ -125,13 +125,13 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("victim", [0, 1])
-def test_survivors_of_a_killed_rank_raise_naming_it(victim: int) -> None:
-    """Without a launcher to stop them, the survivors notice within seconds and name the lost rank."""
+@pytest.mark.parametrize("victim,elems", [(0, 1000), (1, 1000), (2, 4 << 20)])
+def test_survivors_of_a_killed_rank_raise_naming_it(victim: int, elems: int) -> None:
+    """Without a launcher to stop them, the survivors notice within seconds and name the lost rank
+    (also when they wait for it at the shared-memory allreduce's barriers: 32 MiB allreduces)."""
     import signal
 
-
-    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3)
+    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, PEER_LOSS_ELEMS=str(elems))
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"

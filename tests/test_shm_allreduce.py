@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import WORKERS, launch
-from ringcomm import shm, shm_allreduce
+from ringcomm import shm, shm_allreduce, shm_barrier
 from ringcomm.config import Settings
 from ringcomm.errors import InvalidInputError
 from ringcomm.ops import ReduceOp, reduce_into, scale_inplace
@@ -58,7 +58,9 @@ def test_slabs_are_aligned_disjoint_and_inside_the_region(piece_bytes: int, size
     slab = shm_allreduce.slab_bytes_for(piece_bytes)
     assert slab >= piece_bytes and slab % shm_allreduce.ALIGN == 0 and slab - piece_bytes < shm_allreduce.ALIGN
     offs = sorted(shm_allreduce.slab_offset(s, j, size, slab) for s in (0, 1) for j in range(size + 1))
-    assert offs == [k * slab for k in range(2 * (size + 1))]
+    head = shm_barrier.header_bytes(size)  # the barrier counters come first
+    assert head >= size * shm_barrier.STRIDE and head % 4096 == 0
+    assert offs == [head + k * slab for k in range(2 * (size + 1))]
     assert offs[-1] + slab == shm_allreduce.region_bytes(size, slab)
     assert all(o % itemsize == 0 for o in offs)
     assert (slab // itemsize) * itemsize <= slab  # a piece of slab // itemsize elements fits a slab
