@@ -289,6 +289,7 @@ class ShmAllreduce:
         return True
 
     def close(self) -> None:
+        self._meet = None  # its view of the counters would keep the mapping (and its fd) open
         if self.region is not None:
             self.region.unlink()  # gone already, unless this rank is rank 0 and setup was cut short
             self.region.close()
