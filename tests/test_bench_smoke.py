@@ -102,3 +102,24 @@ def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Pat
             assert 0 <= rank["idle_cpu_percent"] < 100 and rank["threads"] >= 1
     assert runs["ringcomm"]["max_rss_growth_percent"] < 5.0, runs["ringcomm"]
     assert "### Resources: np=2, 200 allreduces of 4 MiB" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--np", "2", "--steps", "3", "--warmup", "1",
+           "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    section = json.loads(out.read_text())["training"]
+    runs = {r["setup"]: r for r in section["runs"]}
+    assert {"single", "ddp", "ringcomm", "lockstep", "independent"} <= set(runs)
+    for setup in ("single", "ddp", "ringcomm", "lockstep", "independent"):
+        assert runs[setup]["ok"] and runs[setup]["img_per_s"] > 0, runs[setup]
+    both = runs["independent"]
+    assert len(both["rank_seconds"]) == 2 and both["images"] == 2 * 32 * 3  # two processes' images, summed
+    assert both["img_per_s"] > max(both["images"] / 2 / s for s in both["rank_seconds"])
+    pairs = {r["of"] for r in section["ratios"] + section["bound_ratios"]}
+    assert pairs == {"ringcomm/ddp", "lockstep/ddp", "independent/ddp", "ringcomm/lockstep"}
+    assert "bound: independent processes" in proc.stdout and "ringcomm / lockstep img/s" in proc.stdout

@@ -3,8 +3,12 @@
 Modes: ``single`` (one process, no communication), ``ddp`` (torch DDP over
 gloo; needs ``--rank/--world-size/--port``), ``ringcomm``
 (``ringcomm_torch.DistributedOptimizer``; start it with the ringcomm
-launcher) and ``horovod`` (``horovod.torch.DistributedOptimizer``, under
-horovodrun).  Rank 0 writes ``{"images", "seconds", "img_per_s", ...}`` to
+launcher), ``lockstep`` (ringcomm launcher, a plain optimizer and one
+1-element allreduce per step: the ranks keep in step but exchange no
+gradients -- what synchronization alone costs) and ``horovod``
+(``horovod.torch.DistributedOptimizer``, under horovodrun).  Several
+``single`` processes started together (no communication at all) are the
+bound no data-parallel setup can beat on a shared machine.  Rank 0 writes ``{"images", "seconds", "img_per_s", ...}`` to
 ``--out``; the time of the timed steps is the slowest rank's.
 """
 
@@ -46,9 +50,26 @@ class SmallCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
 
 
+class _Lockstep:
+    """A local optimizer whose ``step`` first meets the other ranks (a 1-element allreduce)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, hvd: Any) -> None:
+        self._opt, self._hvd, self._token = optimizer, hvd, torch.zeros(1)
+
+    def zero_grad(self) -> None:
+        self._opt.zero_grad()
+
+    def step(self) -> None:
+        self._hvd.allreduce_(self._token, name="bench.lockstep")
+        self._opt.step()
+
+
 def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer
-           ) -> tuple[nn.Module, torch.optim.Optimizer, int, int, Callable[[], None], Callable[[Any], list[Any]]]:
-    """Wrap model/optimizer for ``args.mode``; returns them with rank, size, barrier and gather-to-all."""
+           ) -> tuple[nn.Module, Any, int, int, Callable[[], None], Callable[[Any], list[Any]]]:
+    """Wrap model/optimizer for ``args.mode``; returns them with rank, size, barrier and gather-to-all.
+
+    The optimizer returned has ``zero_grad()`` and ``step()``.
+    """
     if args.mode == "single":
         return model, optimizer, 0, 1, lambda: None, lambda obj: [obj]
     if args.mode == "ddp":
@@ -65,7 +86,7 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
         return (DistributedDataParallel(model), optimizer, dist.get_rank(), dist.get_world_size(), dist.barrier,
                 gather)
-    module = "ringcomm_torch" if args.mode == "ringcomm" else "horovod.torch"
+    module = "horovod.torch" if args.mode == "horovod" else "ringcomm_torch"
     try:
         hvd = importlib.import_module(module)
         dist_opt_cls = hvd.DistributedOptimizer
@@ -74,9 +95,11 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
         sys.exit(EXIT_NO_RINGCOMM_TORCH)
     hvd.init()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    token = torch.zeros(1)
+    if args.mode == "lockstep":
+        return model, _Lockstep(optimizer, hvd), hvd.rank(), hvd.size(), lambda: hvd.barrier(), hvd.allgather_object
     dist_opt = dist_opt_cls(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_optimizer_state(dist_opt, root_rank=0)
-    token = torch.zeros(1)
 
     def barrier() -> None:
         if hasattr(hvd, "barrier"):
@@ -89,7 +112,7 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench._train_worker", description=__doc__)
-    parser.add_argument("--mode", choices=("single", "ddp", "ringcomm", "horovod"), required=True)
+    parser.add_argument("--mode", choices=("single", "ddp", "ringcomm", "lockstep", "horovod"), required=True)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -136,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    elif args.mode in ("ringcomm", "horovod"):
-        importlib.import_module("ringcomm_torch" if args.mode == "ringcomm" else "horovod.torch").shutdown()
+    elif args.mode in ("ringcomm", "lockstep", "horovod"):
+        importlib.import_module("horovod.torch" if args.mode == "horovod" else "ringcomm_torch").shutdown()
     return 0
 
 

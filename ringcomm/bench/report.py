@@ -77,9 +77,10 @@ def collective_markdown(section: dict[str, Any]) -> str:
             cost = row.get("ratio_encrypted_over_plain") or {}
             cells += [sig(cost.get("latency"), 2), sig(cost.get("mean_latency"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
-    for ratio in section.get("ratios", []):
+    for ratio in section.get("ratios", []) + section.get("bound_ratios", []):
         rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
-        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+        num, den = (n.replace("ddp", "DDP") for n in ratio.get("of", "ringcomm/ddp").split("/"))
+        lines.append(f"\n{num} / {den} img/s at np={ratio['np']}, per round: {rounds}; "
                      f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)
@@ -123,9 +124,10 @@ def training_markdown(section: dict[str, Any]) -> str:
     for row in section["summary"]:
         eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
         lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
-    for ratio in section.get("ratios", []):
+    for ratio in section.get("ratios", []) + section.get("bound_ratios", []):
         rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
-        lines.append(f"\nringcomm / DDP img/s at np={ratio['np']}, per round: {rounds}; "
+        num, den = (n.replace("ddp", "DDP") for n in ratio.get("of", "ringcomm/ddp").split("/"))
+        lines.append(f"\n{num} / {den} img/s at np={ratio['np']}, per round: {rounds}; "
                      f"median {ratio['median']:.2f}")
     failed = [r for r in section["runs"] if not r["ok"]]
     notes = list(section["notes"]) + [f"{len(failed)} job(s) failed; see the JSON for their errors"] * bool(failed)

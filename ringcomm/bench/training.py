@@ -2,9 +2,16 @@
 
 The small CNN of :mod:`._train_worker` (32x32x3 synthetic images, batch 32 per
 rank, one thread per rank).  Each round runs one job per setup in turn
-(single, DDP, ringcomm[, Horovod]) so drift hits them alike; the summary takes
-the median img/s over rounds and the scaling efficiency
+(single, DDP, ringcomm[, Horovod], and two bounds) so drift hits them alike;
+the summary takes the median img/s over rounds and the scaling efficiency
 ``img/s at np / (np * img/s of one process)``.
+
+The bounds: ``independent`` is np single processes started together with no
+communication at all (their img/s summed): what the machine allows.
+``lockstep`` keeps the ranks in step with one 1-element allreduce per step
+but exchanges no gradients: what synchronization alone costs, since a slower
+step on either rank holds both up.  ringcomm/lockstep near 1 means moving the
+gradients costs little beyond keeping in step.
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ from . import _launch, _procs, _util
 
 MODULE = "ringcomm.bench._train_worker"
 #: Rows of the report, in order: (setup key, system that runs it).
-SETUPS = (("ddp", "gloo"), ("ringcomm", "ringcomm"), ("horovod", "horovod"))
+SETUPS = (("ddp", "gloo"), ("ringcomm", "ringcomm"), ("horovod", "horovod"), ("lockstep", "ringcomm"),
+          ("independent", "independent"))
 LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ringcomm": "ringcomm_torch DistributedOptimizer",
-          "horovod": "Horovod DistributedOptimizer"}
+          "horovod": "Horovod DistributedOptimizer",
+          "lockstep": "bound: in lockstep, no gradients exchanged (ringcomm)",
+          "independent": "bound: independent processes, no communication"}
+#: Ratios of img/s within a round that the report shows: (numerator, denominator).
+RATIOS = (("ringcomm", "ddp"), ("lockstep", "ddp"), ("independent", "ddp"), ("ringcomm", "lockstep"))
 
 
 @dataclasses.dataclass
@@ -54,11 +66,27 @@ def ringcomm_torch_status() -> str | None:
 
 
 def _job(setup: str, system: str, np_: int, cfg: TrainingConfig, out: str) -> _procs.JobResult:
-    args = ["--mode", setup, "--batch", str(cfg.batch), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
-            "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+    def worker(mode: str, out_path: str) -> list[str]:
+        return [sys.executable, "-m", MODULE, "--mode", mode, "--batch", str(cfg.batch), "--steps", str(cfg.steps),
+                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(cfg.job_timeout + 30)]
+
     if setup == "single":
-        return _procs.run_job([[sys.executable, "-m", MODULE, *args]], _util.worker_env(False), cfg.job_timeout)
-    return _launch.run_system(system, np_, MODULE, args, cfg.job_timeout)
+        return _procs.run_job([worker("single", out)], _util.worker_env(False), cfg.job_timeout)
+    if setup == "independent":  # np single processes at once, each with its own result file
+        commands = [worker("single", f"{out}.{r}") for r in range(np_)]
+        return _procs.run_job(commands, _util.worker_env(False), cfg.job_timeout)
+    return _launch.run_system(system, np_, MODULE, worker(setup, out)[3:], cfg.job_timeout)
+
+
+def _independent_result(out: str, np_: int) -> dict[str, Any]:
+    """The processes' results as one job's: images summed, the slowest process's seconds."""
+    parts = []
+    for r in range(np_):
+        with open(f"{out}.{r}", encoding="utf-8") as f:
+            parts.append(json.load(f))
+    images = sum(p["images"] for p in parts)
+    return {"mode": "independent", "np": np_, "images": images, "seconds": max(p["seconds"] for p in parts),
+            "rank_seconds": [p["seconds"] for p in parts], "img_per_s": sum(p["img_per_s"] for p in parts)}
 
 
 def _record(setup: str, np_: int, repeat: int, job: _procs.JobResult, out: str) -> dict[str, Any]:
@@ -66,9 +94,12 @@ def _record(setup: str, np_: int, repeat: int, job: _procs.JobResult, out: str) 
                               "wall_s": round(job.wall_s, 3), "error": None}
     if job.ok:
         try:
-            with open(out, encoding="utf-8") as f:
-                record.update(json.load(f))
-        except (OSError, ValueError) as exc:
+            if setup == "independent":
+                record.update(_independent_result(out, np_))
+            else:
+                with open(out, encoding="utf-8") as f:
+                    record.update(json.load(f))
+        except (OSError, ValueError, KeyError) as exc:
             record.update(ok=False, error=f"no result from rank 0: {exc}")
     else:
         record["error"] = job.describe()
@@ -113,25 +144,26 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
         "runs": runs,
         "summary": summarize(runs),
         "ratios": round_ratios(runs),
+        "bound_ratios": [x for num, den in RATIOS[1:] for x in round_ratios(runs, num, den)],
     }
 
 
-def round_ratios(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ringcomm/DDP img/s within each round (the two jobs ran back to back), and their median, per np.
+def round_ratios(runs: Sequence[dict[str, Any]], num: str = "ringcomm", den: str = "ddp") -> list[dict[str, Any]]:
+    """``num``/``den`` img/s within each round (the jobs ran back to back), and their median, per np.
 
     >>> round_ratios([{"setup": "ddp", "np": 2, "repeat": 0, "ok": True, "img_per_s": 100.0},
     ...               {"setup": "ringcomm", "np": 2, "repeat": 0, "ok": True, "img_per_s": 110.0}])
-    [{'np': 2, 'per_round': [1.1], 'median': 1.1}]
+    [{'np': 2, 'per_round': [1.1], 'median': 1.1, 'of': 'ringcomm/ddp'}]
     """
     out = []
-    for np_ in sorted({r["np"] for r in runs if r["setup"] == "ringcomm"}):
+    for np_ in sorted({r["np"] for r in runs if r["setup"] == num}):
         per_round = []
         for repeat in sorted({r["repeat"] for r in runs}):
             pair = {r["setup"]: r for r in runs if r["np"] == np_ and r["repeat"] == repeat and r["ok"]}
-            if "ddp" in pair and "ringcomm" in pair:
-                per_round.append(round(pair["ringcomm"]["img_per_s"] / pair["ddp"]["img_per_s"], 4))
+            if den in pair and num in pair:
+                per_round.append(round(pair[num]["img_per_s"] / pair[den]["img_per_s"], 4))
         if per_round:
-            out.append({"np": np_, "per_round": per_round, "median": _util.median(per_round)})
+            out.append({"np": np_, "per_round": per_round, "median": _util.median(per_round), "of": f"{num}/{den}"})
     return out
 
 
