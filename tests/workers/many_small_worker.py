@@ -1,7 +1,7 @@
 """Many small allreduces in flight at once: rank 0 reduces them and answers in one cycle.
 
 Usage: ringcomm-run -np N python many_small_worker.py COUNT
-Each op is 128 KiB (the small-allreduce limit), so COUNT=700 puts ~90 MiB of
+Each op is 128 KiB (run it with RINGCOMM_SMALL_ALLREDUCE_BYTES=131072), so COUNT=700 puts ~90 MiB of
 results into one cycle's responses: more than one control frame may carry.
 Prints ``many small ok`` once every result is right.
 """
