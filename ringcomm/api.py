@@ -455,7 +455,8 @@ def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int
 
 
 def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+                    process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
+    """Start a broadcast; ``synchronize(handle)`` returns the root's values (in ``out`` if given)."""
     rt = _rt("broadcast")
     pset, ranks = rt.resolve_set(process_set, "broadcast")
     name = rt.auto_name("broadcast", name, pset)
@@ -463,18 +464,21 @@ def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
     a = as_array(arr, what)
     root = _check_set_root(root_rank, what, ranks, pset)
     dt = ops.check_dtype(a.dtype, what)
-    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a])
+    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a],
+                     [_check_out(out, a, what)])
 
 
 def broadcast(arr: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+              process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank (of ``process_set``) gets a copy of ``root_rank``'s array (same shape and dtype everywhere).
 
         rank 0: [1, 2]   rank 1: [0, 0]   broadcast(x, 0)  ->   every rank: [1, 2]
 
-    ``root_rank`` is a global rank, also with a process set (as in Horovod).
+    ``root_rank`` is a global rank, also with a process set (as in Horovod).  With ``out`` the
+    result is written there and returned (``out=arr`` broadcasts in place: no new array, and
+    the data go straight from the wire into it).
     """
-    return broadcast_async(arr, root_rank, name, process_set).wait()
+    return broadcast_async(arr, root_rank, name, process_set, out).wait()
 
 
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,

@@ -732,7 +732,11 @@ class Engine:
         (entry,) = entries
         arr = entry.arrays[0]
         if kind == wire.BROADCAST:
-            out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
+            out = entry.outs[0] if entry.outs and entry.outs[0] is not None else None
+            if out is None:
+                out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
+            elif self.rank == resp.root and out is not arr:
+                np.copyto(out, arr)
             root = self._sets[resp.pset].index(resp.root)  # a global rank: its index in the set
             algorithms.broadcast(link, out.reshape(-1), root, seq, seg)
             return [out]

@@ -275,12 +275,20 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
     check_process_set(process_set, what)
     root = _check_root(root_rank, what)
     s = stage(tensor, reduce=False, what=what)
-    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name), process_set=process_set)
+    if not in_place and s.direct:
+        # the staged array aliases the caller's tensor: receive into a fresh tensor instead
+        result_t = empty_result(tensor)
+        out = stage(result_t, reduce=False, what=what).array  # its wire view (bfloat16: int16 bits)
 
-    def finish(raw: Any) -> torch.Tensor:
-        if in_place:
-            return s.write_back(tensor, np.asarray(raw))
-        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device).view(tensor.shape)
+        def finish(_raw: Any) -> torch.Tensor:
+            return result_t
+    else:
+        out = s.array  # received straight into the tensor (in place, CPU) or its staging copy
+
+        def finish(_raw: Any) -> torch.Tensor:
+            return s.write_back(tensor if in_place else empty_result(tensor))
+    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name), process_set=process_set,
+                               out=out)
     return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
 
 

@@ -62,6 +62,8 @@ def test_async_poll_synchronize_and_out(job) -> None:
     out = np.empty_like(a)
     h = rc.allreduce_async(a, out=out, name="x")
     assert rc.synchronize(h) is out
+    b = np.arange(3.0)
+    assert rc.broadcast(b, 0, out=b) is b and b.tolist() == [0.0, 1.0, 2.0]
     assert rc.poll(h)
     np.testing.assert_array_equal(out, a)
     res = rc.grouped_allreduce([np.ones(2), np.zeros(3)])
@@ -100,6 +102,8 @@ def test_buffers_other_than_ndarray(job) -> None:
         (lambda: rc.alltoall(np.array(1.0)), ValueError, "at least one dimension"),
         (lambda: rc.reducescatter(np.array(1.0)), ValueError, "at least one dimension"),
         (lambda: rc.allreduce(np.ones(2), out=np.ones(3)), ValueError, "out= must be"),
+        (lambda: rc.broadcast(np.ones(2), 0, out=np.ones(2, np.float32)), ValueError, "out= must be"),
+        (lambda: rc.broadcast(np.ones(2), 0, out=np.ones(2)[::-1].copy().reshape(1, 2)), ValueError, "out= must be"),
         (lambda: rc.allreduce(np.ones(2), name=""), ValueError, "non-empty string"),
         (lambda: rc.grouped_allreduce([np.ones(2), np.ones(2, np.int8)]), TypeError, "share a dtype"),
     ],

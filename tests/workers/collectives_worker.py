@@ -68,6 +68,13 @@ def run_case(i: int, case: dict) -> None:
         root = case["root"] % n
         ins = [data(seed, k, shape, dtype) for k in range(n)]
         close(rc.broadcast(ins[r], root, name=f"c{i}"), ins[root], dtype, what)
+        mine = ins[r].copy()  # in place (out=): the data land in the caller's array, nothing new
+        assert rc.broadcast(mine, root, name=f"c{i}.inplace", out=mine) is mine, what
+        close(mine, ins[root], dtype, what)
+        other = np.zeros_like(ins[r])  # into another array: the input stays as it was
+        assert rc.broadcast(ins[r], root, name=f"c{i}.out", out=other) is other, what
+        close(other, ins[root], dtype, what)
+        close(ins[r], data(seed, r, shape, dtype), dtype, what)
     elif kind == "alltoall":
         rng = np.random.default_rng(seed)
         splits = rng.integers(0, 4, (n, n))
