@@ -1,0 +1,215 @@
+"""Execution: what every rank does with one response once rank 0 has ordered it.
+
+:class:`Executor` is the part of :class:`ringcomm.engine.Engine` that moves data:
+it picks the link of the op's process set, packs fused allreduces into the
+fusion buffer (or reduces a single array where it lies), runs the algorithm
+(the shared-memory allreduce on one host, else the ring; rank 0's result for a
+small allreduce), unpacks, and records the timeline phases.  It holds no
+sockets and runs only on the engine thread; the engine owns the state it
+reads (below) and negotiates, orders and completes the handles.
+
+What a rank sees, np = 2, one fused allreduce of ``a`` (3 floats) and ``b`` (2)::
+
+    fusion buffer  [a0 a1 a2 b0 b1]   -> ring / shared memory ->   [sum of both ranks]
+    results        a = buf[0:3], b = buf[3:5]   (new arrays, or the callers' out=)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import algorithms, ops, ring, shm_allreduce, wire
+from .errors import HorovodInternalError
+from .ops import ReduceOp
+from .transport import DataPlane
+from .wire import Response
+
+if TYPE_CHECKING:
+    from .config import Settings
+    from .engine import Entry
+    from .serving_link import ServingLink
+    from .timeline import Timeline
+
+
+class Executor:
+    """Mixin of :class:`ringcomm.engine.Engine`: turns an ordered response into data movement."""
+
+    # state owned by the engine
+    rank: int
+    settings: Settings
+    timeline: Timeline | None
+    _link: Any
+    _serving: ServingLink | None
+    _links: dict[int, Any]
+    _sets: dict[int, tuple[int, ...]]
+    _fusion: np.ndarray
+    _phases: list[tuple[str, float, float]]
+    _star_spans: dict[tuple[Any, ...], tuple[float, float]]
+    _shm_ar: shm_allreduce.ShmAllreduce | None
+
+    _register_set: Callable[[Response], int]
+    _unregister_set: Callable[[int], None]
+
+    def _watch_peer(self, peer: int) -> None:
+        """Raises if ``peer`` (awaited at a shared-memory barrier) or any other peer is known gone."""
+        if isinstance(self._link, DataPlane):
+            self._link.raise_if_lost(peer, "a shared-memory barrier")
+
+    def _seg_elems(self, dtype: np.dtype) -> int:
+        return max(1, self.settings.segment_bytes // dtype.itemsize)
+
+    def _scratch(self, dtype: np.dtype, n: int) -> np.ndarray:
+        need = n * dtype.itemsize
+        if self._fusion.nbytes < need:
+            self._fusion = np.empty(need, dtype=np.uint8)
+        return self._fusion[:need].view(dtype)
+
+    def _link_for(self, pset: int) -> Any:
+        """The link of a process set: the job's own for the global set, else a view with set ranks."""
+        base = self._serving if self._serving is not None else self._link
+        if pset == 0:
+            return base
+        link = self._links.get(pset)
+        if link is None:
+            link = self._links[pset] = algorithms.SubLink(base, self._sets[pset])
+        return link
+
+    def _dispatch(self, resp: Response, entries: list[Entry], seq: int) -> list[Any]:
+        kind = resp.kind
+        if kind in (wire.BARRIER, wire.SHUTDOWN):
+            return [None] * len(entries)
+        if kind == wire.JOIN:
+            return [resp.last_joined] * len(entries)
+        if kind == wire.ADD_PSET:
+            return [self._register_set(resp)] * len(entries)
+        if kind == wire.REMOVE_PSET:
+            self._unregister_set(resp.root)
+            return [True] * len(entries)
+        link = self._link_for(resp.pset)
+        rank, size = link.rank, link.size
+        dtype = np.dtype(resp.dtype)
+        seg = self._seg_elems(dtype)
+        if kind == wire.ALLREDUCE:
+            return self._allreduce(resp, entries, seq, dtype, seg, link)
+        (entry,) = entries
+        arr = entry.arrays[0]
+        if kind == wire.BROADCAST:
+            out = entry.outs[0] if entry.outs and entry.outs[0] is not None else None
+            if out is None:
+                out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
+            elif self.rank == resp.root and out is not arr:
+                np.copyto(out, arr)
+            root = self._sets[resp.pset].index(resp.root)  # a global rank: its index in the set
+            algorithms.broadcast(link, out.reshape(-1), root, seq, seg)
+            return [out]
+        if kind == wire.ALLGATHER:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            counts = [d * row for d in resp.first_dims]
+            out = np.empty((sum(resp.first_dims), *rest), dtype=dtype)
+            flat = out.reshape(-1)
+            start = sum(counts[:rank])
+            flat[start:start + counts[rank]] = arr.reshape(-1)
+            algorithms.ring_allgatherv(link, flat, counts, seq, seg)
+            return [out]
+        if kind == wire.ALLTOALL:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            recv_rows = [resp.splits[i][rank] for i in range(size)]
+            out = np.empty((sum(recv_rows), *rest), dtype=dtype)
+            algorithms.alltoall(
+                link, arr.reshape(-1), [s * row for s in resp.splits[rank]],
+                out.reshape(-1), [s * row for s in recv_rows], seq, seg,
+            )
+            return [(out, np.asarray(recv_rows, dtype=np.int64))]
+        if kind == wire.REDUCESCATTER:
+            rest = arr.shape[1:]
+            row = int(np.prod(rest, dtype=np.int64))
+            rows = ring.split_sizes(arr.shape[0], size)
+            buf = self._scratch(dtype, arr.size)
+            buf[...] = arr.reshape(-1)
+            op = ReduceOp(resp.op)
+            ops.scale_inplace(buf, resp.prescale)
+            a, b = algorithms.ring_reducescatter(
+                link, buf, [r * row for r in rows], op, seq, seg,
+                ops.postscale(op, size, resp.postscale),
+            )
+            return [buf[a:b].reshape(rows[rank], *rest).copy()]
+        raise HorovodInternalError(f"unknown collective {kind!r}")  # pragma: no cover
+
+    def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int,
+                   link: Any) -> list[Any]:
+        op = ReduceOp(resp.op)
+        post = ops.postscale(op, link.size, resp.postscale)
+        total = sum(resp.numels)
+        arrays = [a for e in entries for a in e.arrays]
+        single = len(arrays) == 1 and len(entries) == 1 and total == arrays[0].size
+        src: np.ndarray | None = None
+        t0 = time.perf_counter()
+        if resp.data:  # rank 0 already reduced it
+            buf = np.frombuffer(resp.data, dtype=dtype)
+            if buf.size != total:
+                raise HorovodInternalError(f"allreduce {list(resp.names)}: result of {buf.size} elements, expected {total}")
+            single = False
+        elif single:
+            entry = entries[0]
+            out = entry.outs[0] if entry.outs and entry.outs[0] is not None else np.empty_like(arrays[0])
+            buf = out.reshape(-1)
+            if resp.prescale != 1.0:
+                np.copyto(out, arrays[0])
+            elif out is not arrays[0]:
+                src = arrays[0].reshape(-1)  # the ring reads the input directly: no copy-in
+        else:
+            buf = self._scratch(dtype, total)
+            by_name = {e.req.name: e for e in entries}
+            pos = 0
+            for name, n in zip(resp.names, resp.numels):
+                e = by_name.get(name)
+                if e is None:  # this rank has joined: contribute the identity
+                    ops.identity_fill(op, buf[pos:pos + n])
+                    pos += n
+                    continue
+                for a in e.arrays:
+                    buf[pos:pos + a.size] = a.reshape(-1)
+                    pos += a.size
+        t1 = time.perf_counter()
+        marks: list[float] | None = [] if self.timeline is not None else None
+        if not resp.data:
+            ops.scale_inplace(buf, resp.prescale)
+            shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
+            if not (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
+                    and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
+                                        watch=self._watch_peer)):
+                algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
+        t2 = time.perf_counter()
+        if marks is not None:
+            phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
+            if resp.data:
+                reduced_from = self._star_spans.pop((resp.pset, *resp.names), (t0, t2))[0]
+                phases.append(("RANK0_REDUCE", reduced_from, t2))
+            elif marks:
+                phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]
+            else:  # one rank, or nothing to move
+                phases.append(("RING", t1, t2))
+            self._phases = phases
+        if single:
+            return [out if not entries[0].grouped else [out]]
+        offsets = dict(zip(resp.names, itertools.accumulate(resp.numels[:-1], initial=0)))
+        results = []
+        for e in entries:
+            pos = offsets[e.req.name]
+            outs = []
+            for i, a in enumerate(e.arrays):
+                dst = e.outs[i] if i < len(e.outs) and e.outs[i] is not None else np.empty_like(a)
+                dst.reshape(-1)[...] = buf[pos:pos + a.size]
+                pos += a.size
+                outs.append(dst)
+            results.append(outs if e.grouped else outs[0])
+        if self.timeline is not None:
+            self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
+        return results
