@@ -20,8 +20,10 @@ and copied in piece k+1, so each rank copies piece k out, reduces piece k+1
 and copies in piece k+2 (into piece k's input slabs, which nobody reads any
 more), then meets the others at barrier k+2; piece k's result slab is only
 overwritten after that barrier, when every rank has copied it out.  A
-barrier is one empty message to every peer over the existing data-plane
-sockets (tags with the top bit set, never used by the ring).
+barrier is a futex barrier over per-rank counters in the region's first page
+(:mod:`ringcomm.shm_barrier`, x86-64 Linux), else one empty message to every
+peer over the existing data-plane sockets (tags with the top bit set, never
+used by the ring).
 
 What each rank sees, p = 3, Sum, one round::
 
