@@ -128,6 +128,8 @@ class Engine(Executor):
         self._fusion = np.empty(0, dtype=np.uint8)
         # payloads travel inside control frames, which are bounded: never more than one frame's share
         self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
+        # an allgather's result is every rank's part: a rank's part goes through rank 0 up to 1/size of that
+        self._small_gather = self._small // max(1, self.size)
         self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
         self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
@@ -385,7 +387,9 @@ class Engine(Executor):
                 cid = cache.lookup(entry.req) if cache is not None else None
                 item: Any = list(entry.req) if cid is None else cid if pset == 0 else {"s": pset, "c": cid}
                 nbytes = self._nbytes(entry)
-                if entry.req.kind == wire.ALLREDUCE and 0 < nbytes <= self._small:
+                kind = entry.req.kind
+                if 0 < nbytes and (kind == wire.ALLREDUCE and nbytes <= self._small
+                                   or kind == wire.ALLGATHER and nbytes <= self._small_gather):
                     if carried + nbytes > wire.CONTROL_DATA_BYTES:
                         self._send_requests(items)  # keep every control frame within its bound
                         items, carried = [], 0
@@ -466,7 +470,7 @@ class Engine(Executor):
                 return
         pairs = coord.take_responses(skip_member=0 if nested else None)
         if self._payloads:
-            pairs = [(self._star_reduce(r, members), members) for r, members in pairs]
+            pairs = [(self._star(r, members), members) for r, members in pairs]
         if pairs:
             self._last_emit = now
             if self.timeline is not None and self.timeline.mark_cycles:
@@ -531,11 +535,44 @@ class Engine(Executor):
     def _nbytes(entry: Entry) -> int:
         return sum(a.nbytes for a in entry.arrays)
 
-    def _star_reduce(self, resp: Response, members: tuple[int, ...]) -> Response:
-        """Rank 0 reduces a small allreduce from the payloads sent with the requests (2 hops, no ring)."""
+    def _star(self, resp: Response, members: tuple[int, ...]) -> Response:
+        """Rank 0 finishes a small allreduce or allgather from the payloads sent with the requests
+        (2 hops, no ring): the response carries the result.  Anything else comes back unchanged."""
         payloads = [self._payloads.pop((resp.pset, n), {}) for n in resp.names]
-        if resp.kind != wire.ALLREDUCE or resp.error or not resp.numels:
+        if resp.error or not resp.names:
             return resp
+        if resp.kind == wire.ALLREDUCE and resp.numels:
+            return self._star_reduce(resp, members, payloads)
+        if resp.kind == wire.ALLGATHER:
+            return self._star_gather(resp, members, payloads[0])
+        return resp
+
+    def _star_gather(self, resp: Response, members: tuple[int, ...], payloads: dict[int, bytes]) -> Response:
+        """The members' parts, concatenated in set order; unchanged (the ring runs) if one is missing."""
+        started = time.perf_counter()
+        (name,) = resp.names
+        req = self._canon.get((resp.pset, name))
+        if req is None or len(resp.first_dims) != len(members):
+            return resp
+        row_bytes = int(np.prod(req.shapes[0][1:], dtype=np.int64)) * np.dtype(resp.dtype).itemsize
+        if sum(resp.first_dims) * row_bytes > wire.CONTROL_DATA_BYTES:
+            return resp
+        parts: list[bytes] = []
+        for rank, dim in zip(members, resp.first_dims):
+            if rank == 0:
+                entry = self._inflight.get((resp.pset, name))
+                part = entry.arrays[0].tobytes() if entry is not None else None
+            else:
+                part = payloads.get(rank)
+            if part is None or len(part) != dim * row_bytes:
+                return resp
+            parts.append(part)
+        if self.timeline is not None:
+            self._star_spans[(resp.pset, name)] = (started, time.perf_counter())
+        return resp._replace(data=b"".join(parts))
+
+    def _star_reduce(self, resp: Response, members: tuple[int, ...], payloads: list[dict[int, bytes]]) -> Response:
+        """Rank 0 reduces a small allreduce from the payloads sent with the requests."""
         started = time.perf_counter()
         dtype = np.dtype(resp.dtype)
         if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:

@@ -12,6 +12,8 @@ phases of one op, back to back:
   own chunk is fully reduced), ``RING_ALLGATHER``, ``MEMCPY_OUT_FUSION_BUFFER``;
   or ``RANK0_REDUCE`` when rank 0 reduced a small one from the payloads sent
   with the requests; ``RING`` in a one-rank job,
+- ``RANK0_GATHER``: a small allgather that rank 0 concatenated from the parts
+  sent with the requests,
 - ``<KIND>`` (other collectives): the data movement,
 - ``MEMCPY_D2H`` / ``MEMCPY_H2D`` (``ringcomm_torch``, CUDA tensors): staging
   through pinned host memory, before ``QUEUE`` and after the result arrives,

@@ -29,6 +29,7 @@ def test_timeline_shows_queue_negotiation_copies_and_ring_phases_in_order(tmp_pa
         "fused": ["QUEUE", "NEGOTIATE", "MEMCPY_IN_FUSION_BUFFER", "RING_REDUCE_SCATTER", "RING_ALLGATHER",
                   "MEMCPY_OUT_FUSION_BUFFER"],
         "small": ["QUEUE", "NEGOTIATE", "RANK0_REDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
+        "gathered": ["QUEUE", "NEGOTIATE", "RANK0_GATHER"],
     }
     for op, names in expected.items():
         spans = _phases(events, op)
