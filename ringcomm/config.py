@@ -125,8 +125,8 @@ class Settings:
         2 ranks, doubling with each rank up to 128 KiB.
 
         Rank 0 receives every payload and sends every result, so its cost grows with the size
-        while the ring's grows with its 2(p-1) steps; measured crossovers (np=2: 16 KiB, np=3:
-        ~64 KiB, np=4: 64-128 KiB) follow this rule.
+        while the ring's grows with its 2(p-1) steps; measured crossovers (np=2: 16-32 KiB, np=3:
+        32-64 KiB, np=4: 64-128 KiB) lie at or just above this rule's bound.
 
             Settings().small_allreduce_bytes_for(2) -> 16384    ...(4) -> 65536    ...(8) -> 131072
         """

@@ -34,13 +34,7 @@ from .config import Settings
 from .controller import Controller
 from .coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
-    HorovodInternalError,
-    InvalidInputError,
-    MismatchError,
-    PeerLostError,
-    ProtocolError,
-    ShutdownError,
-    StallError,
+    HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
 )
 from .executor import Executor
 from .handles import Handle
