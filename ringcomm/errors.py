@@ -25,6 +25,10 @@ class InvalidTypeError(RingcommError, TypeError):
     """An argument has an unsupported type or dtype."""
 
 
+class InvalidSplitsError(InvalidTypeError, ValueError):
+    """``alltoall`` splits that are not integers: a TypeError, and a ValueError as Horovod raises."""
+
+
 class DuplicateNameError(InvalidInputError):
     """An op with this name is already in flight on this rank."""
 

@@ -125,10 +125,13 @@ def identity_fill(op: ReduceOp, arr: np.ndarray) -> None:
 
 
 def scale_inplace(arr: np.ndarray, factor: float) -> None:
-    """Multiply by ``factor`` in place.  Integers are scaled in float64 and truncated, as Horovod does."""
+    """Multiply by ``factor`` in place, as Horovod does on CPU: integers in float64 (truncated), half in float32
+    (rounded once), float32 and float64 in their own precision."""
     if factor == 1.0 or arr.size == 0 or arr.dtype == np.bool_:
         return
-    if arr.dtype.kind == "f":
+    if arr.dtype == np.float16:  # half: scaled in float32 and rounded once, as Horovod does on CPU
+        arr[...] = (arr.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    elif arr.dtype.kind == "f":
         np.multiply(arr, arr.dtype.type(factor), out=arr)
     else:
         arr[...] = (arr.astype(np.float64) * factor).astype(arr.dtype)

@@ -29,7 +29,7 @@ import torch
 
 from .basics import global_process_set, set_rank, set_size
 from .collectives import (
-    Average, allgather_async, allreduce_async, alltoall_async, broadcast_async,
+    Average, Sum, allgather_async, allreduce_async, alltoall_async, broadcast_async,
     grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async,
     resolve_op, synchronize,
 )
@@ -233,12 +233,14 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 
 def _scatter_grad_scale(op: Any, scales: tuple[float, float], process_set: Any) -> float:
+    """The gradient of a reducescatter, as Horovod defines it: the allgathered output gradient, times the
+    set size for Sum (every rank's loss counts, as for allreduce's Sum gradient), times 1 for Average."""
     factor = scales[0] * scales[1]
-    return factor / set_size(process_set) if op == Average else factor
+    return factor * set_size(process_set) if op == Sum else factor
 
 
 class HorovodReducescatter(torch.autograd.Function):
-    """Reducescatter; the gradient is the allgather of the output gradient (/ size for Average)."""
+    """Reducescatter; the gradient is the allgather of the output gradient (x size for Sum)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, process_set: Any, prescale_factor: float,

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 import ringcomm as _rc
-from ringcomm.errors import InvalidInputError, InvalidTypeError
+from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
 from ringcomm.ops import ReduceOp
 
-from .basics import check_process_set, global_process_set, size
+from .basics import check_process_set, global_process_set, rank, size
 from .handles import Handle, completed, poll, synchronize
 from .tensors import Staged, empty_result, stage, to_tensor
 
@@ -322,11 +322,13 @@ def _splits_array(splits: Any, what: str) -> np.ndarray | None:
         return None
     if isinstance(splits, torch.Tensor):
         if splits.is_floating_point() or splits.is_complex() or splits.dtype is torch.bool:
-            raise InvalidTypeError(f"{what}: splits must hold integers, got dtype {splits.dtype}")
+            raise InvalidSplitsError(f"{what} on rank {rank()}: splits must hold integers, got dtype {splits.dtype}; "
+                                     "pass torch.tensor(splits, dtype=torch.int32)")
         return splits.detach().cpu().to(torch.int64).contiguous().numpy()
     arr = np.asarray(splits)
     if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidTypeError(f"{what}: splits must hold integers, got {splits!r}")
+        raise InvalidSplitsError(f"{what} on rank {rank()}: splits must hold integers, got {splits!r}; "
+                                 "pass a list of ints or an int32 tensor")
     return arr.astype(np.int64).reshape(-1)
 
 

@@ -89,8 +89,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     moments and its ``step`` tensor) broadcast in place, and non-tensor state
     (Python step counts, LBFGS lists) as objects.  A rank whose state is not
     initialized yet gets tensors created to match the root's; if the root's
-    state is empty, every rank's becomes empty.  No optimizer step is run, so
-    parameters are never touched.
+    state is empty, every rank's becomes empty.  A rank whose optimizer has no
+    state yet gives each trainable parameter that has no gradient a zero
+    gradient, as Horovod does; no optimizer step is run, so parameters are
+    never touched.
 
     Example (size 2, rank 0 resumed from a checkpoint, rank 1 is fresh)::
 
@@ -101,6 +103,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         raise InvalidTypeError(
             f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not optimizer.state:
+        # A fresh optimizer: Horovod gives every trainable parameter without a gradient a zero one
+        # (so code reading p.grad right after works); ringcomm does that too but runs no step.
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     desc = None
     if rank() == root_rank:
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

@@ -188,6 +188,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.defaults = value
 
     @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """``{param: name}`` for every parameter, as Horovod's optimizer keeps it (the names the
+        allreduces use; ``noname.<group>.<index>`` where no ``named_parameters`` were given)."""
+        return self._names
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped optimizer."""
         return self._optimizer
