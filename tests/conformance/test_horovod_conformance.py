@@ -1,0 +1,56 @@
+"""Horovod conformance tier: horovod.torch's behaviours, checked on ringcomm_torch at np 2 and 3.
+
+Each job (tests/conformance/workers/) packs one group of behaviours into one
+multi-process run, so the tier costs a handful of interpreter start-ups:
+
+- collectives.py: allreduce/allgather/broadcast/alltoall/reducescatter values for every dtype,
+  pre/postscale bit for bit as Horovod computes on CPU (half in float32, ints in float64), ranks
+  agreeing bit for bit, every gradient, mismatch and duplicate-name errors, alltoall splits errors,
+  join with Average/allgather/broadcast, shutdown and re-init.
+- training.py: broadcast_parameters/broadcast_optimizer_state for every torch.optim optimizer
+  (from a checkpoint, hyper-parameter types, parameters without gradients), broadcast_object,
+  allgather_object, fp16 compression, DistributedOptimizer naming (duplicates, missing,
+  ``_parameter_names``), ranks stepping on different subgraphs, dynamic requires_grad, gradient
+  clipping with synchronize/skip_synchronize and the step warning.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run_job(np_: int, script: str, timeout: float) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGCOMM_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", str(np_), sys.executable, str(WORKERS / script)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
+    for r in range(np_):
+        assert f"CONFORMANCE OK rank={r}" in out, out[-4000:]
+    return out
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_scaling_gradients_errors_join(np_):
+    run_job(np_, "collectives.py", timeout=90)
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_optimizer_state_objects_and_naming(np_):
+    run_job(np_, "training.py", timeout=90)
