@@ -8,6 +8,7 @@ Examples::
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
+    python -m ringcomm.bench coordination --ranks 64 256 1024 4096
     python -m ringcomm.bench all --json results.json --plot busbw.png
 """
 
@@ -21,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo"), default=["ringcomm", "gloo"],
                      help="systems to run (default: both)")
 
+    coordp = sub.add_parser("coordination", parents=[output],
+                            help="rank 0's negotiation work per request for simulated jobs of many ranks")
+    coordp.add_argument("--ranks", type=_positive, nargs="+", default=[64, 256, 1024, 4096], metavar="N",
+                        help="simulated job sizes (default: 64 256 1024 4096)")
+    coordp.add_argument("--tensors", type=_positive, default=20, help="allreduces per step (default: 20)")
+    coordp.add_argument("--ops", type=_positive, default=5, help="cached steps after the first (default: 5)")
+
     everything = sub.add_parser("all", parents=[output],
                                 help="all collectives, the ceilings and training, with moderate defaults")
     everything.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N",
@@ -138,6 +146,8 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["resources"] = resources.run(resources.ResourceConfig(
             np_=args.np, nbytes=args.bytes, ops=args.ops, idle=args.idle, systems=tuple(args.systems),
             job_timeout=max(args.job_timeout, 1200.0)))
+    elif args.command == "coordination":
+        results["coordination"] = coordination.run(args.ranks, args.tensors, args.ops)
     elif args.command == "all":
         results["collectives"] = {}
         for op in COLLECTIVE_OPS:
