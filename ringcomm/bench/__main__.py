@@ -5,6 +5,7 @@ Examples::
     python -m ringcomm.bench allreduce --np 2 4 --sizes 4K 64K 1M 16M 64M --repeats 3
     python -m ringcomm.bench allgather --np 2 --sizes 4K 1M
     python -m ringcomm.bench broadcast --np 4
+    python -m ringcomm.bench latency --np 2 4
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
@@ -22,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, coordination, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -84,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     for op in COLLECTIVE_OPS:
         sub.add_parser(op, parents=[coll, output], help=f"{op} latency and bus bandwidth, ringcomm vs gloo")
 
+    lat = sub.add_parser("latency", parents=[output],
+                         help="small allreduces back to back: p10/p50/p90/p99 vs gloo, MPI and a raw round trip")
+    lat.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N", help="world sizes (default: 2 4)")
+    lat.add_argument("--bytes", type=_size, default=4096, help="message size (default: 4K)")
+    lat.add_argument("--ops", type=_positive, default=1000, help="timed ops per job (default: 1000)")
+    lat.add_argument("--warmup", type=int, default=100, help="untimed ops per job (default: 100)")
+    lat.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    lat.add_argument("--idle", type=float, default=2.0,
+                     help="seconds each ringcomm/gloo rank then sleeps while its CPU is measured (default: 2)")
+    lat.add_argument("--systems", nargs="+", choices=latency.SYSTEMS, default=list(latency.SYSTEMS),
+                     help="systems to run (default: all; MPI only if mpi4py and mpirun are installed)")
+
     ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
     ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")
     ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
@@ -135,6 +148,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     if args.command in COLLECTIVE_OPS:
         results["collectives"] = {args.command: collectives.run(_collective_config(args.command, args))}
+    elif args.command == "latency":
+        results["latency"] = latency.run(latency.LatencyConfig(
+            nps=args.np, nbytes=args.bytes, ops=args.ops, warmup=args.warmup, repeats=args.repeats, idle=args.idle,
+            systems=args.systems, job_timeout=args.job_timeout))
     elif args.command == "ceiling":
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
                                                                repeats=args.repeats, job_timeout=args.job_timeout))
@@ -163,7 +180,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
 def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
-    runs += results.get("resources", {}).get("runs", [])
+    runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 
