@@ -205,6 +205,7 @@ class Engine(Executor):
             self._serving = ServingLink(link, ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
+            progress=rendezvous.print_progress if self.rank == 0 else None,
         )
         self.peer_table = table
         _check_same_security(table, self.rank)

@@ -45,11 +45,14 @@ Example (two ranks, each in its own process)::
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import hmac
 import logging
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -66,6 +69,8 @@ __all__ = [
     "sign",
     "verify",
     "MAX_MESSAGE_BYTES",
+    "waiting_line",
+    "print_progress",
 ]
 
 log = logging.getLogger("ringcomm.rendezvous")
@@ -184,7 +189,13 @@ class RendezvousServer:
             self._socket.close(0)
             self._zap.close()
             self._context.term()
-            raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}") from exc
+            hint = ""
+            if exc.errno == errno.EADDRINUSE:
+                hint = (
+                    " -- another process holds that port (a second job on this host, or torchrun's store "
+                    "next to it); set RINGCOMM_RENDEZVOUS_PORT to a free port, the same on every rank"
+                )
+            raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}{hint}") from exc
         self._address = f"tcp://{bracketed}:{self._port}"
         self._lock = threading.Lock()  # guards the state below against readers in other threads
         self._rounds: dict[int, _Round] = {}
@@ -486,6 +497,8 @@ def register(
     info: dict,
     timeout: float,
     round: int = 0,  # noqa: A002 - the protocol's name for it
+    progress: Callable[[str], None] | None = None,
+    progress_every: float = 5.0,
 ) -> list[dict]:
     """Announce this rank's ``info`` and wait for every rank's: returns ``[info_0, ..., info_{size-1}]``.
 
@@ -503,12 +516,23 @@ def register(
         deadline = time.monotonic() + timeout
         reply = None
         wait = 0.1
+        start = time.monotonic()
+        next_report = start + progress_every
         while reply is None and time.monotonic() < deadline:
             # Re-sent every second (the server treats a repeat as a retry): a request that reached
             # a server which then closed -- rank 0 re-hosting the rendezvous after shutdown() and
             # init() under torchrun -- is not lost.
             client.send(request)
-            reply = client.recv(min(deadline, time.monotonic() + wait), "register")
+            reply = client.recv(min(deadline, time.monotonic() + wait), "register", "status")
+            if reply is not None and reply.get("op") == "status":
+                if progress is not None and reply.get("ok"):
+                    line = waiting_line(reply.get("arrived", []), size, time.monotonic() - start, timeout)
+                    if line:
+                        progress(line)
+                reply = None
+            if progress is not None and time.monotonic() >= next_report and reply is None:
+                client.send({"op": "status", "round": round})
+                next_report += progress_every
             wait = min(_RESEND_SECONDS, wait * 2)
         if reply is None:
             # Ask who did arrive, for the message; the table may still come in meanwhile.
@@ -525,6 +549,22 @@ def register(
                 "is another program listening on that port with the same secret?"
             )
         return table
+
+
+def waiting_line(arrived: list[Any], size: int, elapsed: float, timeout: float) -> str:
+    """``"waiting for ranks 2, 3 (10 s of 60)"``, or "" when nobody is missing."""
+    have = {r for r in arrived if _is_int(r)}
+    missing = [r for r in range(size) if r not in have]
+    if not missing:
+        return ""
+    shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+    noun = "rank" if len(missing) == 1 else "ranks"
+    return f"waiting for {noun} {shown} ({elapsed:.0f} s of {timeout:.0f})"
+
+
+def print_progress(line: str) -> None:
+    """Rank 0's progress report at the rendezvous, on stderr (seen whatever the logging setup)."""
+    print(f"ringcomm: rank 0: {line}", file=sys.stderr, flush=True)
 
 
 def _timeout_message(
