@@ -1,7 +1,7 @@
 """A small ringcomm job for the real-tool tests: one allreduce and one allgather, checked on every rank.
 
 Prints ``RESULT {json}`` (rank, size, source, the sums) on success.  With
-``--die-rank R`` rank R exits with status 3 after the first collective (a
+``--die-rank R`` rank R kills itself with SIGKILL after the first collectives (a
 rank that dies mid-job); the others then wait at the second collective until
 the job is stopped or the loss is detected.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -32,8 +33,8 @@ def main() -> int:
     gathered = rc.allgather(np.array([rank], dtype=np.int64))
     assert gathered.tolist() == list(range(size)), gathered
     if rank == args.die_rank:
-        print(f"rank {rank}: exiting with status 3 on purpose", flush=True)
-        os._exit(3)
+        print(f"rank {rank}: pid {os.getpid()} kills itself with SIGKILL", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if args.die_rank >= 0:
         time.sleep(0.5)
         for step in range(200):  # the dead rank never joins: this fails (peer lost) or the launcher stops us

@@ -1,0 +1,82 @@
+"""Real MPI launchers: Open MPI's mpirun and MPICH's mpiexec (hydra) start ringcomm jobs with no extra variables.
+
+Debian installs both side by side: ``mpirun.openmpi`` (openmpi-bin) and ``mpiexec.mpich`` (mpich).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from _tools import PYTHON, WORKER, assert_job_ok, env, need, run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
+
+
+def openmpi_env() -> dict[str, str]:
+    # Open MPI refuses to start as root unless told twice
+    extra = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"} if os.geteuid() == 0 else {}
+    return env(**extra)
+
+
+def mpirun(np_: int, *args: str) -> list[str]:
+    return [need("mpirun.openmpi", "openmpi-bin"), "--oversubscribe", "-np", str(np_), PYTHON, WORKER, *args]
+
+
+def mpiexec(np_: int, *args: str) -> list[str]:
+    return [need("mpiexec.mpich", "mpich"), "-n", str(np_), PYTHON, WORKER, *args]
+
+
+@pytest.mark.timeout(90)
+def test_open_mpi_mpirun_on_one_host() -> None:
+    proc = run(mpirun(3), timeout=60, env=openmpi_env())
+    assert_job_ok(proc, 3, "OMPI")
+
+
+@pytest.mark.timeout(90)
+def test_mpich_mpiexec_on_one_host() -> None:
+    proc = run(mpiexec(3), timeout=60, env=env())
+    assert_job_ok(proc, 3, "PMI")
+
+
+@pytest.mark.timeout(90)
+def test_two_open_mpi_jobs_at_once_get_their_own_rendezvous() -> None:
+    """The port comes from each mpirun's job id: two jobs side by side do not meet."""
+    import subprocess
+
+    procs = [subprocess.Popen(mpirun(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=openmpi_env())
+             for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert_job_ok(subprocess.CompletedProcess(p.args, p.returncode, out, err), 2, "OMPI")
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_under_mpirun_is_named() -> None:
+    proc = run(mpirun(3, "--die-rank", "1"), timeout=60, env=openmpi_env())
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0, both
+    assert "lost rank 1" in both or "process rank 1 with PID" in both, both
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_under_mpiexec_stops_the_job() -> None:
+    """hydra kills the other ranks with SIGKILL at once (they cannot say a word) and reports the signal."""
+    proc = run(mpiexec(3, "--die-rank", "1"), timeout=60, env=env())
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "BAD TERMINATION" in both and "Killed (signal 9)" in both, both
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_rendezvous_port_names_the_variable() -> None:
+    """RINGCOMM_RENDEZVOUS_PORT names a port another process holds: rank 0 says which variable to change."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = run(mpiexec(2), timeout=50, env=env(RINGCOMM_RENDEZVOUS_PORT=str(port), RINGCOMM_START_TIMEOUT="20"))
+    assert proc.returncode != 0
+    assert "Address already in use" in proc.stderr and "set RINGCOMM_RENDEZVOUS_PORT to a free port" in proc.stderr, (
+        proc.stderr)
