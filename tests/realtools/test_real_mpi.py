@@ -76,7 +76,7 @@ def test_a_taken_rendezvous_port_names_the_variable() -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        proc = run(mpiexec(2), timeout=50, env=env(RINGCOMM_RENDEZVOUS_PORT=str(port), RINGCOMM_START_TIMEOUT="20"))
+        proc = run(mpiexec(2), timeout=50, env=env(RINGCOMM_RENDEZVOUS_PORT=str(port), RINGCOMM_START_TIMEOUT="4"))
     assert proc.returncode != 0
     assert "Address already in use" in proc.stderr and "set RINGCOMM_RENDEZVOUS_PORT to a free port" in proc.stderr, (
         proc.stderr)
