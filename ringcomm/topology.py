@@ -9,7 +9,8 @@ allocation also sets ``SLURM_*``; torchrun under Slurm sets both too):
 2. torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the
    rendezvous on ``MASTER_ADDR:(RINGCOMM_RENDEZVOUS_PORT or MASTER_PORT + 1)``
-   (torchrun's own store may hold ``MASTER_PORT``).
+   (torchrun's own store may hold ``MASTER_PORT``; when ``MASTER_PORT + 1``
+   is an ephemeral port, one derived from the job: :func:`torchrun_port`).
 3. Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``.
 4. MPICH / Intel MPI (hydra) and other PMI launchers: ``PMI_RANK``,
@@ -185,6 +186,22 @@ def _from_ringcomm_run(env: Mapping[str, str], hostname: str) -> Topology:
     )
 
 
+#: Linux's default ephemeral range starts here: any outgoing connection or bind to port 0 may hold a port above.
+_EPHEMERAL_FROM = 32768
+
+
+def torchrun_port(master: str, master_port: int, run_id: str) -> int:
+    """Rank 0's rendezvous port under torchrun: ``MASTER_PORT + 1``, out of the ephemeral range.
+
+    torchrun's store holds ``MASTER_PORT``.  ``--standalone`` picks it among the ephemeral ports,
+    where the next one is often taken by some connection: then the port is derived instead from
+    the master address, port and run id (in 20000-31999, like Slurm's), alike on every rank.
+    """
+    if master_port + 1 < _EPHEMERAL_FROM:
+        return master_port + 1
+    return mpi_env.derived_port(f"torchrun:{master}:{master_port}:{run_id}")
+
+
 def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     src = "torchrun (RANK/WORLD_SIZE)"
     rank, size = _int(env, "RANK", src=src), _int(env, "WORLD_SIZE", src=src)
@@ -192,7 +209,8 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     local_size = _int(env, "LOCAL_WORLD_SIZE", size)
     _check(rank, size, local_rank, local_size, "RANK/WORLD_SIZE (torchrun)")
     master = env.get("MASTER_ADDR", "127.0.0.1")
-    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", _int(env, "MASTER_PORT", 29500, src) + 1)
+    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", torchrun_port(
+        master, _int(env, "MASTER_PORT", 29500, src), env.get("TORCHELASTIC_RUN_ID", "")))
     secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}")
     cross_size = max(1, -(-size // max(local_size, 1)))
     cross_rank = _int(env, "GROUP_RANK", rank // max(local_size, 1))

@@ -305,3 +305,13 @@ def test_hnp_uri_gives_mpiruns_first_ipv4_address() -> None:
     assert mpi_env.hnp_host("1881276416.0;tcp://192.0.2.2,10.0.0.1:39307;tcp6://[fd00::2]:48475") == "192.0.2.2"
     assert mpi_env.hnp_host("1881276416.0;tcp6://[fd00::2]:48475") == ""
     assert mpi_env.hnp_host("") == ""
+
+
+def test_torchrun_port_stays_out_of_the_ephemeral_range() -> None:
+    assert topology.torchrun_port("node01", 29500, "x") == 29501
+    derived = topology.torchrun_port("127.0.0.1", 41721, "run-a")
+    assert 20000 <= derived < 32000 and derived == topology.torchrun_port("127.0.0.1", 41721, "run-a")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41721",
+           "TORCHELASTIC_RUN_ID": "run-a"}
+    assert topology.from_env(env).rendezvous == f"tcp://127.0.0.1:{derived}"
+    assert topology.from_env({**env, "RINGCOMM_RENDEZVOUS_PORT": "45000"}).rendezvous == "tcp://127.0.0.1:45000"

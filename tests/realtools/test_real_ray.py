@@ -120,3 +120,10 @@ def test_a_killed_worker_is_named(local_ray: None) -> None:
             ray.get(survivor.execute.remote(lambda _e: __import__("ringcomm").allreduce(np.ones(1))))
     finally:
         executor.shutdown()
+
+
+def test_elastic_arguments_are_refused_naming_the_alternative() -> None:
+    with pytest.raises(NotImplementedError, match="ringcomm-run --min-np/--max-np"):
+        RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=4)
+    with pytest.raises(RuntimeError, match="call start\\(\\) first"):
+        RayExecutor(RayExecutor.create_settings(), num_workers=2).run(print)
