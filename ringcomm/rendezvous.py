@@ -49,7 +49,6 @@ import errno
 import hashlib
 import hmac
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +69,6 @@ __all__ = [
     "verify",
     "MAX_MESSAGE_BYTES",
     "waiting_line",
-    "print_progress",
 ]
 
 log = logging.getLogger("ringcomm.rendezvous")
@@ -189,12 +187,9 @@ class RendezvousServer:
             self._socket.close(0)
             self._zap.close()
             self._context.term()
-            hint = ""
-            if exc.errno == errno.EADDRINUSE:
-                hint = (
-                    " -- another process holds that port (a second job on this host, or torchrun's store "
-                    "next to it); set RINGCOMM_RENDEZVOUS_PORT to a free port, the same on every rank"
-                )
+            hint = (" -- another process holds that port (a second job on this host, or torchrun's store next "
+                    "to it); set RINGCOMM_RENDEZVOUS_PORT to a free port, the same on every rank"
+                    ) if exc.errno == errno.EADDRINUSE else ""
             raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}{hint}") from exc
         self._address = f"tcp://{bracketed}:{self._port}"
         self._lock = threading.Lock()  # guards the state below against readers in other threads
@@ -502,6 +497,9 @@ def register(
 ) -> list[dict]:
     """Announce this rank's ``info`` and wait for every rank's: returns ``[info_0, ..., info_{size-1}]``.
 
+    ``progress`` (rank 0 prints it) is called every ``progress_every`` s of
+    waiting with :func:`waiting_line`'s report of who is missing.
+
     Raises :class:`RendezvousTimeoutError` when not every rank arrived within
     ``timeout`` seconds (the message says which ranks did), and
     :class:`RendezvousError` when the server refuses (size mismatch, rank out
@@ -513,24 +511,22 @@ def register(
     """
     request = {"op": "register", "round": round, "rank": rank, "size": size, "info": info}
     with _Client(address, secret) as client:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_report = start + timeout, start + progress_every
         reply = None
         wait = 0.1
-        start = time.monotonic()
-        next_report = start + progress_every
         while reply is None and time.monotonic() < deadline:
             # Re-sent every second (the server treats a repeat as a retry): a request that reached
             # a server which then closed -- rank 0 re-hosting the rendezvous after shutdown() and
             # init() under torchrun -- is not lost.
             client.send(request)
             reply = client.recv(min(deadline, time.monotonic() + wait), "register", "status")
-            if reply is not None and reply.get("op") == "status":
-                if progress is not None and reply.get("ok"):
-                    line = waiting_line(reply.get("arrived", []), size, time.monotonic() - start, timeout)
-                    if line:
-                        progress(line)
+            if reply is not None and reply.get("op") == "status":  # rank 0's report of who is missing
+                line = waiting_line(reply.get("arrived", []), size, time.monotonic() - start, timeout)
+                if progress is not None and line:
+                    progress(line)
                 reply = None
-            if progress is not None and time.monotonic() >= next_report and reply is None:
+            elif progress is not None and reply is None and time.monotonic() >= next_report:
                 client.send({"op": "status", "round": round})
                 next_report += progress_every
             wait = min(_RESEND_SECONDS, wait * 2)
@@ -551,20 +547,18 @@ def register(
         return table
 
 
-def waiting_line(arrived: list[Any], size: int, elapsed: float, timeout: float) -> str:
-    """``"waiting for ranks 2, 3 (10 s of 60)"``, or "" when nobody is missing."""
+def _missing(arrived: list[Any], size: int) -> tuple[int, str]:
+    """How many of ``size`` ranks are not in ``arrived``, and the first 16 of them as text."""
     have = {r for r in arrived if _is_int(r)}
     missing = [r for r in range(size) if r not in have]
-    if not missing:
-        return ""
-    shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-    noun = "rank" if len(missing) == 1 else "ranks"
-    return f"waiting for {noun} {shown} ({elapsed:.0f} s of {timeout:.0f})"
+    return len(missing), ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
 
 
-def print_progress(line: str) -> None:
-    """Rank 0's progress report at the rendezvous, on stderr (seen whatever the logging setup)."""
-    print(f"ringcomm: rank 0: {line}", file=sys.stderr, flush=True)
+def waiting_line(arrived: list[Any], size: int, elapsed: float, timeout: float) -> str:
+    """``"waiting for ranks 2, 3 (10 s of 60)"``, or "" when nobody is missing."""
+    count, shown = _missing(arrived, size)
+    noun = "rank" if count == 1 else "ranks"
+    return f"waiting for {noun} {shown} ({elapsed:.0f} s of {timeout:.0f})" if count else ""
 
 
 def _timeout_message(
@@ -576,10 +570,8 @@ def _timeout_message(
             "rank have the launcher's RINGCOMM_SECRET?)"
         )
     else:
-        arrived = [r for r in status.get("arrived", []) if _is_int(r)]
-        missing = [r for r in range(size) if r not in arrived]
-        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-        detail = f" ({len(arrived)} of {size} ranks registered; missing: {shown})" if missing else ""
+        count, shown = _missing(status.get("arrived", []), size)
+        detail = f" ({size - count} of {size} ranks registered; missing: {shown})" if count else ""
     return (
         f"rank {rank} timed out after {float(timeout):.1f} s waiting for the rendezvous at {address} "
         f"(round {rnd}): the other ranks did not all arrive{detail}. {_FIX_HINT}"
