@@ -445,7 +445,11 @@ def test_rank_0_reports_who_is_missing_while_it_waits() -> None:
     secret = b"progress"
     lines: list[str] = []
     with RendezvousServer(size=3, secret=secret) as server:
-        t = threading.Thread(target=register, args=(server.address, secret, 1, 3, {"r": 1}, 5.0), daemon=True)
+        def rank_1() -> None:
+            with pytest.raises(RendezvousTimeoutError):  # rank 2 never comes
+                register(server.address, secret, 1, 3, {"r": 1}, 3.0)
+
+        t = threading.Thread(target=rank_1, daemon=True)
         t.start()
         with pytest.raises(RendezvousTimeoutError, match="missing: 2"):
             register(server.address, secret, 0, 3, {"r": 0}, 2.0, progress=lines.append, progress_every=0.4)
