@@ -158,11 +158,18 @@ class SlurmCluster:
                 p.kill()
                 p.wait()
         pidfile = self.root / "munge" / "munged.pid"
-        if pidfile.exists():
+        try:
+            pid = int(pidfile.read_text().strip())
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # munged is not our child: poll until it is gone
             try:
-                os.kill(int(pidfile.read_text().strip()), signal.SIGTERM)
-            except (ValueError, ProcessLookupError):
-                pass
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
     def __enter__(self) -> "SlurmCluster":
         try:

@@ -40,8 +40,9 @@ def main() -> int:
         for step in range(200):  # the dead rank never joins: this fails (peer lost) or the launcher stops us
             rc.allreduce(np.ones(4), name=f"after_death_{step}")
     source = topology.source_of(os.environ)
+    where = topology.from_env().rendezvous if source != "ringcomm-run" else os.environ["RINGCOMM_RENDEZVOUS_ADDR"]
     print("RESULT " + json.dumps({"rank": rank, "size": size, "sum": float(total[0]), "source": source,
-                                  "local_size": rc.local_size()}), flush=True)
+                                  "local_size": rc.local_size(), "rendezvous": where}), flush=True)
     rc.shutdown()
     return 0
 

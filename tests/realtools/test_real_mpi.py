@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from _tools import PYTHON, WORKER, assert_job_ok, env, need, run
+from _tools import PYTHON, WORKER, assert_job_ok, env, need, results, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
@@ -33,12 +33,14 @@ def mpiexec(np_: int, *args: str) -> list[str]:
 def test_open_mpi_mpirun_on_one_host() -> None:
     proc = run(mpirun(3), timeout=60, env=openmpi_env())
     assert_job_ok(proc, 3, "OMPI")
+    assert results(proc.stdout)[0]["rendezvous"].startswith("tcp://127.0.0.1:")
 
 
 @pytest.mark.timeout(90)
 def test_mpich_mpiexec_on_one_host() -> None:
     proc = run(mpiexec(3), timeout=60, env=env())
     assert_job_ok(proc, 3, "PMI")
+    assert results(proc.stdout)[0]["rendezvous"].startswith("tcp://127.0.0.1:")
 
 
 @pytest.mark.timeout(90)
@@ -80,3 +82,28 @@ def test_a_taken_rendezvous_port_names_the_variable() -> None:
     assert proc.returncode != 0
     assert "Address already in use" in proc.stderr and "set RINGCOMM_RENDEZVOUS_PORT to a free port" in proc.stderr, (
         proc.stderr)
+
+
+# Ranks told they are each on a host of their own (the local-size variables overridden in a shell
+# around the worker) take the across-hosts path: the rendezvous is on the launcher's host, found in
+# its own variables (mpirun's OMPI_MCA_orte_hnp_uri, hydra's --control-port), here this machine.
+@pytest.mark.timeout(90)
+def test_open_mpi_ranks_on_separate_hosts_meet_at_mpiruns_host() -> None:
+    script = ("OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_MCA_orte_num_nodes=3 "
+              f"{PYTHON} {WORKER}")
+    cmd = [need("mpirun.openmpi", "openmpi-bin"), "--oversubscribe", "-np", "3", "sh", "-c", script]
+    proc = run(cmd, timeout=60, env=openmpi_env())
+    assert_job_ok(proc, 3, "OMPI")
+    recs = results(proc.stdout)
+    assert {r["local_size"] for r in recs} == {1}
+    assert len({r["rendezvous"] for r in recs}) == 1 and "127.0.0.1" not in recs[0]["rendezvous"], recs
+
+
+@pytest.mark.timeout(90)
+def test_mpich_ranks_on_separate_hosts_meet_at_mpiexecs_host() -> None:
+    script = f"MPI_LOCALNRANKS=1 MPI_LOCALRANKID=0 {PYTHON} {WORKER}"
+    proc = run([need("mpiexec.mpich", "mpich"), "-n", "3", "sh", "-c", script], timeout=60, env=env())
+    assert_job_ok(proc, 3, "PMI")
+    recs = results(proc.stdout)
+    assert {r["local_size"] for r in recs} == {1}
+    assert len({r["rendezvous"] for r in recs}) == 1 and "127.0.0.1" not in recs[0]["rendezvous"], recs
