@@ -10,7 +10,9 @@ Neither launcher tells a rank its rank 0's address, but each says enough:
   ``--control-port HOST:PORT`` naming ``mpiexec``'s host.  With the usual
   mapping (ranks placed host by host, ``mpirun`` started on the first host of
   the allocation) rank 0 runs there; rank 0 checks it and says what to set
-  when it does not.
+  when it does not.  When mpi4py is importable and runs the launcher's MPI
+  (its world has this job's size), rank 0 tells every rank its address
+  through MPI instead (:func:`rank0_address_from_mpi4py`): no guess.
 
 The port is derived from the launcher's job id (the same on every rank, new
 for every ``mpirun``), in the range Slurm jobs use.  ``RINGCOMM_MASTER_ADDR``
@@ -107,7 +109,7 @@ def plan(env: Mapping[str, str], flavour: str, local_size: int | None, size: int
             f"RINGCOMM_MASTER_ADDR is not set: started by {src} across hosts, and {fact} does not say where "
             f"the launcher runs; {_FIX}"
         )
-    return Plan(launcher_host, port, job, True, f"the launcher's host ({fact})")
+    return Plan(launcher_host, port, job, True, f"from {fact}")
 
 
 def rank0_elsewhere_message(p: Plan, my_addresses: list[str], hostname: str) -> str:
@@ -135,3 +137,23 @@ def hydra_control_port(pid: int, proc: str = "/proc", depth: int = 8) -> str:
         if pid <= 1:
             return ""
     return ""
+
+
+def rank0_address_from_mpi4py(rank: int, size: int, mine: str) -> str | None:
+    """Rank 0's ``mine``, broadcast by MPI itself; None when mpi4py is absent or runs another MPI.
+
+    Collective: every rank of the job calls it (they all took the same decision to).
+    Importing ``mpi4py.MPI`` initialises MPI; mpi4py finalises it at exit.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("mpi4py") is None:
+        return None
+    try:
+        from mpi4py import MPI
+    except Exception:  # noqa: BLE001 - a broken or mismatched MPI library: fall back to the launcher's facts
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != size or comm.Get_rank() != rank:  # another MPI's mpi4py: a world of one
+        return None
+    return str(comm.bcast(mine if rank == 0 else None, root=0))

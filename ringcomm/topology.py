@@ -243,7 +243,11 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     control = "" if prefix == "OMPI" else mpi_env.hydra_control_port(os.getpid())
     where_from = mpi_env.plan(env, prefix, local_size if keys[2] in env else None, size, control)
     master, port = where_from.master, where_from.port
-    if where_from.check_on_rank0 and rank == 0 and not _is_mine(master):
+    told = mpi_env.rank0_address_from_mpi4py(rank, size, pick_address(env, [master])) if (
+        where_from.check_on_rank0) else None
+    if told:
+        master = told
+    elif where_from.check_on_rank0 and rank == 0 and not _is_mine(master):
         mine = [a for a in {netaddr.default_source() or ""} if a]
         raise InvalidInputError(mpi_env.rank0_elsewhere_message(where_from, mine, hostname))
     jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "") or where_from.job

@@ -107,3 +107,19 @@ def test_mpich_ranks_on_separate_hosts_meet_at_mpiexecs_host() -> None:
     recs = results(proc.stdout)
     assert {r["local_size"] for r in recs} == {1}
     assert len({r["rendezvous"] for r in recs}) == 1 and "127.0.0.1" not in recs[0]["rendezvous"], recs
+
+
+@pytest.mark.timeout(90)
+def test_with_mpi4py_rank_0_tells_its_address_through_mpi() -> None:
+    """mpirun's own host is wrong here (a made-up hnp uri): mpi4py's broadcast of rank 0's address wins."""
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py)")
+    which = run([PYTHON, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"], timeout=30,
+                env=openmpi_env())
+    if "Open MPI" not in which.stdout:
+        pytest.skip(f"mpi4py here does not load Open MPI's library: {(which.stdout + which.stderr)[-200:]}")
+    script = ("OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_MCA_orte_num_nodes=3 "
+              f"OMPI_MCA_orte_hnp_uri='1.0;tcp://10.255.255.1:1' {PYTHON} {WORKER}")
+    cmd = [need("mpirun.openmpi", "openmpi-bin"), "--oversubscribe", "-np", "3", "sh", "-c", script]
+    proc = run(cmd, timeout=60, env=openmpi_env())
+    assert_job_ok(proc, 3, "OMPI")
+    assert "10.255.255.1" not in results(proc.stdout)[0]["rendezvous"]
