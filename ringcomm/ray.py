@@ -122,13 +122,30 @@ class _Worker:
 
 
 class RayExecutor:
-    """Start ``num_workers`` Ray actors as the ranks of one ringcomm job and run functions on them."""
+    """Start ``num_workers`` Ray actors as the ranks of one ringcomm job and run functions on them.
+
+    Each actor asks Ray for ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs, default 1, with
+    ``use_gpu``); Horovod's ``num_hosts``/``num_workers_per_host`` and ``*_per_slot`` spellings are
+    accepted.  ``use_current_placement_group`` is accepted and has no effect: the actors are
+    plain Ray actors, placed where Ray finds the resources (inside the caller's placement group
+    when Ray captures child tasks there).
+    """
 
     @classmethod
-    def create_settings(cls, timeout_s: float = 30.0, placement_group_timeout_s: float = 100.0,
-                        env: dict[str, str] | None = None, **_ignored: Any) -> RaySettings:
-        """Settings for the executor; ``ssh_identity_file``, ``nics`` and the like are accepted and unused."""
-        return RaySettings(float(timeout_s), float(placement_group_timeout_s), dict(env or {}))
+    def create_settings(cls, timeout_s: float = 30.0, ssh_identity_file: str | None = None,
+                        ssh_str: str | None = None, placement_group_timeout_s: float = 100.0,
+                        nics: set[str] | None = None, env: dict[str, str] | None = None) -> RaySettings:
+        """Settings for the executor.
+
+        ``ssh_identity_file`` and ``ssh_str`` (Horovod's) are accepted and unused: Ray starts
+        the workers.  ``nics``: one interface name sets ``RINGCOMM_NETWORK_INTERFACE``.
+        """
+        extra = dict(env or {})
+        if nics:
+            if len(nics) != 1:
+                raise ValueError(f"RayExecutor uses one network interface; nics={sorted(nics)} names {len(nics)}")
+            extra.setdefault("RINGCOMM_NETWORK_INTERFACE", next(iter(nics)))
+        return RaySettings(float(timeout_s), float(placement_group_timeout_s), extra)
 
     def __init__(
         self,
@@ -141,9 +158,11 @@ class RayExecutor:
         num_workers_per_host: int = 1,
         cpus_per_slot: float | None = None,
         gpus_per_slot: float | None = None,
-        **elastic: Any,
+        use_current_placement_group: bool = True,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
     ) -> None:
-        if elastic.get("min_workers") is not None or elastic.get("max_workers") is not None:
+        if min_workers is not None or max_workers is not None:
             raise NotImplementedError(
                 "RayExecutor runs a fixed number of workers (num_workers=...); min_workers/max_workers "
                 "(elastic training on Ray) are not supported: use ringcomm-run --min-np/--max-np for elastic jobs"

@@ -125,3 +125,6 @@ def test_elastic_arguments_are_refused_naming_the_alternative() -> None:
         RayExecutor(RayExecutor.create_settings(), min_workers=1, max_workers=4)
     with pytest.raises(RuntimeError, match="call start\\(\\) first"):
         RayExecutor(RayExecutor.create_settings(), num_workers=2).run(print)
+    with pytest.raises(TypeError):  # a misspelt argument is not swallowed
+        RayExecutor(RayExecutor.create_settings(), num_worker=2)  # type: ignore[call-arg]
+    assert RayExecutor.create_settings(nics={"lo"}).env == {"RINGCOMM_NETWORK_INTERFACE": "lo"}
