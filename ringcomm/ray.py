@@ -127,8 +127,7 @@ class RayExecutor:
     Each actor asks Ray for ``cpus_per_worker`` CPUs (and ``gpus_per_worker`` GPUs, default 1, with
     ``use_gpu``); Horovod's ``num_hosts``/``num_workers_per_host`` and ``*_per_slot`` spellings are
     accepted.  ``use_current_placement_group`` is accepted and has no effect: the actors are
-    plain Ray actors, placed where Ray finds the resources (inside the caller's placement group
-    when Ray captures child tasks there).
+    plain Ray actors, placed where Ray finds the resources.
     """
 
     @classmethod
