@@ -6,6 +6,7 @@ Needs root and Debian's ``slurm-wlm`` and ``munge``; skips otherwise.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,10 @@ def cluster() -> Iterator[SlurmCluster]:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
         pytest.skip("starting slurmd and munged for the test needs root")
+    try:
+        socket.gethostbyname(socket.gethostname())
+    except OSError:
+        pytest.skip(f"this machine's name {socket.gethostname()!r} does not resolve: Slurm's node list names it")
     # the daemons may still write a last log line while the directory goes
     with tempfile.TemporaryDirectory(prefix="ringcomm-slurm-", ignore_cleanup_errors=True) as root:
         with SlurmCluster(Path(root)) as c:
