@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -205,6 +206,7 @@ class Engine(Executor):
             self._serving = ServingLink(link, ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
+            progress=_print_waiting if self.rank == 0 else None,
         )
         self.peer_table = table
         _check_same_security(table, self.rank)
@@ -742,3 +744,8 @@ def _control_batches(resps: list[Response]) -> list[list[Response]]:
         batches[-1].append(resp)
         carried += len(resp.data)
     return batches
+
+
+def _print_waiting(line: str) -> None:
+    """Rank 0's report of the ranks still missing at the rendezvous: on stderr, whatever the logging setup."""
+    print(f"ringcomm: rank 0: {line}", file=sys.stderr, flush=True)
