@@ -154,3 +154,35 @@ def test_latency_bench_reports_percentiles_and_idle_cpu(tmp_path: Path) -> None:
     assert row["systems"]["ringcomm"]["idle_cpu_s"] is not None and row["systems"]["ringcomm"]["idle_cpu_s"] >= 0
     assert len([r for r in data["runs"] if r["system"] == "ringcomm"][0]["times_s"]) == 20
     assert "allreduce latency" in proc.stdout and "gloo/ringcomm p50" in proc.stdout
+
+
+def test_crosshost_link_bounds() -> None:
+    from ringcomm.bench import _netns, crosshost
+
+    assert _netns.tc_rate_bits("1gbit") == 10**9 and _netns.tc_rate_bits("500mbit") == 5 * 10**8
+    with pytest.raises(ValueError):
+        _netns.tc_rate_bits("fast")
+    b = crosshost.link_bounds(64 << 20, 4, 2, 10**9)
+    # 2 hosts x 2 ranks: a flat ring pushes 1.5 S across the link, a hierarchical allreduce S
+    assert b["flat_ring_s"] == pytest.approx(1.5 * (64 << 20) * 8 / 1e9)
+    assert b["hierarchical_s"] == pytest.approx((64 << 20) * 8 / 1e9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) -> None:
+    from ringcomm.bench import _netns
+
+    why = _netns.unavailable_reason()
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path / "xh.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "crosshost", "--rates", "1gbit", "--sizes", "64K", "1M",
+           "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())["crosshost"]
+    assert data["skipped"] is None
+    assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
+        ("1gbit", 65536, ["gloo", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "ringcomm"])]
+    assert "gloo/ringcomm" in proc.stdout

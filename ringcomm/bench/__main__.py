@@ -6,6 +6,7 @@ Examples::
     python -m ringcomm.bench allgather --np 2 --sizes 4K 1M
     python -m ringcomm.bench broadcast --np 4
     python -m ringcomm.bench latency --np 2 4
+    python -m ringcomm.bench crosshost --rates 1gbit 10gbit --sizes 1M 16M 64M
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
@@ -23,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, coordination, latency, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, crosshost, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -97,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     lat.add_argument("--systems", nargs="+", choices=latency.SYSTEMS, default=list(latency.SYSTEMS),
                      help="systems to run (default: all; MPI only if mpi4py and mpirun are installed)")
 
+    xh = sub.add_parser("crosshost", parents=[output],
+                        help="allreduce across two network-namespace hosts over a shaped link, ringcomm vs gloo (root)")
+    xh.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="link rates, tc units (default: 1gbit 10gbit)")
+    xh.add_argument("--sizes", type=_size, nargs="+", default=[1 << 20, 16 << 20, 64 << 20], metavar="SIZE",
+                    help="allreduce sizes (default: 1M 16M 64M)")
+    xh.add_argument("--ranks-per-host", type=_positive, default=2, help="ranks on each of the 2 hosts (default: 2)")
+    xh.add_argument("--iters", type=_positive, default=5, help="timed ops per size and job (default: 5)")
+    xh.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
+    xh.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=list(crosshost.SYSTEMS))
+
     ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
     ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")
     ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
@@ -152,6 +164,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["latency"] = latency.run(latency.LatencyConfig(
             nps=args.np, nbytes=args.bytes, ops=args.ops, warmup=args.warmup, repeats=args.repeats, idle=args.idle,
             systems=args.systems, job_timeout=args.job_timeout))
+    elif args.command == "crosshost":
+        results["crosshost"] = crosshost.run(crosshost.CrossHostConfig(
+            rates=args.rates, sizes=args.sizes, ranks_per_host=args.ranks_per_host, iters=args.iters,
+            warmup=args.warmup, repeats=args.repeats, systems=args.systems, job_timeout=max(args.job_timeout, 600.0)))
     elif args.command == "ceiling":
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
                                                                repeats=args.repeats, job_timeout=args.job_timeout))
@@ -181,6 +197,7 @@ def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
     runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
+    runs += results.get("crosshost", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

@@ -152,6 +152,10 @@ def markdown(results: dict[str, Any]) -> str:
         from .latency import markdown as latency_markdown
 
         parts.append(latency_markdown(results["latency"]))
+    if "crosshost" in results:
+        from .crosshost import markdown as crosshost_markdown
+
+        parts.append(crosshost_markdown(results["crosshost"]))
     if "coordination" in results:
         from .coordination import format_table
 
