@@ -83,6 +83,9 @@ class Settings:
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
     #: (-1: by job size, :func:`small_allreduce_bytes_for`).
     small_allreduce_bytes: int = -1
+    #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
+    #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
+    hierarchical_allreduce: int = -1
     #: Seconds to wait for a peer's data before declaring it lost.
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.
@@ -160,6 +163,9 @@ class Settings:
             raise InvalidInputError(
                 f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"
             )
+        if self.hierarchical_allreduce not in (-1, 0, 1):
+            raise InvalidInputError(
+                f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")

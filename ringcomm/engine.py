@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, ops, shm_allreduce, wire
+from . import auth, hierarchical, ops, shm_allreduce, wire
 from .cache import ResponseCache
 from .config import Settings
 from .controller import Controller
@@ -116,6 +116,7 @@ class Engine(Executor):
         # records the set's responses in the same order; rank 0 records every set's)
         self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._links: dict[int, Any] = {}
+        self._host_plans: dict[int, Any] = {}  # process set -> hierarchical.HostPlan or None (executor's cache)
         self._seqs: dict[int, int] = {0: 0}
         self._caches: dict[int, ResponseCache] = {0: ResponseCache(settings.cache_capacity)}
         self._stopping = False
@@ -662,7 +663,7 @@ class Engine(Executor):
         # the set's op count advances only for ops that move data (errors may reach one rank only)
         n = self._seqs.get(pset, 0)
         self._seqs[pset] = n + 1
-        seq = (pset << _PSET_SHIFT) | n
+        seq = (pset << _PSET_SHIFT) | (n * hierarchical.PHASES)  # room for an op's phases
         if not resp.joined and self._coord is None:  # rank 0 recorded it when it emitted the response
             cache = self._caches.get(pset)
             for e in entries:
@@ -725,6 +726,7 @@ class Engine(Executor):
     def _unregister_set(self, pset: int) -> None:
         self._sets.pop(pset, None)
         self._links.pop(pset, None)
+        self._host_plans.pop(pset, None)
         self._seqs.pop(pset, None)
         self._caches.pop(pset, None)
 
