@@ -30,7 +30,9 @@ from typing import Any
 
 from . import _netns, _procs, _util
 
-SYSTEMS = ("ringcomm", "gloo")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat")
+#: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
+FLAT = "ringcomm-flat"
 
 
 @dataclasses.dataclass
@@ -41,7 +43,7 @@ class CrossHostConfig:
     iters: int = 5
     warmup: int = 2
     repeats: int = 3
-    systems: Sequence[str] = SYSTEMS
+    systems: Sequence[str] = ("ringcomm", "gloo")
     job_timeout: float = 600.0
 
 
@@ -52,14 +54,15 @@ def link_bounds(nbytes: int, ranks: int, hosts: int, rate_bits: int) -> dict[str
             "hierarchical_s": 2 * (hosts - 1) / hosts * nbytes / per_second}
 
 
-def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
+def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
+              extra: dict[str, str] | None = None) -> _procs.JobResult:
     p = cfg.ranks_per_host
     argv = [sys.executable, "-m", "ringcomm.launcher", "-np", str(2 * p),
             "-H", f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", "--ssh-command", str(hosts.ssh),
             "--network-interface", hosts.interface,
             sys.executable, "-m", "ringcomm.bench._rc_worker", "--op", "allreduce", "--plan", plan,
             "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30)]
-    return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True), cfg.job_timeout)
+    return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True, extra), cfg.job_timeout)
 
 
 def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
@@ -86,7 +89,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
         _util.log(f"crosshost skipped: {why}")
         return section
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
-    runners = {"ringcomm": _ringcomm, "gloo": _gloo}
+    runners = {"ringcomm": _ringcomm, "gloo": _gloo,
+               FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:
@@ -140,10 +144,12 @@ def markdown(section: dict[str, Any]) -> str:
     if section.get("skipped"):
         return f"### Across two hosts\n\nskipped: {section['skipped']}\n"
     p = section["ranks_per_host"]
+    has_flat = any(FLAT in row["systems"] for row in section["summary"])
     lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, "
              f"{section['repeats']} alternating rounds)", "",
              "| link | size | ringcomm | gloo | gloo/ringcomm | ringcomm vs flat-ring bound | "
-             "ringcomm vs hierarchical bound |", "|---|---|---|---|---|---|---|"]
+             "ringcomm vs hierarchical bound |" + (" one flat ring (hierarchical off) |" if has_flat else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if has_flat else "")]
     for row in section["summary"]:
         rc_ = row["systems"].get("ringcomm", {}).get("median_s")
         gl = row["systems"].get("gloo", {}).get("median_s")
@@ -152,6 +158,9 @@ def markdown(section: dict[str, Any]) -> str:
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
         cells = [row["rate"], _util.format_size(row["bytes"]),
                  f"{rc_ * 1e3:.1f} ms" if rc_ else "n/a", f"{gl * 1e3:.1f} ms" if gl else "n/a", ratio, flat, hier]
+        if has_flat:
+            fl = row["systems"].get(FLAT, {}).get("median_s")
+            cells.append(f"{fl * 1e3:.1f} ms" if fl else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
               "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time."]
