@@ -35,9 +35,9 @@ import numpy as np
 
 from . import config, ops, topology, wire
 from .coordinator import JOIN_NAME
-from .engine import Engine, Entry
+from .engine import Engine
 from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidTypeError, NotInitializedError
-from .handles import GroupHandle, Handle
+from .handles import Entry, GroupHandle, Handle
 from .ops import Average, ReduceOp
 from .process_sets import (
     ProcessSet,

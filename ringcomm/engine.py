@@ -18,7 +18,6 @@ no CPU.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import sys
@@ -38,7 +37,7 @@ from .errors import (
     HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
 )
 from .executor import Executor
-from .handles import Handle
+from .handles import Entry, Handle
 from .ops import ReduceOp
 from .serving_link import ServingLink
 from .timeline import Timeline
@@ -49,22 +48,6 @@ from .wire import Request, Response
 log = logging.getLogger("ringcomm.engine")
 
 
-@dataclasses.dataclass
-class Entry:
-    """One op submitted on this rank: its request, its arrays and its handle."""
-
-    req: Request
-    arrays: list[np.ndarray]
-    handle: Handle
-    outs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
-    grouped: bool = False
-    submitted_at: float = 0.0  # perf_counter when the user thread submitted it
-    drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
-
-    @property
-    def key(self) -> tuple[int, str]:
-        """Names are unique per process set: ``(set id, name)``."""
-        return (self.req.pset, self.req.name)
 
 
 class _NullLink:

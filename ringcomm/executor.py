@@ -31,7 +31,7 @@ from .wire import Response
 
 if TYPE_CHECKING:
     from .config import Settings
-    from .engine import Entry
+    from .handles import Entry
     from .serving_link import ServingLink
     from .timeline import Timeline
 
