@@ -47,6 +47,7 @@ from .api import (
 )
 from .errors import (
     DuplicateNameError,
+    ForkedProcessError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
     InvalidInputError,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import pickle
 import sys
 
@@ -34,9 +35,9 @@ import numpy as np
 
 from . import config, ops, topology, wire
 from .coordinator import JOIN_NAME
-from .engine import Engine, Entry
-from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError, NotInitializedError
-from .handles import GroupHandle, Handle
+from .engine import Engine
+from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidTypeError, NotInitializedError
+from .handles import Entry, GroupHandle, Handle
 from .ops import Average, ReduceOp
 from .process_sets import (
     ProcessSet,
@@ -60,6 +61,7 @@ class Runtime:
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
         self.topo = topology.from_env()
         self.round = round_
+        self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
         self.dynamic_sets = dynamic_sets
         self.all_ranks = tuple(range(self.topo.size))
         self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
@@ -194,8 +196,9 @@ def shutdown() -> None:
     global _runtime
     with _init_lock:
         rt, _runtime = _runtime, None
-    if rt is not None:
+    if rt is not None and rt.pid == os.getpid():
         rt.shutdown()
+    # in a child forked after init() the engine's sockets belong to the parent: leave them alone
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -236,39 +239,63 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def _rt(what: str) -> Runtime:
+def _topo_rt(what: str) -> Runtime:
+    """The runtime, for questions about the job's layout (answered in forked children too)."""
     rt = _runtime
     if rt is None:
         raise NotInitializedError(f"ringcomm.{what}() needs ringcomm.init() first (or was called after shutdown())")
     return rt
 
 
+def _rt(what: str) -> Runtime:
+    """The runtime, for anything that needs its engine: refused in a process forked after init()."""
+    rt = _topo_rt(what)
+    if rt.pid != os.getpid():
+        raise ForkedProcessError(
+            f"ringcomm.{what}() on rank {rt.topo.rank}: this process (pid {os.getpid()}) was forked from the "
+            f"rank's process (pid {rt.pid}) after init(), and the job's engine thread and sockets exist only "
+            "there. Call collectives from the process that called init(); for worker processes that need "
+            "them, start them with the 'spawn' or 'forkserver' method (multiprocessing.set_start_method, "
+            "DataLoader(multiprocessing_context='spawn')). rank(), size() and the other layout queries work "
+            "in forked children.")
+    return rt
+
+
+def _after_fork_in_child() -> None:
+    # a lock held by another thread at the moment of fork() stays held forever in the child
+    global _init_lock
+    _init_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def rank() -> int:
     """This process's rank, 0..size()-1."""
-    return _rt("rank").topo.rank
+    return _topo_rt("rank").topo.rank
 
 
 def size() -> int:
     """Number of processes in the job."""
-    return _rt("size").topo.size
+    return _topo_rt("size").topo.size
 
 
 def local_rank() -> int:
     """Rank among the processes on this host (use it to pick a GPU)."""
-    return _rt("local_rank").topo.local_rank
+    return _topo_rt("local_rank").topo.local_rank
 
 
 def local_size() -> int:
-    return _rt("local_size").topo.local_size
+    return _topo_rt("local_size").topo.local_size
 
 
 def cross_rank() -> int:
     """Index of this host among the job's hosts."""
-    return _rt("cross_rank").topo.cross_rank
+    return _topo_rt("cross_rank").topo.cross_rank
 
 
 def cross_size() -> int:
-    return _rt("cross_size").topo.cross_size
+    return _topo_rt("cross_size").topo.cross_size
 
 
 # ---------------------------------------------------------------------------

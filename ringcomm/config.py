@@ -44,6 +44,10 @@ def _flag(raw: str) -> bool:
     raise ValueError(raw)
 
 
+#: Most payload bytes rank 0 takes in for one op on the rank-0 path, summed over the ranks.
+SMALL_ALLREDUCE_RANK0_BYTES = 1024 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Tuning knobs.  Field ``x`` is read from ``RINGCOMM_X``."""
@@ -79,6 +83,9 @@ class Settings:
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
     #: (-1: by job size, :func:`small_allreduce_bytes_for`).
     small_allreduce_bytes: int = -1
+    #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
+    #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
+    hierarchical_allreduce: int = -1
     #: Seconds to wait for a peer's data before declaring it lost.
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.
@@ -122,17 +129,20 @@ class Settings:
 
     def small_allreduce_bytes_for(self, size: int) -> int:
         """The rank-0 path's bound in a job of ``size`` ranks: the setting, or by default 16 KiB at
-        2 ranks, doubling with each rank up to 128 KiB.
+        2 ranks, doubling with each rank up to 128 KiB, and from 8 ranks on 1 MiB / ``size``.
 
         Rank 0 receives every payload and sends every result, so its cost grows with the size
         while the ring's grows with its 2(p-1) steps; measured crossovers (np=2: 16-32 KiB, np=3:
-        32-64 KiB, np=4: 64-128 KiB) lie at or just above this rule's bound.
+        32-64 KiB, np=4: 64-128 KiB) lie at or just above this rule's bound.  Past 8 ranks the
+        bound shrinks so that rank 0 never takes in more than 1 MiB of payloads per op, whatever
+        the job's size (at 4,096 ranks: 256 bytes, a few scalars).
 
             Settings().small_allreduce_bytes_for(2) -> 16384    ...(4) -> 65536    ...(8) -> 131072
+            Settings().small_allreduce_bytes_for(64) -> 16384   ...(4096) -> 256
         """
         if self.small_allreduce_bytes >= 0:
             return self.small_allreduce_bytes
-        return min(128 * 1024, (16 * 1024) << max(0, size - 2))
+        return min(128 * 1024, (16 * 1024) << max(0, size - 2), SMALL_ALLREDUCE_RANK0_BYTES // max(1, size))
 
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` for values that cannot work."""
@@ -153,6 +163,9 @@ class Settings:
             raise InvalidInputError(
                 f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"
             )
+        if self.hierarchical_allreduce not in (-1, 0, 1):
+            raise InvalidInputError(
+                f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")

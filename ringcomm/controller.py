@@ -65,7 +65,7 @@ class Controller:
             state = "was removed" if req.pset in self._removed else "is not registered"
             self._reject(rank, req, f"{what}: process set {req.pset} {state}; register it with "
                                     "add_process_set() (on every rank) before using it")
-        elif rank not in coord.ranks:
+        elif not coord.is_member(rank):
             self._reject(rank, req, f"{what}: rank {rank} is not a member of process set {req.pset} "
                                     f"(ranks {list(coord.ranks)}); only its members may run collectives on it")
         elif req.pset != 0 and req.kind in GLOBAL_ONLY:
@@ -89,7 +89,7 @@ class Controller:
             coord = self.sets.get(pset)
             if coord is None:  # removed by a response taken earlier in this call
                 continue
-            if skip_member is not None and skip_member in coord.ranks:
+            if skip_member is not None and coord.is_member(skip_member):
                 continue
             for resp in coord.take_responses():
                 if resp.kind == wire.ADD_PSET and not resp.error:

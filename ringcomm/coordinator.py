@@ -163,6 +163,7 @@ class Coordinator:
         self._pending: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
         self._ready: list[str] = []
+        self._ready_set: set[str] = set()  # the names in _ready: a membership test per submit stays O(1)
         self._errors: dict[str, str] = {}
         self._stalled: set[str] = set()
         self._joined: list[int] = []
@@ -174,7 +175,7 @@ class Coordinator:
         if rank not in self._members:
             raise ValueError(f"rank {rank} is not a member of{self.where or ' the job'} (ranks {list(self.ranks)})")
         name = req.name
-        if name in self._ready:
+        if name in self._ready_set:
             # a rank re-used a name whose previous instance has not been taken yet
             self._errors.setdefault(name, f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed")
             return
@@ -189,28 +190,35 @@ class Coordinator:
         else:
             self._check_ready(name)
 
-    def _present(self, name: str) -> set[int]:
-        return set(self._pending[name])
+    def is_member(self, rank: int) -> bool:
+        """Whether global ``rank`` belongs to this set (constant time)."""
+        return rank in self._members
+
+    def _mark_ready(self, name: str) -> None:
+        self._ready.append(name)
+        self._ready_set.add(name)
 
     def _check_ready(self, name: str) -> None:
+        # Called once per submit: constant work unless some rank has joined (slots hold members only).
         slot = self._pending.get(name)
-        if not slot or name in self._ready:
+        if not slot or name in self._ready_set:
             return
-        present = set(slot)
-        if len(present) == self.size:
-            self._ready.append(name)
+        if len(slot) == self.size:
+            self._mark_ready(name)
+            return
+        if not self._joined:
             return
         kind = next(iter(slot.values())).kind
         if kind in (wire.JOIN, wire.SHUTDOWN):
             return
         joined = set(self._joined)
-        if joined and present | joined >= self._members:
+        if joined | slot.keys() >= self._members:
             if kind != wire.ALLREDUCE:
                 self._errors[name] = (
-                    f"{kind} '{name}' cannot run while rank(s) {sorted(joined - present)} have joined; "
+                    f"{kind} '{name}' cannot run while rank(s) {sorted(joined - slot.keys())} have joined; "
                     "after join() only allreduce proceeds (joined ranks contribute zeros)"
                 )
-            self._ready.append(name)
+            self._mark_ready(name)
 
     def _recheck_all(self) -> None:
         for name in list(self._pending):
@@ -223,6 +231,7 @@ class Coordinator:
         if not self._ready:
             return []
         ready, self._ready = self._ready, []
+        self._ready_set.clear()
         out: list[Response | None] = []
         fusable: list[tuple[int, str, Request]] = []  # (slot in out, name, req)
         joined = tuple(sorted(set(self._joined)))
@@ -299,10 +308,10 @@ class Coordinator:
 
     def fail(self, name: str, message: str) -> None:
         """Release ``name`` now as an error on every rank (a stall that lasted too long)."""
-        if name in self._pending and name not in self._ready:
+        if name in self._pending and name not in self._ready_set:
             self._errors[name] = message
             self._stalled.add(name)
-            self._ready.append(name)
+            self._mark_ready(name)
 
     def pending_names(self) -> list[str]:
         return list(self._pending)

@@ -18,9 +18,9 @@ no CPU.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, ops, shm_allreduce, wire
+from . import auth, hierarchical, ops, shm_allreduce, wire
 from .cache import ResponseCache
 from .config import Settings
 from .controller import Controller
@@ -37,7 +37,7 @@ from .errors import (
     HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
 )
 from .executor import Executor
-from .handles import Handle
+from .handles import Entry, Handle
 from .ops import ReduceOp
 from .serving_link import ServingLink
 from .timeline import Timeline
@@ -48,22 +48,6 @@ from .wire import Request, Response
 log = logging.getLogger("ringcomm.engine")
 
 
-@dataclasses.dataclass
-class Entry:
-    """One op submitted on this rank: its request, its arrays and its handle."""
-
-    req: Request
-    arrays: list[np.ndarray]
-    handle: Handle
-    outs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
-    grouped: bool = False
-    submitted_at: float = 0.0  # perf_counter when the user thread submitted it
-    drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
-
-    @property
-    def key(self) -> tuple[int, str]:
-        """Names are unique per process set: ``(set id, name)``."""
-        return (self.req.pset, self.req.name)
 
 
 class _NullLink:
@@ -115,6 +99,7 @@ class Engine(Executor):
         # records the set's responses in the same order; rank 0 records every set's)
         self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._links: dict[int, Any] = {}
+        self._host_plans: dict[int, Any] = {}  # process set -> hierarchical.HostPlan or None (executor's cache)
         self._seqs: dict[int, int] = {0: 0}
         self._caches: dict[int, ResponseCache] = {0: ResponseCache(settings.cache_capacity)}
         self._stopping = False
@@ -205,6 +190,7 @@ class Engine(Executor):
             self._serving = ServingLink(link, ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
+            progress=_print_waiting if self.rank == 0 else None,
         )
         self.peer_table = table
         _check_same_security(table, self.rank)
@@ -660,7 +646,7 @@ class Engine(Executor):
         # the set's op count advances only for ops that move data (errors may reach one rank only)
         n = self._seqs.get(pset, 0)
         self._seqs[pset] = n + 1
-        seq = (pset << _PSET_SHIFT) | n
+        seq = (pset << _PSET_SHIFT) | (n * hierarchical.PHASES)  # room for an op's phases
         if not resp.joined and self._coord is None:  # rank 0 recorded it when it emitted the response
             cache = self._caches.get(pset)
             for e in entries:
@@ -723,6 +709,7 @@ class Engine(Executor):
     def _unregister_set(self, pset: int) -> None:
         self._sets.pop(pset, None)
         self._links.pop(pset, None)
+        self._host_plans.pop(pset, None)
         self._seqs.pop(pset, None)
         self._caches.pop(pset, None)
 
@@ -742,3 +729,8 @@ def _control_batches(resps: list[Response]) -> list[list[Response]]:
         batches[-1].append(resp)
         carried += len(resp.data)
     return batches
+
+
+def _print_waiting(line: str) -> None:
+    """Rank 0's report of the ranks still missing at the rendezvous: on stderr, whatever the logging setup."""
+    print(f"ringcomm: rank 0: {line}", file=sys.stderr, flush=True)

@@ -72,3 +72,7 @@ class ShutdownError(HorovodInternalError):
 # Horovod calls the elastic-recovery signal HostsUpdatedInterrupt; exposed for parity.
 class HostsUpdatedInterrupt(RingcommError, RuntimeError):
     """The set of hosts changed (elastic training)."""
+
+
+class ForkedProcessError(RingcommError, RuntimeError):
+    """A collective was called in a process forked after ``init()``: the job's engine lives in the parent."""

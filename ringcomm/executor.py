@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import algorithms, ops, ring, shm_allreduce, wire
+from . import algorithms, hierarchical, ops, ring, shm_allreduce, wire
 from .errors import HorovodInternalError
 from .ops import ReduceOp
 from .transport import DataPlane
@@ -31,7 +31,7 @@ from .wire import Response
 
 if TYPE_CHECKING:
     from .config import Settings
-    from .engine import Entry
+    from .handles import Entry
     from .serving_link import ServingLink
     from .timeline import Timeline
 
@@ -51,6 +51,9 @@ class Executor:
     _phases: list[tuple[str, float, float]]
     _star_spans: dict[tuple[Any, ...], tuple[float, float]]
     _shm_ar: shm_allreduce.ShmAllreduce | None
+    _host_plans: dict[int, hierarchical.HostPlan | None]
+    size: int
+    peer_table: list[dict]
 
     _register_set: Callable[[Response], int]
     _unregister_set: Callable[[int], None]
@@ -78,6 +81,14 @@ class Executor:
         if link is None:
             link = self._links[pset] = algorithms.SubLink(base, self._sets[pset])
         return link
+
+    def _host_plan(self, pset: int) -> hierarchical.HostPlan | None:
+        """This rank's hierarchical plan in process set ``pset`` (None: one host, or uneven hosts)."""
+        if pset not in self._host_plans:
+            members = self._sets.get(pset) or tuple(range(self.size))
+            hosts = [str(self.peer_table[g]["host"]) if g < len(self.peer_table) else "" for g in members]
+            self._host_plans[pset] = hierarchical.plan(hosts, members.index(self.rank)) if self.rank in members else None
+        return self._host_plans[pset]
 
     def _dispatch(self, resp: Response, entries: list[Entry], seq: int) -> list[Any]:
         kind = resp.kind
@@ -188,19 +199,29 @@ class Executor:
                     pos += a.size
         t1 = time.perf_counter()
         marks: list[float] | None = [] if self.timeline is not None else None
+        hier = False
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
             shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
             if not (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
                     and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
                                         watch=self._watch_peer)):
-                algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
+                plan = self._host_plan(resp.pset)  # several hosts: reduce within each host first
+                hier = hierarchical.choose(self.settings.hierarchical_allreduce, buf.nbytes, plan, op)
+                if hier and plan is not None:
+                    hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src)
+                    if isinstance(self._link, DataPlane):
+                        self._link.stats["hierarchical_allreduce"] += 1
+                else:
+                    algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
             if resp.data:
                 reduced_from = self._star_spans.pop((resp.pset, *resp.names), (t0, t2))[0]
                 phases.append(("RANK0_REDUCE", reduced_from, t2))
+            elif hier:
+                phases.append(("HIERARCHICAL_ALLREDUCE", t1, t2))
             elif marks:
                 phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]
             else:  # one rank, or nothing to move

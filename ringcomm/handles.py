@@ -1,12 +1,16 @@
-"""Handles: what an async collective returns to the user thread."""
+"""Handles: what an async collective returns to the user thread, and the entry the engine keeps for it."""
 
 from __future__ import annotations
 
 import _thread
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .errors import HorovodInternalError
+from .wire import Request
 
 
 class Handle:
@@ -85,3 +89,21 @@ class GroupHandle:
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         return [h.wait(timeout) for h in self._handles]
+
+
+@dataclasses.dataclass
+class Entry:
+    """One op submitted on this rank: its request, its arrays and its handle."""
+
+    req: Request
+    arrays: list[np.ndarray]
+    handle: Handle
+    outs: list[np.ndarray | None] = dataclasses.field(default_factory=list)
+    grouped: bool = False
+    submitted_at: float = 0.0  # perf_counter when the user thread submitted it
+    drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """Names are unique per process set: ``(set id, name)``."""
+        return (self.req.pset, self.req.name)

@@ -45,11 +45,13 @@ Example (two ranks, each in its own process)::
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import hmac
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -66,6 +68,7 @@ __all__ = [
     "sign",
     "verify",
     "MAX_MESSAGE_BYTES",
+    "waiting_line",
 ]
 
 log = logging.getLogger("ringcomm.rendezvous")
@@ -184,7 +187,10 @@ class RendezvousServer:
             self._socket.close(0)
             self._zap.close()
             self._context.term()
-            raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}") from exc
+            hint = (" -- another process holds that port (a second job on this host, or torchrun's store next "
+                    "to it); set RINGCOMM_RENDEZVOUS_PORT to a free port, the same on every rank"
+                    ) if exc.errno == errno.EADDRINUSE else ""
+            raise RendezvousError(f"cannot bind the rendezvous to tcp://{bracketed}:{port}: {exc}{hint}") from exc
         self._address = f"tcp://{bracketed}:{self._port}"
         self._lock = threading.Lock()  # guards the state below against readers in other threads
         self._rounds: dict[int, _Round] = {}
@@ -486,8 +492,13 @@ def register(
     info: dict,
     timeout: float,
     round: int = 0,  # noqa: A002 - the protocol's name for it
+    progress: Callable[[str], None] | None = None,
+    progress_every: float = 5.0,
 ) -> list[dict]:
     """Announce this rank's ``info`` and wait for every rank's: returns ``[info_0, ..., info_{size-1}]``.
+
+    ``progress`` (rank 0 prints it) is called every ``progress_every`` s of
+    waiting with :func:`waiting_line`'s report of who is missing.
 
     Raises :class:`RendezvousTimeoutError` when not every rank arrived within
     ``timeout`` seconds (the message says which ranks did), and
@@ -500,7 +511,8 @@ def register(
     """
     request = {"op": "register", "round": round, "rank": rank, "size": size, "info": info}
     with _Client(address, secret) as client:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_report = start + timeout, start + progress_every
         reply = None
         wait = 0.1
         while reply is None and time.monotonic() < deadline:
@@ -508,7 +520,15 @@ def register(
             # a server which then closed -- rank 0 re-hosting the rendezvous after shutdown() and
             # init() under torchrun -- is not lost.
             client.send(request)
-            reply = client.recv(min(deadline, time.monotonic() + wait), "register")
+            reply = client.recv(min(deadline, time.monotonic() + wait), "register", "status")
+            if reply is not None and reply.get("op") == "status":  # rank 0's report of who is missing
+                line = waiting_line(reply.get("arrived", []), size, time.monotonic() - start, timeout)
+                if progress is not None and line:
+                    progress(line)
+                reply = None
+            elif progress is not None and reply is None and time.monotonic() >= next_report:
+                client.send({"op": "status", "round": round})
+                next_report += progress_every
             wait = min(_RESEND_SECONDS, wait * 2)
         if reply is None:
             # Ask who did arrive, for the message; the table may still come in meanwhile.
@@ -527,6 +547,20 @@ def register(
         return table
 
 
+def _missing(arrived: list[Any], size: int) -> tuple[int, str]:
+    """How many of ``size`` ranks are not in ``arrived``, and the first 16 of them as text."""
+    have = {r for r in arrived if _is_int(r)}
+    missing = [r for r in range(size) if r not in have]
+    return len(missing), ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+
+
+def waiting_line(arrived: list[Any], size: int, elapsed: float, timeout: float) -> str:
+    """``"waiting for ranks 2, 3 (10 s of 60)"``, or "" when nobody is missing."""
+    count, shown = _missing(arrived, size)
+    noun = "rank" if count == 1 else "ranks"
+    return f"waiting for {noun} {shown} ({elapsed:.0f} s of {timeout:.0f})" if count else ""
+
+
 def _timeout_message(
     address: str, rank: int, size: int, rnd: int, timeout: float, status: dict[str, Any] | None
 ) -> str:
@@ -536,10 +570,8 @@ def _timeout_message(
             "rank have the launcher's RINGCOMM_SECRET?)"
         )
     else:
-        arrived = [r for r in status.get("arrived", []) if _is_int(r)]
-        missing = [r for r in range(size) if r not in arrived]
-        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
-        detail = f" ({len(arrived)} of {size} ranks registered; missing: {shown})" if missing else ""
+        count, shown = _missing(status.get("arrived", []), size)
+        detail = f" ({size - count} of {size} ranks registered; missing: {shown})" if count else ""
     return (
         f"rank {rank} timed out after {float(timeout):.1f} s waiting for the rendezvous at {address} "
         f"(round {rnd}): the other ranks did not all arrive{detail}. {_FIX_HINT}"

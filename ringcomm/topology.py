@@ -9,15 +9,20 @@ allocation also sets ``SLURM_*``; torchrun under Slurm sets both too):
 2. torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
    ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.  Rank 0 hosts the
    rendezvous on ``MASTER_ADDR:(RINGCOMM_RENDEZVOUS_PORT or MASTER_PORT + 1)``
-   (torchrun's own store may hold ``MASTER_PORT``).
+   (torchrun's own store may hold ``MASTER_PORT``; when ``MASTER_PORT + 1``
+   is an ephemeral port, one derived from the job: :func:`torchrun_port`).
 3. Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``OMPI_COMM_WORLD_LOCAL_SIZE``.
 4. MPICH / Intel MPI (hydra) and other PMI launchers: ``PMI_RANK``,
-   ``PMI_SIZE`` (``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS`` when set).
+   ``PMI_SIZE`` (``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS`` when set) -- unless
+   they are ``srun --mpi=pmi2``'s own, agreeing with ``SLURM_*`` (then 5).
    For 3 and 4 the rendezvous is at ``RINGCOMM_MASTER_ADDR`` (or
-   ``MASTER_ADDR``) and ``RINGCOMM_RENDEZVOUS_PORT`` (or ``MASTER_PORT``);
-   whatever the launcher does not say (the host index, for Open MPI) is
-   worked out from every rank's host name at the rendezvous.
+   ``MASTER_ADDR``) and ``RINGCOMM_RENDEZVOUS_PORT`` (or ``MASTER_PORT``) when
+   set, else where the launcher's own variables say (:mod:`ringcomm.mpi_env`:
+   127.0.0.1 when every rank is on one host, the launcher's host across hosts,
+   a port derived from the launcher's job id); whatever the launcher does not
+   say (the host index, for Open MPI) is worked out from every rank's host
+   name at the rendezvous.
 5. Slurm's ``srun``: ``SLURM_PROCID`` with ``SLURM_STEP_ID`` (a batch script
    itself has no step id and runs as a single process), ``SLURM_NTASKS``,
    ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_NODELIST`` or
@@ -42,14 +47,11 @@ import socket
 from collections.abc import Mapping, Sequence
 
 from . import hosts as _hosts
-from . import netaddr
+from . import mpi_env, netaddr
 from .errors import InvalidInputError
 
 #: Placement fields a source may leave to be worked out from the rendezvous table.
 PLACEMENT_FIELDS = ("local_rank", "local_size", "cross_rank", "cross_size")
-#: Ports derived from a Slurm job id fall in [_PORT_BASE, _PORT_BASE + _PORT_SPAN): below Linux's
-#: ephemeral range, so an outgoing connection never holds one by chance.
-_PORT_BASE, _PORT_SPAN = 20000, 12000
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
 
@@ -184,6 +186,22 @@ def _from_ringcomm_run(env: Mapping[str, str], hostname: str) -> Topology:
     )
 
 
+#: Linux's default ephemeral range starts here: any outgoing connection or bind to port 0 may hold a port above.
+_EPHEMERAL_FROM = 32768
+
+
+def torchrun_port(master: str, master_port: int, run_id: str) -> int:
+    """Rank 0's rendezvous port under torchrun: ``MASTER_PORT + 1``, out of the ephemeral range.
+
+    torchrun's store holds ``MASTER_PORT``.  ``--standalone`` picks it among the ephemeral ports,
+    where the next one is often taken by some connection: then the port is derived instead from
+    the master address, port and run id (in 20000-31999, like Slurm's), alike on every rank.
+    """
+    if master_port + 1 < _EPHEMERAL_FROM:
+        return master_port + 1
+    return mpi_env.derived_port(f"torchrun:{master}:{master_port}:{run_id}")
+
+
 def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     src = "torchrun (RANK/WORLD_SIZE)"
     rank, size = _int(env, "RANK", src=src), _int(env, "WORLD_SIZE", src=src)
@@ -191,7 +209,8 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     local_size = _int(env, "LOCAL_WORLD_SIZE", size)
     _check(rank, size, local_rank, local_size, "RANK/WORLD_SIZE (torchrun)")
     master = env.get("MASTER_ADDR", "127.0.0.1")
-    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", _int(env, "MASTER_PORT", 29500, src) + 1)
+    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", torchrun_port(
+        master, _int(env, "MASTER_PORT", 29500, src), env.get("TORCHELASTIC_RUN_ID", "")))
     secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}")
     cross_size = max(1, -(-size // max(local_size, 1)))
     cross_rank = _int(env, "GROUP_RANK", rank // max(local_size, 1))
@@ -204,23 +223,6 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
         hostname=hostname, source="torchrun",
         addr=pick_address(env, [master]), **where,  # type: ignore[arg-type]
     )
-
-
-def _mpi_master(env: Mapping[str, str], src: str) -> tuple[str, int]:
-    master = env.get("RINGCOMM_MASTER_ADDR") or env.get("MASTER_ADDR")
-    if not master:
-        raise InvalidInputError(
-            f"RINGCOMM_MASTER_ADDR is not set: started by {src}, every rank needs rank 0's host in "
-            "RINGCOMM_MASTER_ADDR (or MASTER_ADDR) and a free port there in RINGCOMM_RENDEZVOUS_PORT "
-            "(or MASTER_PORT), e.g. mpirun -x RINGCOMM_MASTER_ADDR=node01 -x RINGCOMM_RENDEZVOUS_PORT=29400"
-        )
-    if "RINGCOMM_RENDEZVOUS_PORT" not in env and "MASTER_PORT" not in env:
-        raise InvalidInputError(
-            f"RINGCOMM_RENDEZVOUS_PORT is not set: started by {src}, every rank needs the rendezvous port "
-            "on rank 0's host in RINGCOMM_RENDEZVOUS_PORT (or MASTER_PORT)"
-        )
-    port = _int(env, "RINGCOMM_RENDEZVOUS_PORT") if "RINGCOMM_RENDEZVOUS_PORT" in env else _int(env, "MASTER_PORT")
-    return master, port
 
 
 def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
@@ -238,8 +240,17 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     else:
         local_rank, local_size, derive = 0, 1, PLACEMENT_FIELDS
     _check(rank, size, local_rank, local_size, f"{keys[0]}/{keys[1]} ({src})")
-    master, port = _mpi_master(env, src)
-    jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "")
+    control = "" if prefix == "OMPI" else mpi_env.hydra_control_port(os.getpid())
+    where_from = mpi_env.plan(env, prefix, local_size if keys[2] in env else None, size, control)
+    master, port = where_from.master, where_from.port
+    told = mpi_env.rank0_address_from_mpi4py(rank, size, pick_address(env, [master])) if (
+        where_from.check_on_rank0) else None
+    if told:
+        master = told
+    elif where_from.check_on_rank0 and rank == 0 and not _is_mine(master):
+        mine = [a for a in {netaddr.default_source() or ""} if a]
+        raise InvalidInputError(mpi_env.rank0_elsewhere_message(where_from, mine, hostname))
+    jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "") or where_from.job
     secret = _derived_secret(env, f"mpi:{master}:{port}:{size}:{jobid}")
     where = _rendezvous_at(master, port, rank)
     return Topology(
@@ -250,10 +261,18 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     )
 
 
+def _is_mine(host: str) -> bool:
+    """True if ``host`` names an address of this machine (the kernel sends to it from itself)."""
+    try:
+        addr = netaddr.resolve(host)
+        return netaddr.is_loopback(addr) or netaddr.route_source(addr) == addr
+    except (OSError, InvalidInputError):
+        return False
+
+
 def slurm_port(job_id: int, step_id: int) -> int:
     """The rendezvous port every task of Slurm step ``job_id.step_id`` derives alike."""
-    digest = hashlib.sha256(f"{job_id}.{step_id}".encode()).digest()
-    return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
+    return mpi_env.derived_port(f"{job_id}.{step_id}")  # below Linux's ephemeral range
 
 
 def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
@@ -295,6 +314,37 @@ def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
     )
 
 
+def _srun_own_pmi(env: Mapping[str, str]) -> bool:
+    """True when ``PMI_*`` were set by ``srun --mpi=pmi2`` itself, not by a PMI launcher run inside a step."""
+    if "PMI_JOBID" in env:  # srun's PMI-2 plugin: "JOB.STEP"
+        return env["PMI_JOBID"] == f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}"
+    slurm_size = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
+    return env.get("PMI_RANK") == env.get("SLURM_PROCID") and env.get("PMI_SIZE") == slurm_size
+
+
+def source_of(env: Mapping[str, str]) -> str:
+    """Which launcher's variables describe this process (pure: reads ``env`` only).
+
+    One of ``"elastic"``, ``"ringcomm-run"``, ``"torchrun"``, ``"OMPI"``, ``"PMI"``, ``"slurm"``,
+    ``"single"``.  A launcher started inside another's job wins over the outer one: ``mpirun``,
+    ``mpiexec`` or torchrun inside a Slurm step also see ``SLURM_*``.  ``srun --mpi=pmi2`` sets
+    ``PMI_RANK`` itself, agreeing with ``SLURM_PROCID`` (and ``PMI_JOBID`` = ``JOB.STEP``): Slurm's
+    complete description wins then; a hydra ``mpiexec`` whose proxies srun started does not agree.
+    """
+    if env.get("RINGCOMM_ELASTIC_WORKER"):
+        return "elastic"
+    if "RINGCOMM_RANK" in env or "RINGCOMM_SIZE" in env:
+        return "ringcomm-run"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return "OMPI"
+    slurm_step = "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+    if "PMI_RANK" in env and not (slurm_step and _srun_own_pmi(env)):
+        return "PMI"
+    return "slurm" if slurm_step else "single"
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Topology:
     """Read the topology; raises InvalidInputError for an inconsistent environment."""
     env = os.environ if environ is None else environ
@@ -303,15 +353,14 @@ def from_env(environ: Mapping[str, str] | None = None) -> Topology:
         from .elastic.worker import topology_from_driver
 
         return topology_from_driver(env, hostname, _secret(env), env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4))
-    if "RINGCOMM_RANK" in env or "RINGCOMM_SIZE" in env:
+    source = source_of(env)
+    if source == "ringcomm-run":
         return _from_ringcomm_run(env, hostname)
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if source == "torchrun":
         return _from_torchrun(env, hostname)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _from_mpi(env, hostname, "OMPI")
-    if "PMI_RANK" in env:
-        return _from_mpi(env, hostname, "PMI")
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+    if source in ("OMPI", "PMI"):
+        return _from_mpi(env, hostname, source)
+    if source == "slurm":
         topo = _from_slurm(env, hostname)
         return dataclasses.replace(topo, hostname=env.get("RINGCOMM_HOSTNAME") or topo.hostname)
     return Topology(hostname=hostname, job_id=secrets.token_hex(4), secret=secrets.token_bytes(16))

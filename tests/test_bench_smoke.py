@@ -123,3 +123,66 @@ def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
     pairs = {r["of"] for r in section["ratios"] + section["bound_ratios"]}
     assert pairs == {"ringcomm/ddp", "lockstep/ddp", "independent/ddp", "ringcomm/lockstep"}
     assert "bound: independent processes" in proc.stdout and "ringcomm / lockstep img/s" in proc.stdout
+
+
+def test_latency_percentiles_and_raw_round_trip() -> None:
+    from ringcomm.bench import latency
+
+    assert latency.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert latency.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 99) == 5.0
+    assert latency.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 10) == 1.0
+    assert math.isnan(latency.percentile([], 50))
+    times = latency.raw_round_trip(4096, 20, warmup=2)
+    assert len(times) == 20 and all(t > 0 for t in times)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_latency_bench_reports_percentiles_and_idle_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "lat.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "latency", "--np", "2", "--ops", "20", "--warmup", "2",
+           "--repeats", "1", "--idle", "0.2", "--systems", "ringcomm", "gloo", "--job-timeout", "50",
+           "--json", str(out), "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())["latency"]
+    row = data["summary"][0]
+    assert set(row["systems"]) == {"raw", "ringcomm", "gloo"}
+    for system in ("raw", "ringcomm", "gloo"):
+        st = row["systems"][system]
+        assert 0 < st["p10_ms"] <= st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"]
+    assert row["systems"]["ringcomm"]["idle_cpu_s"] is not None and row["systems"]["ringcomm"]["idle_cpu_s"] >= 0
+    assert len([r for r in data["runs"] if r["system"] == "ringcomm"][0]["times_s"]) == 20
+    assert "allreduce latency" in proc.stdout and "gloo/ringcomm p50" in proc.stdout
+
+
+def test_crosshost_link_bounds() -> None:
+    from ringcomm.bench import _netns, crosshost
+
+    assert _netns.tc_rate_bits("1gbit") == 10**9 and _netns.tc_rate_bits("500mbit") == 5 * 10**8
+    with pytest.raises(ValueError):
+        _netns.tc_rate_bits("fast")
+    b = crosshost.link_bounds(64 << 20, 4, 2, 10**9)
+    # 2 hosts x 2 ranks: a flat ring pushes 1.5 S across the link, a hierarchical allreduce S
+    assert b["flat_ring_s"] == pytest.approx(1.5 * (64 << 20) * 8 / 1e9)
+    assert b["hierarchical_s"] == pytest.approx((64 << 20) * 8 / 1e9)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) -> None:
+    from ringcomm.bench import _netns
+
+    why = _netns.unavailable_reason()
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path / "xh.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "crosshost", "--rates", "1gbit", "--sizes", "64K", "1M",
+           "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())["crosshost"]
+    assert data["skipped"] is None
+    assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
+        ("1gbit", 65536, ["gloo", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "ringcomm"])]
+    assert "gloo/ringcomm" in proc.stdout

@@ -96,6 +96,26 @@ def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoH
     assert_nothing_left(hosts, err)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["1", "-1"])
+def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_rank(hosts: TwoHosts, mode: str) -> None:
+    """Forced on (every size) and automatic (from 1 MiB); ranks check results and compare digests."""
+    proc = start(hosts, *two_by_two(hosts), sys.executable, str(WORKERS / "hierarchical_worker.py"),
+                 RINGCOMM_HIERARCHICAL_ALLREDUCE=mode)
+    out, err = proc.communicate(timeout=110)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    counts = {int(m[0]): int(m[1]) for m in re.findall(r"HIER OK (\d) (\d+)", out)}
+    assert sorted(counts) == [0, 1, 2, 3], out + err
+    # 11 cases of 100,000 elements (0.4-0.8 MB: hierarchical only when forced) and 11 of 300,000 (over 1 MiB);
+    # smaller ones travel with their requests to rank 0
+    assert len(set(counts.values())) == 1, counts
+    if mode == "1":
+        assert counts[0] >= 22, counts
+    else:
+        assert 11 <= counts[0] < 22, counts
+    assert_nothing_left(hosts, err)
+
+
 FAIL_ON_HOST_B = """
 import os, time
 import numpy as np

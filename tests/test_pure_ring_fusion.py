@@ -94,13 +94,13 @@ def test_element_offsets() -> None:
     assert element_offsets([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
 
 
-def test_small_allreduce_bound_grows_with_the_job_unless_set() -> None:
+def test_small_allreduce_bound_grows_with_the_job_then_caps_rank0s_share_unless_set() -> None:
     from ringcomm.config import Settings
     from ringcomm.errors import InvalidInputError
 
     auto = Settings()
-    assert [auto.small_allreduce_bytes_for(p) for p in (1, 2, 3, 4, 5, 6, 64)] == \
-        [16384, 16384, 32768, 65536, 131072, 131072, 131072]
+    assert [auto.small_allreduce_bytes_for(p) for p in (1, 2, 3, 4, 5, 6, 8, 16, 64)] == \
+        [16384, 16384, 32768, 65536, 131072, 131072, 131072, 65536, 16384]
     assert Settings.from_env({"RINGCOMM_SMALL_ALLREDUCE_BYTES": "0"}).small_allreduce_bytes_for(2) == 0
     assert Settings.from_env({"RINGCOMM_SMALL_ALLREDUCE_BYTES": "4096"}).small_allreduce_bytes_for(8) == 4096
     with pytest.raises(InvalidInputError):

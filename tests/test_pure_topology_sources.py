@@ -154,3 +154,164 @@ def test_torchrun_group_rank_gives_the_host_index() -> None:
 def test_job_variables_are_not_mistaken_for_unknown_settings() -> None:
     env = {"RINGCOMM_RENDEZVOUS_PORT": "29400", "RINGCOMM_MASTER_ADDR": "h", "RINGCOMM_NETWORK_INTERFACE": "lo"}
     assert Settings.from_env(env) == Settings()
+
+
+# ---------------------------------------------------------------- which launcher, and where rank 0 is (pure)
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from ringcomm import mpi_env  # noqa: E402
+
+
+def srun_pmi2(procid: int, ntasks: int, job: int = 77, step: int = 0) -> dict[str, str]:
+    """What srun --mpi=pmi2 sets: SLURM_* and its own PMI_* (PMI_JOBID is JOB.STEP)."""
+    env = slurm(procid, procid, 0, SLURM_NTASKS=str(ntasks), SLURM_JOB_ID=str(job), SLURM_STEP_ID=str(step),
+                SLURM_NODELIST="node01", SLURM_TASKS_PER_NODE=str(ntasks))
+    env.update({"PMI_RANK": str(procid), "PMI_SIZE": str(ntasks), "PMI_FD": "13", "PMI_JOBID": f"{job}.{step}"})
+    return env
+
+
+def test_srun_mpi_pmi2_is_a_slurm_job() -> None:
+    topo = topology.from_env(srun_pmi2(1, 2))
+    assert topo.source == "Slurm (srun)" and (topo.rank, topo.size) == (1, 2)
+    assert topo.rendezvous == f"tcp://node01:{topology.slurm_port(77, 0)}"
+    without_jobid = srun_pmi2(1, 2)
+    del without_jobid["PMI_JOBID"]  # PMI-1 plugins: rank and size agree with Slurm's
+    assert topology.source_of(without_jobid) == "slurm"
+
+
+def test_hydra_inside_a_slurm_step_is_a_pmi_job() -> None:
+    """mpiexec in a batch script: hydra's proxies run as srun tasks (one per node), the ranks are hydra's."""
+    env = slurm(0, 0, 0, SLURM_NTASKS="3")
+    env.update({"PMI_RANK": "4", "PMI_SIZE": "6", "PMI_FD": "7"})
+    assert topology.source_of(env) == "PMI"
+
+
+launcher_vars = st.fixed_dictionaries(
+    {},
+    optional={
+        "RINGCOMM_ELASTIC_WORKER": st.just("1"), "RINGCOMM_RANK": st.just("0"), "RANK": st.just("0"),
+        "WORLD_SIZE": st.just("2"), "OMPI_COMM_WORLD_RANK": st.just("0"), "PMI_RANK": st.sampled_from(["0", "1"]),
+        "PMI_SIZE": st.sampled_from(["2", "4"]), "PMI_JOBID": st.sampled_from(["5.0", "5.1", "kvs_1"]),
+        "SLURM_PROCID": st.sampled_from(["0", "1"]), "SLURM_STEP_ID": st.sampled_from(["0", "1"]),
+        "SLURM_JOB_ID": st.just("5"), "SLURM_NTASKS": st.sampled_from(["2", "4"]),
+    },
+)
+
+
+@given(launcher_vars)
+def test_source_of_follows_the_documented_order(env: dict[str, str]) -> None:
+    got = topology.source_of(env)
+    slurm_step = "SLURM_PROCID" in env and "SLURM_STEP_ID" in env
+    if "RINGCOMM_ELASTIC_WORKER" in env:
+        assert got == "elastic"
+    elif "RINGCOMM_RANK" in env:
+        assert got == "ringcomm-run"
+    elif "RANK" in env and "WORLD_SIZE" in env:
+        assert got == "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        assert got == "OMPI"
+    elif "PMI_RANK" in env:
+        if not slurm_step:
+            assert got == "PMI"
+        elif "PMI_JOBID" in env:  # srun's own PMI-2 says JOB.STEP; anything else is a launcher in the step
+            own = env["PMI_JOBID"] == f"{env.get('SLURM_JOB_ID')}.{env['SLURM_STEP_ID']}"
+            assert got == ("slurm" if own else "PMI")
+        else:
+            agree = env["PMI_RANK"] == env["SLURM_PROCID"] and env.get("PMI_SIZE") == env.get("SLURM_NTASKS")
+            assert got == ("slurm" if agree else "PMI")
+    else:
+        assert got == ("slurm" if slurm_step else "single")
+
+
+def ompi_bare(rank: int, size: int, local_size: int, **extra: str) -> dict[str, str]:
+    """What Open MPI 4.1's mpirun sets (no RINGCOMM_* variables)."""
+    env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size),
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % local_size), "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+           "OMPI_MCA_ess_base_jobid": "1881276417", "OMPI_MCA_orte_num_nodes": str(-(-size // local_size)),
+           "OMPI_MCA_orte_hnp_uri": "1881276416.0;tcp://10.0.0.5,192.0.2.2:39307;tcp6://[fd00::2]:48475", **LO}
+    env.update(extra)
+    return env
+
+
+def test_mpirun_on_one_host_needs_no_variable() -> None:
+    topos = [topology.from_env(ompi_bare(r, 3, 3)) for r in range(3)]
+    port = mpi_env.derived_port("mpi:1881276417")
+    assert {t.rendezvous for t in topos} == {f"tcp://127.0.0.1:{port}"}
+    assert topos[0].host_rendezvous and not topos[1].host_rendezvous
+    assert len({t.secret for t in topos}) == 1 and len({t.job_id for t in topos}) == 1
+
+
+def test_mpirun_across_hosts_meets_on_mpiruns_host() -> None:
+    topo = topology.from_env(ompi_bare(3, 4, 2))
+    assert topo.rendezvous == f"tcp://10.0.0.5:{mpi_env.derived_port('mpi:1881276417')}"
+    # rank 0 is not on 10.0.0.5 here: it says so, naming the variables that fix it
+    with pytest.raises(ValueError, match="rank 0 runs on .* but the launcher runs on 10.0.0.5 .*RINGCOMM_MASTER_ADDR"):
+        topology.from_env(ompi_bare(0, 4, 2))
+    given_ = topology.from_env(ompi_bare(0, 4, 2, RINGCOMM_MASTER_ADDR="127.0.0.1"))
+    assert given_.rendezvous == f"tcp://127.0.0.1:{mpi_env.derived_port('mpi:1881276417')}"
+
+
+@given(
+    flavour=st.sampled_from(["OMPI", "PMI"]),
+    size=st.integers(1, 64),
+    local=st.one_of(st.none(), st.integers(1, 64)),
+    job=st.sampled_from(["", "1881276417"]),
+    control=st.sampled_from(["", "node01:40589"]),
+    master=st.sampled_from(["", "10.1.1.1"]),
+    port=st.sampled_from(["", "29400"]),
+    hnp=st.sampled_from(["", "1.0;tcp://10.0.0.5:1"]),
+)
+def test_mpi_plan_decides_from_the_environment_alone(
+    flavour: str, size: int, local: int | None, job: str, control: str, master: str, port: str, hnp: str
+) -> None:
+    env = {k: v for k, v in {"OMPI_MCA_ess_base_jobid": job, "RINGCOMM_MASTER_ADDR": master,
+                             "RINGCOMM_RENDEZVOUS_PORT": port, "OMPI_MCA_orte_hnp_uri": hnp}.items() if v}
+    job_known = bool(job) if flavour == "OMPI" else bool(control)
+    launcher_host = ("10.0.0.5" if hnp else "") if flavour == "OMPI" else control.partition(":")[0]
+    try:
+        plan = mpi_env.plan(env, flavour, local, size, control if flavour == "PMI" else "")
+    except ValueError as exc:
+        assert "RINGCOMM_" in str(exc)
+        assert not (master and port)
+        assert (not port and not job_known) or (not master and local != size and not launcher_host)
+        return
+    assert plan.port == (int(port) if port else mpi_env.derived_port(f"mpi:{job if flavour == 'OMPI' else control}"))
+    assert mpi_env.PORT_BASE <= plan.port < mpi_env.PORT_BASE + mpi_env.PORT_SPAN or port
+    if master:
+        assert plan.master == master and not plan.check_on_rank0
+    elif local == size:
+        assert plan.master == "127.0.0.1" and not plan.check_on_rank0
+    else:
+        assert plan.master == launcher_host and plan.check_on_rank0
+
+
+def test_hydra_control_port_is_read_from_the_proxy_ancestor(tmp_path) -> None:
+    """A fake /proc: rank (pid 30) <- sh (pid 20) <- hydra_pmi_proxy (pid 10)."""
+    for pid, ppid, argv in [(30, 20, ["python"]), (20, 10, ["sh", "-c", "x"]),
+                            (10, 1, ["/usr/bin/hydra_pmi_proxy", "--control-port", "node01:40589", "--proxy-id", "0"])]:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} (some (odd) name) S {ppid} 1 1")
+        (d / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+    assert mpi_env.hydra_control_port(30, proc=str(tmp_path)) == "node01:40589"
+    assert mpi_env.hydra_control_port(20, proc=str(tmp_path)) == "node01:40589"
+    assert mpi_env.hydra_control_port(10, proc=str(tmp_path)) == ""
+    assert mpi_env.hydra_control_port(99, proc=str(tmp_path)) == ""
+
+
+def test_hnp_uri_gives_mpiruns_first_ipv4_address() -> None:
+    assert mpi_env.hnp_host("1881276416.0;tcp://192.0.2.2,10.0.0.1:39307;tcp6://[fd00::2]:48475") == "192.0.2.2"
+    assert mpi_env.hnp_host("1881276416.0;tcp6://[fd00::2]:48475") == ""
+    assert mpi_env.hnp_host("") == ""
+
+
+def test_torchrun_port_stays_out_of_the_ephemeral_range() -> None:
+    assert topology.torchrun_port("node01", 29500, "x") == 29501
+    derived = topology.torchrun_port("127.0.0.1", 41721, "run-a")
+    assert 20000 <= derived < 32000 and derived == topology.torchrun_port("127.0.0.1", 41721, "run-a")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41721",
+           "TORCHELASTIC_RUN_ID": "run-a"}
+    assert topology.from_env(env).rendezvous == f"tcp://127.0.0.1:{derived}"
+    assert topology.from_env({**env, "RINGCOMM_RENDEZVOUS_PORT": "45000"}).rendezvous == "tcp://127.0.0.1:45000"

@@ -429,3 +429,41 @@ def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(f
         if reply and reply.get("op") == "status" and reply.get("size") == 2:
             break
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_waiting_line_names_the_missing_ranks() -> None:
+    from ringcomm.rendezvous import waiting_line
+
+    assert waiting_line([0, 1], 4, 10.2, 60) == "waiting for ranks 2, 3 (10 s of 60)"
+    assert waiting_line([0, 2], 3, 5, 60.0) == "waiting for rank 1 (5 s of 60)"
+    assert waiting_line([0, 1, 2], 3, 5, 60) == ""
+    assert waiting_line([0], 40, 5, 60).endswith("16, ... (5 s of 60)")
+
+
+@pytest.mark.timeout(30)
+def test_rank_0_reports_who_is_missing_while_it_waits() -> None:
+    secret = b"progress"
+    lines: list[str] = []
+    with RendezvousServer(size=3, secret=secret) as server:
+        def rank_1() -> None:
+            with pytest.raises(RendezvousTimeoutError):  # rank 2 never comes
+                register(server.address, secret, 1, 3, {"r": 1}, 3.0)
+
+        t = threading.Thread(target=rank_1, daemon=True)
+        t.start()
+        with pytest.raises(RendezvousTimeoutError, match="missing: 2"):
+            register(server.address, secret, 0, 3, {"r": 0}, 2.0, progress=lines.append, progress_every=0.4)
+        t.join(10)
+    assert lines and all(line.startswith("waiting for rank 2 (") and line.endswith(" of 2)") for line in lines), lines
+    assert len(lines) >= 2, lines
+
+
+@pytest.mark.timeout(30)
+def test_a_taken_port_names_ringcomm_rendezvous_port() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(RendezvousError, match=f"127.0.0.1:{port}: Address already in use .* -- .*"
+                                                  "set RINGCOMM_RENDEZVOUS_PORT to a free port"):
+            RendezvousServer(size=2, secret=b"k", port=port)

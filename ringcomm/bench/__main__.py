@@ -5,9 +5,12 @@ Examples::
     python -m ringcomm.bench allreduce --np 2 4 --sizes 4K 64K 1M 16M 64M --repeats 3
     python -m ringcomm.bench allgather --np 2 --sizes 4K 1M
     python -m ringcomm.bench broadcast --np 4
+    python -m ringcomm.bench latency --np 2 4
+    python -m ringcomm.bench crosshost --rates 1gbit 10gbit --sizes 1M 16M 64M
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
+    python -m ringcomm.bench coordination --ranks 64 256 1024 4096
     python -m ringcomm.bench all --json results.json --plot busbw.png
 """
 
@@ -21,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, crosshost, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -83,6 +86,30 @@ def build_parser() -> argparse.ArgumentParser:
     for op in COLLECTIVE_OPS:
         sub.add_parser(op, parents=[coll, output], help=f"{op} latency and bus bandwidth, ringcomm vs gloo")
 
+    lat = sub.add_parser("latency", parents=[output],
+                         help="small allreduces back to back: p10/p50/p90/p99 vs gloo, MPI and a raw round trip")
+    lat.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N", help="world sizes (default: 2 4)")
+    lat.add_argument("--bytes", type=_size, default=4096, help="message size (default: 4K)")
+    lat.add_argument("--ops", type=_positive, default=1000, help="timed ops per job (default: 1000)")
+    lat.add_argument("--warmup", type=int, default=100, help="untimed ops per job (default: 100)")
+    lat.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    lat.add_argument("--idle", type=float, default=2.0,
+                     help="seconds each ringcomm/gloo rank then sleeps while its CPU is measured (default: 2)")
+    lat.add_argument("--systems", nargs="+", choices=latency.SYSTEMS, default=list(latency.SYSTEMS),
+                     help="systems to run (default: all; MPI only if mpi4py and mpirun are installed)")
+
+    xh = sub.add_parser("crosshost", parents=[output],
+                        help="allreduce across two network-namespace hosts over a shaped link, ringcomm vs gloo (root)")
+    xh.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"], help="link rates, tc units (default: 1gbit 10gbit)")
+    xh.add_argument("--sizes", type=_size, nargs="+", default=[1 << 20, 16 << 20, 64 << 20], metavar="SIZE",
+                    help="allreduce sizes (default: 1M 16M 64M)")
+    xh.add_argument("--ranks-per-host", type=_positive, default=2, help="ranks on each of the 2 hosts (default: 2)")
+    xh.add_argument("--iters", type=_positive, default=5, help="timed ops per size and job (default: 5)")
+    xh.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
+    xh.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=["ringcomm", "gloo"],
+                    help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off)")
+
     ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
     ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")
     ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
@@ -104,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     res.add_argument("--idle", type=float, default=10.0, help="idle seconds measured afterwards (default: 10)")
     res.add_argument("--systems", nargs="+", choices=("ringcomm", "gloo"), default=["ringcomm", "gloo"],
                      help="systems to run (default: both)")
+
+    coordp = sub.add_parser("coordination", parents=[output],
+                            help="rank 0's negotiation work per request for simulated jobs of many ranks")
+    coordp.add_argument("--ranks", type=_positive, nargs="+", default=[64, 256, 1024, 4096], metavar="N",
+                        help="simulated job sizes (default: 64 256 1024 4096)")
+    coordp.add_argument("--tensors", type=_positive, default=20, help="allreduces per step (default: 20)")
+    coordp.add_argument("--ops", type=_positive, default=5, help="cached steps after the first (default: 5)")
 
     everything = sub.add_parser("all", parents=[output],
                                 help="all collectives, the ceilings and training, with moderate defaults")
@@ -127,6 +161,14 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     if args.command in COLLECTIVE_OPS:
         results["collectives"] = {args.command: collectives.run(_collective_config(args.command, args))}
+    elif args.command == "latency":
+        results["latency"] = latency.run(latency.LatencyConfig(
+            nps=args.np, nbytes=args.bytes, ops=args.ops, warmup=args.warmup, repeats=args.repeats, idle=args.idle,
+            systems=args.systems, job_timeout=args.job_timeout))
+    elif args.command == "crosshost":
+        results["crosshost"] = crosshost.run(crosshost.CrossHostConfig(
+            rates=args.rates, sizes=args.sizes, ranks_per_host=args.ranks_per_host, iters=args.iters,
+            warmup=args.warmup, repeats=args.repeats, systems=args.systems, job_timeout=max(args.job_timeout, 600.0)))
     elif args.command == "ceiling":
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
                                                                repeats=args.repeats, job_timeout=args.job_timeout))
@@ -138,6 +180,8 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["resources"] = resources.run(resources.ResourceConfig(
             np_=args.np, nbytes=args.bytes, ops=args.ops, idle=args.idle, systems=tuple(args.systems),
             job_timeout=max(args.job_timeout, 1200.0)))
+    elif args.command == "coordination":
+        results["coordination"] = coordination.run(args.ranks, args.tensors, args.ops)
     elif args.command == "all":
         results["collectives"] = {}
         for op in COLLECTIVE_OPS:
@@ -153,7 +197,8 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
 def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
-    runs += results.get("resources", {}).get("runs", [])
+    runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
+    runs += results.get("crosshost", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

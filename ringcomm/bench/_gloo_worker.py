@@ -23,9 +23,9 @@ class GlooBackend:
 
     name = "gloo"
 
-    def __init__(self, rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, port: int, timeout_s: float, master_addr: str = "127.0.0.1") -> None:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
-    return _timing.main(lambda a: GlooBackend(a.rank, a.world_size, a.port, a.deadline), parser, argv)
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address (default: 127.0.0.1)")
+    return _timing.main(lambda a: GlooBackend(a.rank, a.world_size, a.port, a.deadline, a.master_addr), parser, argv)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated BYTES:ITERS pairs, e.g. 4096:50,16777216:10")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
+    parser.add_argument("--loop", action="store_true",
+                        help="time ops back to back (no barrier between iterations), as a training loop runs them")
+    parser.add_argument("--idle", type=float, default=0.0,
+                        help="afterwards, sleep this many seconds and report the CPU each rank burned meanwhile")
     parser.add_argument("--deadline", type=float, default=600.0,
                         help="seconds after which the worker exits on its own (a safety net)")
 
@@ -85,8 +89,12 @@ def start_watchdog(seconds: float) -> None:
     threading.Thread(target=watch, name="bench-watchdog", daemon=True).start()
 
 
-def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int) -> list[dict[str, Any]] | None:
-    """Time ``op`` for every ``(bytes, iters)`` in ``plan``; rank 0 gets the per-size results."""
+def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int,
+        loop: bool = False) -> list[dict[str, Any]] | None:
+    """Time ``op`` for every ``(bytes, iters)`` in ``plan``; rank 0 gets the per-size results.
+
+    ``loop``: one barrier before the timed iterations, none between them.
+    """
     results: list[dict[str, Any]] = []
     for nbytes, iters in plan:
         count = elements_per_rank(op, nbytes, backend.size)
@@ -95,8 +103,11 @@ def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int)
         for _ in range(warmup):
             step()
         times: list[float] = []
-        for _ in range(iters):
+        if loop:
             backend.barrier()
+        for _ in range(iters):
+            if not loop:
+                backend.barrier()
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
@@ -112,6 +123,16 @@ def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int)
     return results if backend.rank == 0 else None
 
 
+def idle_cpu_seconds(seconds: float) -> float:
+    """CPU seconds (every thread of this process) burned while the caller sleeps ``seconds``."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(seconds)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
 def main(backend_factory: Callable[[argparse.Namespace], Backend], parser: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse arguments, build the backend, run the loop, write rank 0's JSON; returns the exit status."""
@@ -122,10 +143,16 @@ def main(backend_factory: Callable[[argparse.Namespace], Backend], parser: argpa
     backend = backend_factory(args)
     init_s = time.perf_counter() - started
     try:
-        results = run(backend, args.op, parse_plan(args.plan), args.warmup)
+        results = run(backend, args.op, parse_plan(args.plan), args.warmup, args.loop)
+        idle_cpu = idle_cpu_seconds(args.idle) if args.idle > 0 else None
+        if idle_cpu is not None:
+            everyone = backend.gather(idle_cpu)
         if results is not None:
             payload = {"system": backend.name, "op": args.op, "np": backend.size, "warmup": args.warmup,
                        "init_s": init_s, "results": results}
+            if idle_cpu is not None:
+                payload["idle_s"] = args.idle
+                payload["idle_cpu_s"] = everyone
             tmp = args.out + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(payload, f)

@@ -148,6 +148,19 @@ def markdown(results: dict[str, Any]) -> str:
         from .resources import markdown as resources_markdown
 
         parts.append(resources_markdown(results["resources"]))
+    if "latency" in results:
+        from .latency import markdown as latency_markdown
+
+        parts.append(latency_markdown(results["latency"]))
+    if "crosshost" in results:
+        from .crosshost import markdown as crosshost_markdown
+
+        parts.append(crosshost_markdown(results["crosshost"]))
+    if "coordination" in results:
+        from .coordination import format_table
+
+        parts += ["### Rank 0's coordination work per request (simulated, pure core)", "",
+                  format_table(results["coordination"]), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 

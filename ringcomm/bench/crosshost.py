@@ -1,0 +1,167 @@
+"""Allreduce across two hosts, ringcomm vs gloo, over a link of a chosen rate.
+
+The two hosts are network namespaces on this machine joined by a veth pair
+(root only), each end shaped with a token bucket (``tc tbf``) to the rate
+asked for.  ringcomm runs as a user runs it across hosts: the launcher in
+host a with ``-H a:P,b:P`` and an ssh look-alike that starts host b's ranks
+inside its namespace; gloo runs ``P`` plain processes in each namespace
+meeting at host a's address.  Rounds alternate (ringcomm, gloo, ringcomm,
+...) so the machine's drift hits both; each system's per-op times (slowest
+rank) are pooled over rounds.
+
+Link bounds, for 2 hosts and an allreduce of S bytes on a full-duplex link
+of rate R: a flat ring of N ranks pushes 2(N-1)/N x S across the link in
+each direction; a hierarchical allreduce (reduce within each host first)
+pushes 2(H-1)/H x S = S.  The report gives each system's time against both.
+
+    python -m ringcomm.bench crosshost --rates 1gbit 10gbit --sizes 1M 16M 64M
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _netns, _procs, _util
+
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat")
+#: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
+FLAT = "ringcomm-flat"
+
+
+@dataclasses.dataclass
+class CrossHostConfig:
+    rates: Sequence[str] = ("1gbit", "10gbit")
+    sizes: Sequence[int] = (1 << 20, 16 << 20, 64 << 20)
+    ranks_per_host: int = 2
+    iters: int = 5
+    warmup: int = 2
+    repeats: int = 3
+    systems: Sequence[str] = ("ringcomm", "gloo")
+    job_timeout: float = 600.0
+
+
+def link_bounds(nbytes: int, ranks: int, hosts: int, rate_bits: int) -> dict[str, float]:
+    """Seconds an allreduce of ``nbytes`` needs at least on the link: flat ring and hierarchical."""
+    per_second = rate_bits / 8
+    return {"flat_ring_s": 2 * (ranks - 1) / ranks * nbytes / per_second,
+            "hierarchical_s": 2 * (hosts - 1) / hosts * nbytes / per_second}
+
+
+def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
+              extra: dict[str, str] | None = None) -> _procs.JobResult:
+    p = cfg.ranks_per_host
+    argv = [sys.executable, "-m", "ringcomm.launcher", "-np", str(2 * p),
+            "-H", f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", "--ssh-command", str(hosts.ssh),
+            "--network-interface", hosts.interface,
+            sys.executable, "-m", "ringcomm.bench._rc_worker", "--op", "allreduce", "--plan", plan,
+            "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+    return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True, extra), cfg.job_timeout)
+
+
+def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
+    p = cfg.ranks_per_host
+    port = _util.free_port()
+    env = _util.worker_env(False, {"GLOO_SOCKET_IFNAME": hosts.interface})
+    commands = []
+    for rank in range(2 * p):
+        side = "a" if rank < p else "b"
+        argv = [sys.executable, "-m", "ringcomm.bench._gloo_worker", "--rank", str(rank), "--world-size", str(2 * p),
+                "--port", str(port), "--master-addr", hosts.addr["a"], "--op", "allreduce", "--plan", plan,
+                "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+        commands.append(hosts.exec_argv(side, argv))
+    return _procs.run_job(commands, env, cfg.job_timeout)
+
+
+def run(cfg: CrossHostConfig) -> dict[str, Any]:
+    """Measure; returns the JSON-ready section (or one with ``skipped`` saying why nothing ran)."""
+    why = _netns.unavailable_reason()
+    section: dict[str, Any] = {"rates": list(cfg.rates), "sizes": list(cfg.sizes), "hosts": 2,
+                               "ranks_per_host": cfg.ranks_per_host, "iters": cfg.iters, "repeats": cfg.repeats,
+                               "runs": [], "summary": [], "skipped": why}
+    if why is not None:
+        _util.log(f"crosshost skipped: {why}")
+        return section
+    plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
+    runners = {"ringcomm": _ringcomm, "gloo": _gloo,
+               FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"})}
+    with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
+        hosts = _netns.TwoHosts(Path(tmp))
+        try:
+            for rate in cfg.rates:
+                hosts.shape(rate)
+                for repeat in range(cfg.repeats):
+                    for system in cfg.systems:
+                        _util.log(f"crosshost {rate} {system} (round {repeat + 1}/{cfg.repeats}) ...")
+                        out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
+                        result = runners[system](hosts, cfg, plan, out)
+                        record: dict[str, Any] = {"system": system, "rate": rate, "repeat": repeat, "ok": result.ok,
+                                                  "error": None, "results": []}
+                        if result.ok:
+                            try:
+                                with open(out, encoding="utf-8") as f:
+                                    record["results"] = json.load(f)["results"]
+                            except (OSError, ValueError, KeyError) as exc:
+                                record.update(ok=False, error=f"no results from rank 0: {exc}")
+                        else:
+                            record["error"] = result.describe()
+                            _util.log(f"  FAILED: {record['error']}")
+                        section["runs"].append(record)
+        finally:
+            hosts.close()
+    section["summary"] = summarize(section["runs"], cfg)
+    return section
+
+
+def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict[str, Any]]:
+    rows = []
+    ranks = 2 * cfg.ranks_per_host
+    for rate in cfg.rates:
+        for size in cfg.sizes:
+            row: dict[str, Any] = {"rate": rate, "bytes": size, "systems": {},
+                                   **link_bounds(size, ranks, 2, _netns.tc_rate_bits(rate))}
+            for system in cfg.systems:
+                times = [t for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system
+                         for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
+                per_round = [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
+                             for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system]
+                if times:
+                    row["systems"][system] = {"median_s": _util.median(times), "round_median_s": per_round}
+            have = row["systems"]
+            if "ringcomm" in have and "gloo" in have:
+                row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
+            rows.append(row)
+    return rows
+
+
+def markdown(section: dict[str, Any]) -> str:
+    if section.get("skipped"):
+        return f"### Across two hosts\n\nskipped: {section['skipped']}\n"
+    p = section["ranks_per_host"]
+    has_flat = any(FLAT in row["systems"] for row in section["summary"])
+    lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, "
+             f"{section['repeats']} alternating rounds)", "",
+             "| link | size | ringcomm | gloo | gloo/ringcomm | ringcomm vs flat-ring bound | "
+             "ringcomm vs hierarchical bound |" + (" one flat ring (hierarchical off) |" if has_flat else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if has_flat else "")]
+    for row in section["summary"]:
+        rc_ = row["systems"].get("ringcomm", {}).get("median_s")
+        gl = row["systems"].get("gloo", {}).get("median_s")
+        ratio = f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a"
+        flat = f"{row['flat_ring_s'] / rc_:.0%}" if rc_ else "n/a"
+        hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
+        cells = [row["rate"], _util.format_size(row["bytes"]),
+                 f"{rc_ * 1e3:.1f} ms" if rc_ else "n/a", f"{gl * 1e3:.1f} ms" if gl else "n/a", ratio, flat, hier]
+        if has_flat:
+            fl = row["systems"].get(FLAT, {}).get("median_s")
+            cells.append(f"{fl * 1e3:.1f} ms" if fl else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
+              "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time."]
+    return "\n".join(lines) + "\n"

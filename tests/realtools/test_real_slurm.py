@@ -1,0 +1,66 @@
+"""Real Slurm: a single-node cluster (munged, slurmctld, slurmd) started here runs ringcomm jobs.
+
+Needs root and Debian's ``slurm-wlm`` and ``munge``; skips otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from _slurm import SlurmCluster, has_mpi_plugin, missing_tools
+from _tools import PYTHON, WORKER, assert_job_ok, env, run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmd and munged for the test needs root")
+    try:
+        socket.gethostbyname(socket.gethostname())
+    except OSError:
+        pytest.skip(f"this machine's name {socket.gethostname()!r} does not resolve: Slurm's node list names it")
+    # the daemons may still write a last log line while the directory goes
+    with tempfile.TemporaryDirectory(prefix="ringcomm-slurm-", ignore_cleanup_errors=True) as root:
+        with SlurmCluster(Path(root)) as c:
+            yield c
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mpi", ["none", "pmi2", "pmix"])
+def test_srun_with_each_mpi_plugin(cluster: SlurmCluster, mpi: str) -> None:
+    """srun --mpi=X -n 2 python job.py: no variable set by hand; pmi2's PMI_RANK does not hide SLURM_*."""
+    if not has_mpi_plugin(mpi):
+        pytest.skip(f"Slurm's mpi/{mpi} plugin is not installed")
+    proc = run(["srun", f"--mpi={mpi}", "-n", "2", PYTHON, WORKER], timeout=60, env=cluster.env(env()))
+    assert_job_ok(proc, 2, "slurm")
+
+
+@pytest.mark.timeout(90)
+def test_sbatch_script_runs_srun(cluster: SlurmCluster, tmp_path: Path) -> None:
+    script = tmp_path / "job.sh"
+    out = tmp_path / "job.out"
+    script.write_text(f"#!/bin/bash\n#SBATCH -n 3\n#SBATCH -o {out}\nsrun --mpi=pmi2 {PYTHON} {WORKER}\n")
+    proc = run(["sbatch", "--wait", str(script)], timeout=70, env=cluster.env(env()), cwd=tmp_path)
+    text = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n{text}"
+    assert_job_ok(type(proc)(proc.args, 0, text, ""), 3, "slurm")
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_under_srun_is_named(cluster: SlurmCluster) -> None:
+    proc = run(["srun", "--mpi=pmi2", "-n", "3", PYTHON, WORKER, "--die-rank", "1"], timeout=60,
+               env=cluster.env(env()))
+    both = proc.stdout + proc.stderr
+    assert proc.returncode != 0, both
+    assert "PeerLostError: rank 0: lost rank 1" in both and "PeerLostError: rank 2: lost rank 1" in both, both
