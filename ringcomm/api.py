@@ -36,7 +36,7 @@ import numpy as np
 from . import config, ops, topology, wire
 from .coordinator import JOIN_NAME
 from .engine import Engine
-from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidTypeError, NotInitializedError
+from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError
 from .handles import Entry, GroupHandle, Handle
 from .ops import Average, ReduceOp
 from .process_sets import (
@@ -529,7 +529,7 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
     else:
         s = np.asarray(splits)
         if s.dtype.kind not in "iu":
-            raise InvalidTypeError(
+            raise InvalidSplitsError(
                 f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
             )
         if s.ndim != 1 or s.size != n:

@@ -141,17 +141,17 @@ def check_gradients() -> None:
     (hvd.alltoall(even) * w).sum().backward()
     eq(even.grad, torch.tensor([float(j + 1) for j in range(N) for _ in range(2)]), "alltoall even grad")
 
-    # reducescatter: allgather of the gradient (/ size for Average)
+    # reducescatter: allgather of the gradient (x size for Sum, as Horovod)
     rows_n = 2 * N + 1
     sizes = [rows_n // N + (1 if r < rows_n % N else 0) for r in range(N)]
     owner = torch.tensor([[float(r + 1)] for r in range(N) for _ in range(sizes[r])])
-    for op, div in ((hvd.Sum, 1), (hvd.Average, N)):
+    for op, mul in ((hvd.Sum, N), (hvd.Average, 1)):
         z = torch.randn(rows_n, 1, requires_grad=True)
         (hvd.reducescatter(z, op=op) * w).sum().backward()
-        eq(z.grad, owner / div, f"reducescatter grad {op}", atol=1e-6)
+        eq(z.grad, owner * mul, f"reducescatter grad {op}", atol=1e-6)
     z = torch.randn(rows_n, 1, requires_grad=True)
     (hvd.grouped_reducescatter([z], op=hvd.Sum)[0] * w).sum().backward()
-    eq(z.grad, owner, "grouped_reducescatter grad")
+    eq(z.grad, owner * N, "grouped_reducescatter grad")
 
     # fp16 compression through autograd
     c = torch.full((3,), float(R + 1), dtype=torch.float64, requires_grad=True)
