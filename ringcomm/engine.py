@@ -323,7 +323,7 @@ class Engine(Executor):
             self._stopping = True
             leaving.handle.set_result(None)
             return
-        peer = min(lost)
+        peer = link.culprit()
         pending = [e.req.name + set_label(e.req.pset, self._sets.get(e.req.pset, ()))
                    for e in list(self._inflight.values()) + list(self._queue)]
         shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")

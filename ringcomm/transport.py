@@ -49,7 +49,7 @@ from .errors import PeerLostError, ProtocolError
 
 log = logging.getLogger("ringcomm.transport")
 
-_NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # the message layouts live in the pure codec
+_NOTE, _INLINE, _ACK, _LOST = wire.NOTE, wire.INLINE, wire.ACK, wire.LOST  # layouts live in the pure codec
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
 #: Seconds a closed connection on a bound socket is re-checked: the peer's own closing detaches it
 #: from the socket within milliseconds; a stranger's (refused, or a port scan) never attached
@@ -101,6 +101,11 @@ class DataPlane:
         #: when; re-checked until the peer is found gone or still attached after _SUSPECT_SECONDS
         self.suspects: dict[int, float] = {}
         self.lost: dict[int, str] = {}  # peers whose connection closed
+        #: peer -> the rank it reported losing (its notice arrived before it left): the first loss
+        #: travels with the failure, so a survivor whose neighbour failed *because of* another rank
+        #: names that rank
+        self.reports: dict[int, int] = {}
+        self._noticed = False  # this rank told its peers which rank it lost
         self.peer_names: dict[int, str] = {}
         #: messages sent through shared memory / inline, for the benchmark and the README's numbers
         self.stats: collections.Counter[str] = collections.Counter()
@@ -187,19 +192,78 @@ class DataPlane:
         sock = self._socks.get(peer)
         return sock is not None and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
 
-    def raise_if_lost(self, awaited: int, what: str = "data") -> None:
-        """Raise :class:`PeerLostError` if a peer is found gone (``awaited`` first, if it is one of them)."""
+    def raise_if_lost(self, awaited: int, what: str = "data", sending: bool = False) -> None:
+        """Raise :class:`PeerLostError` if a peer is found gone, naming the rank that failed first."""
         self.check_peers()
         if self.lost:
-            peer = awaited if awaited in self.lost else min(self.lost)
-            raise self.lost_error(peer, f" while rank {self.rank} waited for {what} from rank {awaited}")
+            where = f"for {what} to rank {awaited}" if sending else f"for {what} from rank {awaited}"
+            raise self.lost_error(self.culprit(awaited), f" while rank {self.rank} waited {where}")
+
+    def culprit(self, awaited: int = -1) -> int:
+        """The rank to blame among the lost ones: the one a lost peer reported losing before it left.
+
+        A rank that fails because its neighbour died leaves the job too, and this rank may see
+        that departure first; the notice it sent on its way out names the rank it lost.  Without
+        notices: the awaited peer if it is lost, else the lowest lost rank.
+        """
+        for peer in list(self.lost):
+            self._read_notices(peer)
+        blamed = [r for r in (self.reports.get(p) for p in sorted(self.lost)) if r is not None and r != self.rank]
+        if blamed:
+            root = blamed[0]
+            for _ in range(self.size):  # follow a chain of reports to the first loss
+                nxt = self.reports.get(root)
+                if nxt is None or nxt == self.rank or nxt == root:
+                    break
+                root = nxt
+            return root
+        return awaited if awaited in self.lost else min(self.lost)
+
+    def _read_notices(self, peer: int) -> None:
+        """Read what a lost peer left in its socket, keeping only its notice of a lost rank."""
+        sock = self._socks.get(peer)
+        while sock is not None:
+            try:
+                frames = sock.recv_multipart(copy=True, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            try:
+                msg = wire.parse_data(frames[0], len(frames), self._slots, self._slot_bytes)
+            except ProtocolError:
+                continue
+            if msg.kind == b"L":
+                self.reports.setdefault(peer, msg.lost)
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
-        return PeerLostError(
-            f"rank {self.rank}: lost rank {peer} ({self.peer_names.get(peer, '?')}): its connection closed or it "
-            f"stopped answering heartbeats for {self._timeout:g} s (RINGCOMM_PEER_TIMEOUT), so the process died, "
-            f"hangs or left the job{context}"
-        )
+        """The error naming ``peer``, with how its loss was learned; tells the other peers, once."""
+        name = self.peer_names.get(peer, "?")
+        reporters = sorted(p for p, r in self.reports.items() if r == peer)
+        pid = self._local_pids.get(peer)
+        if peer not in self.lost and reporters:
+            how = (f"rank {reporters[0]} reported losing it and left the job (rank {peer}'s own connection to "
+                   "this rank had not closed yet)")
+        elif pid is not None and not _process_alive(pid):
+            how = f"its process (pid {pid}) ended"
+        else:
+            how = (f"its connection closed: the process died, left the job, or stopped answering heartbeats for "
+                   f"{self._timeout:g} s (RINGCOMM_PEER_TIMEOUT)")
+        if reporters and (peer in self.lost):
+            how += f"; rank {reporters[0]} reported losing it too"
+        self._notify_lost(peer)
+        return PeerLostError(f"rank {self.rank}: lost rank {peer} ({name}): {how}{context}")
+
+    def _notify_lost(self, peer: int) -> None:
+        """Tell every other connected peer that this rank lost ``peer`` (best effort, never blocks)."""
+        if self._noticed:
+            return
+        self._noticed = True
+        for other, sock in self._socks.items():
+            if other == peer or other in self.lost:
+                continue
+            try:
+                sock.send(_LOST.pack(b"L", peer), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     # -- setup ---------------------------------------------------------------
 
@@ -255,7 +319,7 @@ class DataPlane:
             mon.close(0)
         self._monitors.clear()
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(200 if self._noticed else 0)  # a notice of a lost peer gets a moment to leave
         self._socks.clear()
         self._trackers.clear()
         self._stash.clear()
@@ -295,7 +359,7 @@ class DataPlane:
     def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
         """Send the slot filled after :meth:`reserve`."""
         slot = self._reserved.pop(dst)
-        self._socks[dst].send(_NOTE.pack(b"S", slot, view.nbytes, seq, tag), copy=True)
+        self._send(dst, [_NOTE.pack(b"S", slot, view.nbytes, seq, tag)])
         self.stats["shm_direct"] += 1
 
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
@@ -303,7 +367,6 @@ class DataPlane:
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
         n = payload.nbytes
-        sock = self._socks[dst]
         ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
         if ring is not None:
             free = self._free[dst]
@@ -312,16 +375,43 @@ class DataPlane:
             if free:
                 slot = free.popleft()
                 ring.slot(slot, n)[...] = payload
-                sock.send(_NOTE.pack(b"S", slot, n, seq, tag), copy=True)
+                self._send(dst, [_NOTE.pack(b"S", slot, n, seq, tag)])
                 self.stats["shm"] += 1
                 return
             self.stats["shm_full"] += 1
         header = _INLINE.pack(b"I", seq, tag)
         self.stats["inline"] += 1
         if n < self._zc_min:
-            sock.send_multipart([header, payload], copy=True)
+            self._send(dst, [header, payload])
         else:
-            self._trackers[dst] = sock.send_multipart([header, payload], copy=False, track=True)
+            self._trackers[dst] = self._send(dst, [header, payload], copy=False)
+
+    def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
+        """Queue one message for ``dst`` without ever blocking on a peer that is gone.
+
+        A bound PAIR socket whose peer died has no pipe, and a plain send would wait for one
+        forever.  Sends here never block: while ZeroMQ cannot take the message the socket is
+        polled in slices, between which the connection monitors are read (a lost peer raises
+        :class:`PeerLostError` naming it) and, after RINGCOMM_PEER_TIMEOUT with no way to
+        send, the peer is declared lost.  Zero-copy sends (``copy=False``) return their tracker.
+        """
+        sock = self._socks[dst]
+        waited = 0.0
+        while True:
+            try:
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=not copy)
+            except zmq.Again:
+                pass
+            if sock.poll(int(_SLICE * 1000), zmq.POLLOUT):
+                continue
+            waited += _SLICE
+            self.raise_if_lost(dst, "room to send", sending=True)
+            if waited >= self._timeout:
+                raise PeerLostError(
+                    f"rank {self.rank}: could not send to rank {dst} ({self.peer_names.get(dst, '?')}) for "
+                    f"{self._timeout:.0f} s: it is not connected to this rank (it died, never connected, or "
+                    "hangs). Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
+                )
 
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
@@ -343,7 +433,10 @@ class DataPlane:
                     )
                 continue
             try:
-                return self._accept(src, frames)
+                key = self._accept(src, frames)
+                if key is None and self.lost:  # a notice: the peer lost a rank and is failing
+                    self.raise_if_lost(src)
+                return key
             except ProtocolError as exc:
                 # Not something a ringcomm peer sends: drop it (the stream itself is intact,
                 # since ZeroMQ delivers whole messages) and keep waiting for real data.
@@ -355,6 +448,11 @@ class DataPlane:
     def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
         msg = wire.parse_data(frames[0].bytes, len(frames), self._slots, self._slot_bytes)
+        if msg.kind == b"L":  # the peer lost a rank and is failing: the error will name that rank
+            self.reports.setdefault(src, msg.lost)
+            if msg.lost != self.rank:
+                self.lost.setdefault(msg.lost, self.peer_names.get(msg.lost, "?"))
+            return None
         if msg.kind == b"A":
             free = self._free.get(src)
             if free is None or msg.slot in free:
@@ -393,9 +491,8 @@ class DataPlane:
     def _ack_held(self, src: int) -> None:
         held = self._held.get(src)
         if held:
-            sock = self._socks[src]
             for slot in held:
-                sock.send(_ACK.pack(b"A", slot), copy=True)
+                self._send(src, [_ACK.pack(b"A", slot)])
             held.clear()
 
     def _enter(self, src: int, seq: int) -> None:
@@ -439,13 +536,19 @@ class DataPlane:
         for src in list(self._held):
             self._ack_held(src)
         for dst, tracker in self._trackers.items():
-            try:
-                tracker.wait(self._timeout)
-            except zmq.NotDone:
-                raise PeerLostError(
-                    f"rank {self.rank}: rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data "
-                    f"within {self._timeout:.0f} s"
-                ) from None
+            waited = 0.0
+            while True:  # in slices, so a peer that died with data in flight is named at once
+                try:
+                    tracker.wait(_SLICE)
+                    break
+                except zmq.NotDone:
+                    waited += _SLICE
+                self.raise_if_lost(dst, "its data to be taken", sending=True)
+                if waited >= self._timeout:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data "
+                        f"within {self._timeout:.0f} s"
+                    )
         self._trackers.clear()
 
 

@@ -321,16 +321,18 @@ def unpack_control(secret: bytes, frame: bytes) -> Any:
 NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag: the payload is in a shared-memory slot
 INLINE = struct.Struct("<cQI")  # b"I", seq, tag: the payload is the second frame
 ACK = struct.Struct("<cH")  # b"A", slot: the receiver is done with that slot
+LOST = struct.Struct("<cI")  # b"L", rank: the sender lost that rank and is failing (sent to the others)
 
 
 class DataMessage(NamedTuple):
-    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"`` or ``b"A"``."""
+    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"``, ``b"A"`` or ``b"L"`` (``lost``: the rank)."""
 
     kind: bytes
     seq: int = 0
     tag: int = 0
     slot: int = -1
     nbytes: int = 0
+    lost: int = -1
 
 
 def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMessage:
@@ -356,4 +358,6 @@ def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMe
         if slot >= slots:
             raise ProtocolError(f"ack of slot {slot}; the ring has {slots} slots")
         return DataMessage(b"A", slot=slot)
+    if kind == b"L" and len(head) == LOST.size and nframes == 1:
+        return DataMessage(b"L", lost=LOST.unpack(head)[1])
     raise ProtocolError(f"malformed data message: {nframes} frame(s), first {len(head)} bytes {head[:16]!r}")

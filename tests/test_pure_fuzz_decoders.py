@@ -196,17 +196,19 @@ def test_data_messages_parse_or_raise_protocol_error(head: bytes, nframes: int, 
         msg = wire.parse_data(head, nframes, slots, slot_bytes)
     except ProtocolError:
         return
-    assert msg.kind in (b"S", b"I", b"A")
-    if msg.kind != b"I":
+    assert msg.kind in (b"S", b"I", b"A", b"L")
+    if msg.kind == b"L":
+        assert 0 <= msg.lost < 2**32
+    elif msg.kind != b"I":
         assert 0 <= msg.slot < slots  # never an index outside the ring
     if msg.kind == b"S":
         assert msg.nbytes <= slot_bytes
 
 
 @settings(max_examples=200)
-@given(st.sampled_from([wire.NOTE, wire.INLINE, wire.ACK]), st.data())
+@given(st.sampled_from([wire.NOTE, wire.INLINE, wire.ACK, wire.LOST]), st.data())
 def test_truncated_or_extended_data_headers_are_rejected(layout: struct.Struct, data) -> None:
-    kind = {wire.NOTE: b"S", wire.INLINE: b"I", wire.ACK: b"A"}[layout]
+    kind = {wire.NOTE: b"S", wire.INLINE: b"I", wire.ACK: b"A", wire.LOST: b"L"}[layout]
     head = kind + bytes(layout.size - 1)
     good_frames = 2 if kind == b"I" else 1
     assert wire.parse_data(head, good_frames, 8, 1 << 20).kind == kind

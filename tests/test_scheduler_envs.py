@@ -92,8 +92,9 @@ def test_pmi_launcher_environment_places_ranks_by_host() -> None:
     """mpiexec (hydra) sets PMI_RANK/PMI_SIZE; two hosts named by RINGCOMM_HOSTNAME, ranks interleaved."""
     port = str(free_port())
     hosts = ["hostA", "hostB", "hostA", "hostB"]
+    # one flat ring (the hierarchical allreduce, on for 2 x 2 jobs, would pair same-host ranks on purpose)
     envs = [{"PMI_RANK": str(r), "PMI_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-             "RINGCOMM_HOSTNAME": hosts[r]} for r in range(4)]
+             "RINGCOMM_HOSTNAME": hosts[r], "RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"} for r in range(4)]
     places = run_ranks(envs)
     assert [(p["local_rank"], p["local_size"], p["cross_rank"], p["cross_size"]) for p in places] == [
         (0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
