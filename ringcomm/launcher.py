@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples: ringcomm-run -np 4 python train.py --epochs 3; "
                "ringcomm-run -np 8 -H node1:4,node2:4 python train.py",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"ringcomm-run (ringcomm) {__version__}")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, metavar="N",
                         help="number of worker processes to start (>= 1)")
     where = parser.add_mutually_exclusive_group()

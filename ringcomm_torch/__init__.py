@@ -110,7 +110,7 @@ from .timeline import start_timeline, stop_timeline
 
 from . import elastic  # noqa: E402  (hvd.elastic.run, TorchState, ElasticSampler)
 
-__version__ = "0.1.0"
+from ringcomm import __version__  # noqa: E402  (one version, the core's)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "Any")]
 

@@ -1,4 +1,4 @@
-"""Tier 3: issue 6's fault catalogue in real jobs — bad input across ranks, big control traffic,
+"""Tier 3: the fault catalogue in real jobs — bad input across ranks, big control traffic,
 long runs, files left by killed ranks, jobs side by side.  Every test has a deadline."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ CATALOGUE = [
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 3])
 def test_bad_input_catalogue_raises_clear_errors_and_the_job_goes_on(world: int) -> None:
-    """Each case of issue 6 §3 in one job: the right exception on the right ranks, a message naming
+    """Each case of the bad-input catalogue in one job: the right exception on the right ranks, a message naming
     the problem and the fix, and a following collective that works (checked inside the worker)."""
     proc = launch(world, [str(WORKERS / "bad_input_worker.py")], timeout=80)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,7 +80,7 @@ def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_
     """A stranger speaks ZMTP on every tcp port of a running job and announces a 128 MiB frame: the
     job drops the connection at once instead of reserving the memory, and its results stay right.
 
-    Since connections are authenticated (issue 4), this stranger's NULL handshake is refused before
+    Since connections are authenticated, this stranger's NULL handshake is refused before
     the frame is read; MAXMSGSIZE (segment size on data sockets, 64 MiB on the control socket) now
     guards against peers that hold the job's secret."""
     import json

@@ -1,4 +1,4 @@
-"""Runs issue 6's whole bad-input catalogue in one job; every rank checks what it sees.
+"""Runs the whole bad-input catalogue in one job; every rank checks what it sees.
 
 Usage: ringcomm-run -np N python bad_input_worker.py   (N >= 2)
 

@@ -1,0 +1,7 @@
+"""``python -m ringcomm ...`` is ``ringcomm-run ...``: the launcher, for environments without the console script."""
+
+import sys
+
+from .launcher import main
+
+sys.exit(main())
