@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, ops, topology, wire
+from . import config, horovod_env, ops, topology, wire
 from .coordinator import JOIN_NAME
 from .engine import Engine
 from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError
@@ -59,6 +59,10 @@ class Runtime:
     def __init__(self, round_: int, dynamic_sets: bool = False) -> None:
         self.settings = config.Settings.from_env()
         logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
+        for name in horovod_env.without_meaning(os.environ):
+            logging.getLogger("ringcomm").warning(
+                "%s is set but has no meaning in ringcomm (ignored); see the environment variables page "
+                "for the HOROVOD_* settings ringcomm reads", name)
         self.topo = topology.from_env()
         self.round = round_
         self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
@@ -169,6 +173,8 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     dynamic = isinstance(process_sets, str)
     if dynamic and process_sets != "dynamic":
         raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
+    if process_sets is None and config.Settings.from_env().dynamic_process_sets:
+        dynamic = True  # RINGCOMM_DYNAMIC_PROCESS_SETS / HOROVOD_DYNAMIC_PROCESS_SETS
     static = [] if dynamic or process_sets is None else [as_process_set(p, "init(process_sets=...)")
                                                           for p in process_sets]
     with _init_lock:

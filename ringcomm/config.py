@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from . import horovod_env
 from .errors import InvalidInputError
 
 #: Variables that describe the job (set by the launcher), not tuning knobs.
@@ -98,6 +99,10 @@ class Settings:
     cache_capacity: int = 1024
     #: Chrome-trace timeline path ("" for none).
     timeline: str = ""
+    #: Mark each coordination cycle in the timeline.
+    timeline_mark_cycles: bool = False
+    #: ``init()`` without ``process_sets=`` allows add_process_set()/remove_process_set() later.
+    dynamic_process_sets: bool = False
     #: Logging level name for the ``ringcomm`` logger.
     log_level: str = "WARNING"
     #: Encrypt the data and control planes (ZeroMQ CURVE, keys derived from the job secret).
@@ -105,8 +110,13 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
-        """Build settings from ``environ`` (default ``os.environ``); raises on unknown or malformed keys."""
+        """Build settings from ``environ`` (default ``os.environ``); raises on unknown or malformed keys.
+
+        Horovod's ``HOROVOD_*`` names are read too (:mod:`ringcomm.horovod_env`); a ``RINGCOMM_*``
+        name set beside one wins.
+        """
         env = os.environ if environ is None else environ
+        env = {**horovod_env.translate(env), **env}
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, object] = {}
         for key, raw in env.items():

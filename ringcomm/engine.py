@@ -123,7 +123,7 @@ class Engine(Executor):
         self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
-            self.timeline = Timeline(settings.timeline, self.rank)
+            self.timeline = Timeline(settings.timeline, self.rank, settings.timeline_mark_cycles)
         self._server = None
         self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None

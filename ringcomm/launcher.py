@@ -227,9 +227,16 @@ def worker_env(
         RINGCOMM_SECRET=secret.hex(),
         RINGCOMM_JOB_ID=job_id,
         PYTHONUNBUFFERED="1",
+        # what horovodrun tells its workers, for scripts (and tests) written against it
+        HOROVOD_RANK=str(rank),
+        HOROVOD_SIZE=str(size),
+        HOROVOD_LOCAL_RANK=str(place.local_rank),
+        HOROVOD_LOCAL_SIZE=str(place.local_size),
+        HOROVOD_CROSS_RANK=str(place.cross_rank),
+        HOROVOD_CROSS_SIZE=str(place.cross_size),
     )
     if place.host:
-        env["RINGCOMM_HOSTNAME"] = place.host
+        env["RINGCOMM_HOSTNAME"] = env["HOROVOD_HOSTNAME"] = place.host
     if place.local_size > 1 and "OMP_NUM_THREADS" not in base:
         # as torchrun does: N ranks x all-core thread pools oversubscribe the machine
         env["OMP_NUM_THREADS"] = "1"

@@ -125,7 +125,7 @@ def pick_address(env: Mapping[str, str], toward: Sequence[str]) -> str:
     (a hostname that /etc/hosts maps to 127.0.1.1, on the rendezvous host
     itself), the default route's address is used, so other hosts can reach us.
     """
-    iface = env.get("RINGCOMM_NETWORK_INTERFACE", "")
+    iface = env.get("RINGCOMM_NETWORK_INTERFACE", "") or env.get("HOROVOD_GLOO_IFACE", "")
     if iface:
         return netaddr.interface_address(iface)
     for host in toward:
