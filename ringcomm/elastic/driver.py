@@ -56,6 +56,9 @@ _TICK = 0.05
 _PROG = "ringcomm-run"
 
 
+#: Re-formations after which an elastic job fails when --reset-limit is not given.
+DEFAULT_RESET_LIMIT = 100
+
 class _Store(RendezvousServer):
     """The driver's key-value store; the driver also reads it directly (no socket round trip)."""
 
@@ -340,8 +343,10 @@ class ElasticDriver:
             return self._finish()
         if not ready:
             raise JobFailed("elastic job failed: every worker of the last generation failed")
-        if self.args.reset_limit is not None and self.resets >= self.args.reset_limit:
-            raise JobFailed(f"elastic job failed: the job re-formed {self.resets} times, the --reset-limit")
+        limit = DEFAULT_RESET_LIMIT if self.args.reset_limit is None else self.args.reset_limit
+        if self.resets >= limit:
+            raise JobFailed(f"elastic job failed: the job re-formed {self.resets} times, the --reset-limit "
+                            f"({limit}{', the default' if self.args.reset_limit is None else ''})")
         self.resets += 1
         self._wait_to_form(ready, self._limit(), f"generation {self.gen} lost workers")
         return None

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import api
-from ..errors import HorovodInternalError, HostsUpdatedInterrupt, RendezvousError
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt, MismatchError, RendezvousError, StallError
 from . import worker
 
 __all__ = ["State", "ObjectState", "run", "run_fn"]
@@ -153,6 +153,15 @@ def _reset() -> None:
             log.warning("re-forming the job failed (%s); trying again", exc)
 
 
+def membership_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` means the job's membership changed (a worker was lost), so re-forming helps.
+
+    A mismatch between the ranks' calls or a stall is a property of the program: the same
+    ranks would fail the same way after a reset, so those end the job with their error.
+    """
+    return isinstance(exc, HorovodInternalError) and not isinstance(exc, (MismatchError, StallError))
+
+
 def run_fn(func: F, reset: Callable[[], None]) -> F:
     """``func(state, ...)`` re-entered after each reset: restore on a lost worker, sync, call again."""
 
@@ -168,6 +177,8 @@ def run_fn(func: F, reset: Callable[[], None]) -> F:
                 state.save()  # the synced state is the commit a failure before the next commit returns to
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
+                if not membership_failure(exc):
+                    raise  # the ranks disagree or one stalled: re-forming would fail the same way again
                 log.warning("a collective failed (%s); restoring the last commit and re-forming", exc)
                 state.restore()
             except HostsUpdatedInterrupt:
