@@ -62,3 +62,44 @@ def test_docs_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
                          text=True, timeout=120, cwd=ROOT, env={**job_env(), "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "index.html").exists()
+
+
+@pytest.mark.parametrize("module_name", ["ringcomm", "ringcomm_torch"])
+def test_all_is_static_and_complete(module_name: str) -> None:
+    """``__all__`` is a literal list (IDEs, mypy and ruff read it) naming every public name the package imports."""
+    import ast
+    import importlib
+    import types
+
+    path = ROOT / module_name / "__init__.py"
+    assigned = [node for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)]
+    assert len(assigned) == 1 and isinstance(assigned[0].value, ast.List), "__all__ must be one literal list"
+    listed = [ast.literal_eval(e) for e in assigned[0].value.elts]
+    assert len(listed) == len(set(listed)), "a name is listed twice"
+    module = importlib.import_module(module_name)
+    assert [n for n in listed if not hasattr(module, n)] == []
+    public = {n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)}
+    public -= {"annotations", "Any"}  # typing helpers of the module itself
+    assert sorted(public - set(listed)) == [], "imported in __init__ but missing from __all__"
+
+
+def test_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
+    """The wheel: both packages, py.typed and LICENSE; no tests, no benchmarks (they ship in the sdist)."""
+    import zipfile
+
+    try:
+        import setuptools
+    except ImportError:
+        pytest.skip("setuptools is not installed")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 (pyproject's build requirement)")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = tmp_path.glob("ringcomm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ringcomm/py.typed" in names and "ringcomm_torch/py.typed" in names
+    assert "ringcomm/__main__.py" in names and "ringcomm_torch/elastic/__init__.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert [n for n in names if n.startswith(("tests/", "ringcomm/bench/", "examples/", "docs/"))] == []
