@@ -41,13 +41,13 @@ from .handles import Entry, GroupHandle, Handle
 from .ops import Average, ReduceOp
 from .process_sets import (
     ProcessSet,
-    add_process_set,
+    add_process_set as add_process_set,  # re-exported: ringcomm.add_process_set
     as_process_set,
     global_process_set,
-    process_set_ids,
+    process_set_ids as process_set_ids,  # re-exported
     register,
-    remove_process_set,
-    resolve_process_set,
+    remove_process_set as remove_process_set,  # re-exported
+    resolve_process_set as resolve_process_set,  # re-exported: ringcomm_torch resolves through ringcomm.api
 )
 
 AnyHandle = Handle | GroupHandle
@@ -97,7 +97,7 @@ class Runtime:
         if pid == 0:
             return 0, self.all_ranks
         ranks = self.engine.set_ranks(pid) if pid is not None and process_set._round == self.round else None
-        if ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
+        if pid is None or ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
             raise InvalidInputError(
                 f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
                 "init(process_sets=[...]) or add_process_set() (on every rank) first"

@@ -126,7 +126,7 @@ class Settings:
             if name not in fields:
                 known = ", ".join(sorted("RINGCOMM_" + n.upper() for n in fields))
                 raise InvalidInputError(f"unknown setting {key}={raw!r}; known settings: {known}")
-            kind = type(fields[name].default)
+            kind: type = type(fields[name].default)
             try:
                 values[name] = kind(raw) if kind is not bool else _flag(raw)
             except ValueError:

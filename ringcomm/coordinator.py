@@ -15,7 +15,7 @@ What each rank sees (size 2)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -42,7 +42,7 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype else 1
 
 
-def _describe(values: dict[int, object]) -> str:
+def _describe(values: Mapping[int, object]) -> str:
     """'rank 0 and rank 2 have (3,); rank 1 has (4,)' from {rank: value}."""
     groups: dict[str, list[int]] = {}
     for rank in sorted(values):

@@ -124,7 +124,7 @@ class Engine(Executor):
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank, settings.timeline_mark_cycles)
-        self._server = None
+        self._server: Any = None  # a rendezvous.RendezvousServer on the rank that hosts it
         self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None
         self._zap: auth.ZapThread | None = None
@@ -639,7 +639,7 @@ class Engine(Executor):
             self._phases = []
         if resp.error:
             cls = StallError if resp.error_kind == "stall" else MismatchError
-            err = cls(f"{resp.error} [raised on rank {self.rank}]")
+            err: Exception = cls(f"{resp.error} [raised on rank {self.rank}]")
             for e in entries:
                 e.handle.set_error(err)
             return

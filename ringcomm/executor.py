@@ -235,7 +235,8 @@ class Executor:
             pos = offsets[e.req.name]
             outs = []
             for i, a in enumerate(e.arrays):
-                dst = e.outs[i] if i < len(e.outs) and e.outs[i] is not None else np.empty_like(a)
+                given = e.outs[i] if i < len(e.outs) else None
+                dst = given if given is not None else np.empty_like(a)
                 dst.reshape(-1)[...] = buf[pos:pos + a.size]
                 pos += a.size
                 outs.append(dst)

@@ -128,7 +128,7 @@ def assign(hosts: list[Host], num_proc: int) -> list[Placement]:
     if num_proc > total:
         listed = ", ".join(f"{h.name}:{h.slots}" for h in hosts)
         raise InvalidInputError(f"-np {num_proc} needs {num_proc} slots but the hosts give {total} ({listed})")
-    names = []
+    names: list[str] = []
     for host in hosts:
         names += [host.name] * min(host.slots, num_proc - len(names))
     return place_by_host(names)

@@ -34,7 +34,7 @@ _DEFAULT_ROUTE_PROBE = "198.51.100.1"
 def resolve(host: str) -> str:
     """The IPv4 address of ``host`` (a name or an address); raises with the host in the message."""
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
     except (socket.gaierror, IndexError, UnicodeError) as exc:
         raise InvalidInputError(f"cannot resolve host {host!r} to an IPv4 address: {exc}") from None
 

@@ -33,6 +33,7 @@ Ray is an optional dependency: ``pip install 'ringcomm[ray]'``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -187,7 +188,7 @@ class RayExecutor:
 
         if self.workers:
             raise RuntimeError("RayExecutor.start() was already called; call shutdown() first")
-        actor_cls = ray.remote(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker)(_Worker)
+        actor_cls: Any = ray.remote(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker)(_Worker)
         actors = [actor_cls.remote() for _ in range(self.num_workers)]
         try:
             nodes = ray.get([a.node.remote() for a in actors], timeout=self.settings.placement_group_timeout_s)
@@ -246,9 +247,8 @@ class RayExecutor:
         import ray
 
         workers, self.workers = self.workers, []
-        try:
+        # a dead actor cannot stop; it is killed below all the same
+        with contextlib.suppress(Exception):
             ray.get([w.stop.remote() for w in workers], timeout=30)
-        except Exception:  # noqa: BLE001 - a dead actor cannot stop; it is killed below all the same
-            pass
         for w in workers:
             ray.kill(w)

@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import zmq
@@ -133,7 +133,7 @@ def _decode(secret: bytes, frames: list[bytes], peer: str) -> dict[str, Any] | N
     return message
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -271,7 +271,7 @@ class RendezvousServer:
                 if self._pending_gets:
                     soonest = min(deadline for _, _, deadline in self._pending_gets)
                     timeout = max(0.0, min(timeout, soonest - time.monotonic()))
-                events = dict(poller.poll(timeout * 1000))
+                events = dict(poller.poll(int(timeout * 1000)))
                 if self._zap.socket in events:
                     self._zap.handle()  # handshakes of new connections
                 if sock in events:
@@ -458,7 +458,7 @@ class _Client:
         """The next authenticated reply to one of ``ops`` before ``deadline`` (monotonic), or ``None``."""
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.socket.poll(remaining * 1000, zmq.POLLIN):
+            if remaining <= 0 or not self.socket.poll(int(remaining * 1000), zmq.POLLIN):
                 return None
             reply = _decode(self.secret, self.socket.recv_multipart(), self.address)
             if reply is not None and reply.get("op") in ops:

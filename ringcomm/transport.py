@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import cast
 
 import numpy as np
 import zmq
@@ -190,7 +191,7 @@ class DataPlane:
         applies the commands ZeroMQ's I/O thread has posted, such as a pipe's termination.
         """
         sock = self._socks.get(peer)
-        return sock is not None and bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT)
+        return sock is not None and bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
 
     def raise_if_lost(self, awaited: int, what: str = "data", sending: bool = False) -> None:
         """Raise :class:`PeerLostError` if a peer is found gone, naming the rank that failed first."""
@@ -384,7 +385,9 @@ class DataPlane:
         if n < self._zc_min:
             self._send(dst, [header, payload])
         else:
-            self._trackers[dst] = self._send(dst, [header, payload], copy=False)
+            tracker = self._send(dst, [header, payload], copy=False)
+            if tracker is not None:  # always, for a zero-copy send
+                self._trackers[dst] = tracker
 
     def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
         """Queue one message for ``dst`` without ever blocking on a peer that is gone.
@@ -430,7 +433,7 @@ class DataPlane:
                     raise PeerLostError(
                         f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
                         f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                    )
+                    ) from None
                 continue
             try:
                 key = self._accept(src, frames)
@@ -519,9 +522,9 @@ class DataPlane:
             if key[0] == seq:
                 return key[1], self._open(src, key, stash.pop(key))
         while True:
-            key = self._pump(src, block=True)
-            if key is not None and key[0] == seq:
-                return key[1], self._open(src, key, stash.pop(key))
+            got = self._pump(src, block=True)
+            if got is not None and got[0] == seq:
+                return got[1], self._open(src, got, stash.pop(got))
 
     def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
         self._taken[src].add(key[1])

@@ -10,7 +10,7 @@ What each rank sees (size 2, typical start of training)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from .collectives import broadcast_async_, synchronize
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
-def _broadcast_in_place(named: list[tuple[str | None, torch.Tensor]], root_rank: int) -> None:
+def _broadcast_in_place(named: Sequence[tuple[str | None, torch.Tensor]], root_rank: int) -> None:
     """Broadcast every tensor in place, all in flight at once; waits for all before raising."""
     handles = [broadcast_async_(t, root_rank, name=name) for name, t in named]
     error: BaseException | None = None

@@ -375,6 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         cctx, sent = ctx
         value = self._compression.decompress(output, cctx)
+        assert p.grad is not None  # only parameters with a gradient are written back
         with torch.no_grad():
             if p.grad.is_sparse:
                 p.grad = value.to_sparse()

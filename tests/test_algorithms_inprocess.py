@@ -121,7 +121,7 @@ def test_ring_allreduce_matches_numpy(size, n, dtype, op, seg, separate_input, s
 def test_bool_allreduce_is_logical() -> None:
     ins = [np.array([True, False, False]), np.array([True, True, False])]
     for op, exp in [(ReduceOp.SUM, [1, 1, 0]), (ReduceOp.MIN, [1, 0, 0]), (ReduceOp.PRODUCT, [1, 0, 0])]:
-        outs = run_ranks(queue_links(2), lambda link, r: (lambda b: (algorithms.ring_allreduce(link, b, op, 0, 2), b)[1])(ins[r].copy()))
+        outs = run_ranks(queue_links(2), lambda link, r, op=op: (lambda b: (algorithms.ring_allreduce(link, b, op, 0, 2), b)[1])(ins[r].copy()))
         for out in outs:
             np.testing.assert_array_equal(out, np.array(exp, bool))
 
@@ -166,7 +166,7 @@ def test_reducescatter_blocks(size, rows, seg, data) -> None:
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_broadcast_direct_and_chain(size: int, nbytes: int) -> None:
     for root in range(size):
-        def fn(link, r):
+        def fn(link, r, root=root):
             buf = np.full(nbytes, 7 if r == root else 0, np.uint8)
             algorithms.broadcast(link, buf, root, 0, 4096)
             return buf

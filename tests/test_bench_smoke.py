@@ -152,7 +152,7 @@ def test_latency_bench_reports_percentiles_and_idle_cpu(tmp_path: Path) -> None:
         st = row["systems"][system]
         assert 0 < st["p10_ms"] <= st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"]
     assert row["systems"]["ringcomm"]["idle_cpu_s"] is not None and row["systems"]["ringcomm"]["idle_cpu_s"] >= 0
-    assert len([r for r in data["runs"] if r["system"] == "ringcomm"][0]["times_s"]) == 20
+    assert len(next(r for r in data["runs"] if r["system"] == "ringcomm")["times_s"]) == 20
     assert "allreduce latency" in proc.stdout and "gloo/ringcomm p50" in proc.stdout
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import collections
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ringcomm.elastic.discovery import DiscoveryError, HostDiscoveryScript, is_local_host, parse_hosts
 from ringcomm.elastic.plan import Blacklist, Member, assign_ranks, free_slots, new_worker_hosts
-from ringcomm.errors import HorovodInternalError, HostsUpdatedInterrupt, PeerLostError
 
 HOSTS = ["localhost", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
 members_st = st.lists(st.sampled_from(HOSTS), min_size=1, max_size=12).map(
@@ -30,7 +29,7 @@ def test_assign_ranks_keeps_order_and_gives_consistent_local_and_cross_ranks(mem
     by_host = collections.defaultdict(list)
     for a in out:
         by_host[a.host].append(a)
-    for host, group in by_host.items():
+    for group in by_host.values():
         assert [a.local_rank for a in group] == list(range(len(group)))
         assert all(a.local_size == len(group) for a in group)
     by_local = collections.defaultdict(list)

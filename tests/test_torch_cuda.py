@@ -47,7 +47,7 @@ def test_pinned_buffers_are_reused():
 
 def test_results_are_ordered_on_the_current_stream():
     t = torch.zeros(1 << 20, device="cuda")
-    for i in range(5):
+    for _ in range(5):
         t.add_(1.0)  # queued on the current stream before the staging copy
         hvd.allreduce_(t, op=hvd.Max)
     assert float(t[-1]) == 5.0

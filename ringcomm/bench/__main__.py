@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = os.path.join(args.out_dir, f"{args.command}-{stamp}")
     started = time.monotonic()
     try:
-        results = {"meta": _util.machine_info(), "command": ["python", "-m", "ringcomm.bench",
+        results: dict[str, Any] = {"meta": _util.machine_info(), "command": ["python", "-m", "ringcomm.bench",
                                                             *(sys.argv[1:] if argv is None else argv)]}
         results.update(run_command(args))
     except KeyboardInterrupt:

@@ -74,7 +74,7 @@ class RingcommBackend:
         rc.shutdown()
 
 
-def _expect(ok: bool, op: str) -> None:
+def _expect(ok: bool | np.bool_, op: str) -> None:
     if not ok:
         raise AssertionError(f"ringcomm {op} returned a wrong result")
 

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         def gather(obj: Any) -> list[Any]:
             return rc.allgather_object(obj, name="res.gather")
 
-        barrier, close = rc.barrier, rc.shutdown
+        barrier: Callable[..., Any] = rc.barrier
+        close: Callable[..., Any] = rc.shutdown
     else:
         import torch
         import torch.distributed as dist

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     start_watchdog(args.deadline)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = SmallCNN()
+    model: nn.Module = SmallCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model, optimizer, rank, size, barrier, gather = _setup(args, model, optimizer)
     gen = torch.Generator().manual_seed(1000 + rank)

@@ -124,6 +124,7 @@ def machine_info() -> dict[str, object]:
         libzmq: str | None = zmq.zmq_version()
     except ImportError:
         libzmq = None
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -25,7 +25,7 @@ def push(addr: str, nbytes: int, total: int) -> None:
     sock.connect(addr)
     buf = np.ones(nbytes, dtype=np.uint8)
     for _ in range(total):
-        sock.send(buf, copy=False)
+        sock.send(buf, copy=False)  # type: ignore[call-overload]  # an ndarray is a buffer; the stubs do not say so
     sock.close(linger=-1)
     ctx.term()
 

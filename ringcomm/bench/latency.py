@@ -177,7 +177,7 @@ def summarize(runs: Sequence[dict[str, Any]], nps: Sequence[int], systems: Seque
             mine = [r for r in runs if r["np"] == np_ and r["system"] == system and r["ok"] and r["times_s"]]
             if not mine:
                 continue
-            stats = {f"p{q}_ms": _util.median(percentile(r["times_s"], q) for r in mine) * 1e3 for q in PERCENTILES}
+            stats: dict[str, Any] = {f"p{q}_ms": _util.median(percentile(r["times_s"], q) for r in mine) * 1e3 for q in PERCENTILES}
             stats["mean_ms"] = _util.median(sum(r["times_s"]) / len(r["times_s"]) for r in mine) * 1e3
             idle = [max(r["idle_cpu_s"]) for r in mine if r.get("idle_cpu_s")]
             stats["idle_cpu_s"] = max(idle) if idle else None

@@ -39,9 +39,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
-from .._proc import Worker, describe_exit, emit, exit_status, spawn, stop_all
+from .._proc import Worker, describe_exit, emit, spawn, stop_all
 from ..rendezvous import RendezvousServer, kv_set
 from .discovery import DiscoveryError, HostDiscoveryScript, is_local_host
 from .plan import Blacklist, Member, assign_ranks, new_worker_hosts
@@ -293,11 +292,12 @@ class ElasticDriver:
         host = self.host_of[worker.rank]
         self.say(f"worker {worker.rank} on {host} (pid {worker.pid}) {describe_exit(worker.returncode or 0)}")
         if self.blacklist.record_failure(host, time.monotonic()):
-            self.say(f"host {host} blacklisted for {self.blacklist.until(host) - time.monotonic():.0f} s: "
+            until = self.blacklist.until(host) or time.monotonic()  # set by the failure just recorded
+            self.say(f"host {host} blacklisted for {until - time.monotonic():.0f} s: "
                      f"{self.blacklist.failures} of its workers failed")
 
-    def _loop(self) -> int:
-        """Supervise the current generation until the job ends; returns the exit status."""
+    def _loop(self) -> int | None:
+        """Supervise the current generation until the job ends (its exit status) or re-forms (None)."""
         event_since: float | None = None
         while True:
             self._check_signals()

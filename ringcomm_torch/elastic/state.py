@@ -143,6 +143,8 @@ class TorchState(ObjectState):
     re-targets its handler and saves it.
     """
 
+    _handlers: dict[str, StateHandler]
+
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
         kwargs.update(model=model, optimizer=optimizer)

@@ -106,7 +106,7 @@ def every_collective(ps: rc.ProcessSet, seed: int) -> None:
     rc.barrier(process_set=ps)
     assert rc.allgather_object({"r": r}, process_set=ps) == [{"r": q} for q in ranks]
     assert rc.broadcast_object(("from", r), root_rank=ranks[-1], process_set=ps) == ("from", ranks[-1])
-    raises(ValueError, lambda: rc.broadcast(np.zeros(1), root_rank=[q for q in range(rc.size()) if q not in ranks][0],
+    raises(ValueError, lambda: rc.broadcast(np.zeros(1), root_rank=next(q for q in range(rc.size()) if q not in ranks),
                                             process_set=ps), "is not in process set")
 
 
@@ -149,7 +149,7 @@ def phase_overlap_and_concurrency() -> None:
     rc.init(process_sets="dynamic")
     n, r = rc.size(), rc.rank()
     # overlapping sets that share ranks 1 and 2: async ops submitted in different orders per rank
-    left = rc.add_process_set(list(range(0, n - 1)))
+    left = rc.add_process_set(list(range(n - 1)))
     right = rc.add_process_set(list(range(1, n)))
     for rep in range(3):
         handles = []
@@ -206,19 +206,19 @@ def phase_dynamic() -> None:
         ps = rc.add_process_set(rc.ProcessSet(ranks) if rep % 2 else ranks)
         seen_ids.append(ps.process_set_id)
         assert ps.ranks == ranks and rc.process_set_ids() == [0, ps.process_set_id]
-        raises(ValueError, lambda: rc.add_process_set(list(ranks)), "already exists")
+        raises(ValueError, lambda ranks=ranks: rc.add_process_set(list(ranks)), "already exists")
         if ps.included():
             eq(rc.allreduce(np.full(2, float(r)), op=rc.Sum, process_set=ps), np.full(2, float(sum(ranks))), "dyn")
             assert rc.allgather_object(r, process_set=ps) == ranks
         else:
-            raises(ValueError, lambda: rc.allreduce(np.ones(1), process_set=ps), "is not in process set")
+            raises(ValueError, lambda ps=ps: rc.allreduce(np.ones(1), process_set=ps), "is not in process set")
         rc.barrier()
         stale = rc.ProcessSet(ranks)
         stale.process_set_id = ps.process_set_id
         assert rc.remove_process_set(ps) is True
         assert ps.process_set_id is None and ps.ranks is None and ps.size() is None
-        raises(ValueError, lambda: rc.allreduce(np.ones(1), process_set=stale), "not a registered process set")
-        raises(ValueError, lambda: rc.remove_process_set(ps), "not a registered process set")
+        raises(ValueError, lambda stale=stale: rc.allreduce(np.ones(1), process_set=stale), "not a registered process set")
+        raises(ValueError, lambda ps=ps: rc.remove_process_set(ps), "not a registered process set")
     assert seen_ids == sorted(set(seen_ids)), seen_ids  # ids are never reused
     assert rc.remove_process_set(rc.global_process_set) is False
     # the global set still works after all that

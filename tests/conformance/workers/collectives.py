@@ -12,7 +12,6 @@ import itertools
 import os
 import warnings
 
-import numpy as np
 import torch
 
 import ringcomm_torch as hvd
