@@ -65,6 +65,9 @@ from .errors import (
 from .handles import GroupHandle, Handle
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
+from . import logsetup as _logsetup
+
+_logsetup.install()  # a library's NullHandler on the "ringcomm" logger; nothing else is configured
 
 __version__ = "0.1.0"
 

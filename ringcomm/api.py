@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import os
 import pickle
@@ -33,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, horovod_env, ops, topology, wire
+from . import config, horovod_env, logsetup, ops, topology, wire
 from .coordinator import JOIN_NAME
 from .engine import Engine
 from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError
@@ -51,6 +52,7 @@ from .process_sets import (
 )
 
 AnyHandle = Handle | GroupHandle
+log = logging.getLogger("ringcomm.api")
 
 
 class Runtime:
@@ -58,12 +60,17 @@ class Runtime:
 
     def __init__(self, round_: int, dynamic_sets: bool = False) -> None:
         self.settings = config.Settings.from_env()
-        logging.getLogger("ringcomm").setLevel(self.settings.log_level.upper())
+        logsetup.apply_level(self.settings.log_level)  # only when RINGCOMM_LOG_LEVEL is given
         for name in horovod_env.without_meaning(os.environ):
-            logging.getLogger("ringcomm").warning(
+            log.warning(
                 "%s is set but has no meaning in ringcomm (ignored); see the environment variables page "
                 "for the HOROVOD_* settings ringcomm reads", name)
+        if log.isEnabledFor(logging.DEBUG):
+            changed = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
+                       if getattr(self.settings, f.name) != f.default}
+            log.debug("init(): settings other than the defaults: %s", changed or "none")
         self.topo = topology.from_env()
+        _log_topology(self.topo)
         self.round = round_
         self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
         self.dynamic_sets = dynamic_sets
@@ -71,6 +78,9 @@ class Runtime:
         self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
         # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
         self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
+        log.debug("rank %d: placement: local rank %d of %d, cross rank %d of %d (%d host(s) in the job)",
+                  self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
+                  self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
         self.engine.start()
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
@@ -142,6 +152,20 @@ _runtime: Runtime | None = None
 _rounds = 0
 _init_lock = threading.Lock()
 _atexit_registered = False
+def _log_topology(topo: topology.Topology) -> None:
+    """DEBUG: where this rank's place in the job came from, and where it will meet the others."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    if topo.size == 1:
+        log.debug("rank 0 of 1 (topology: %s): a single process; no sockets, no rendezvous", topo.source)
+        return
+    derived = f"; {', '.join(topo.derive)} worked out at the rendezvous" if topo.derive else ""
+    hosting = f", hosted by this rank on {topo.rendezvous_bind}" if topo.host_rendezvous else ""
+    log.debug("rank %d of %d (topology: %s%s), host %s, job %s: binds and advertises %s; rendezvous %s%s",
+              topo.rank, topo.size, topo.source, derived, topo.hostname, topo.job_id, topo.addr,
+              topo.rendezvous, hosting)
+
+
 _dying = threading.Event()  # the main thread died of an uncaught exception
 
 

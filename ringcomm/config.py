@@ -103,8 +103,10 @@ class Settings:
     timeline_mark_cycles: bool = False
     #: ``init()`` without ``process_sets=`` allows add_process_set()/remove_process_set() later.
     dynamic_process_sets: bool = False
-    #: Logging level name for the ``ringcomm`` logger.
-    log_level: str = "WARNING"
+    #: Level of the ``ringcomm`` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL), set by ``init()`` only
+    #: when given; it then also adds a stderr handler if nothing shows ringcomm's records.  Empty: the
+    #: application's logging configuration decides (``ringcomm/logsetup.py``).
+    log_level: str = ""
     #: Encrypt the data and control planes (ZeroMQ CURVE, keys derived from the job secret).
     encrypt: bool = False
 
@@ -169,9 +171,10 @@ class Settings:
             raise InvalidInputError(f"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS must be >= 2, got {self.shm_allreduce_min_ranks}")
         if self.peer_timeout <= 0 or self.start_timeout <= 0:
             raise InvalidInputError("RINGCOMM_PEER_TIMEOUT and RINGCOMM_START_TIMEOUT must be > 0")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        if self.log_level.strip().upper() not in ("", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise InvalidInputError(
-                f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL"
+                f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL "
+                "(or leave it empty: the application's logging configuration decides)"
             )
         if self.hierarchical_allreduce not in (-1, 0, 1):
             raise InvalidInputError(

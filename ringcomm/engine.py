@@ -206,6 +206,33 @@ class Engine(Executor):
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_setup(table, info)
+
+    def _log_setup(self, table: list[dict], info: dict[str, Any]) -> None:
+        """DEBUG: the transports this rank chose for each peer and the thresholds that pick an op's path."""
+        st, host = self.settings, self.topo.hostname
+        local = [int(p["rank"]) for p in table if p["host"] == host and int(p["rank"]) != self.rank]
+        remote = [int(p["rank"]) for p in table if p["host"] != host]
+        shm = (f"shared-memory slots ({st.shm_slots} x {st.segment_bytes} B) for payloads from {st.shm_min_bytes} B"
+               if st.shm_slots > 0 and local else "no shared-memory slots")
+        log.debug("rank %d: data plane: same-host peers %s over ipc sockets with %s; other-host peers %s over tcp "
+                  "(%s); zero-copy sends from %d B; %s", self.rank, local, shm, remote, self.topo.addr,
+                  st.zero_copy_min_bytes, "CURVE-encrypted" if st.encrypt else "authenticated, not encrypted")
+        if self.rank == 0:
+            log.debug("rank 0: control plane: serving the other ranks on %s", info.get("ctrl"))
+        else:
+            via = "ipc" if table[0]["host"] == host else "tcp"
+            log.debug("rank %d: control plane: connected to rank 0 over %s", self.rank, via)
+        hier = {1: "whenever the hosts allow it", 0: "off", -1: f"from {hierarchical.AUTO_MIN_BYTES} B when the hosts allow it"}
+        log.debug("rank %d: paths: allreduces up to %d B go through rank 0 in one round trip (allgather parts up "
+                  "to %d B); larger ones take the ring in %d B segments%s; hierarchical allreduce %s (%d host(s)); "
+                  "ops fused up to %d B, cycle time %g ms", self.rank, self._small, self._small_gather,
+                  st.segment_bytes,
+                  f", or one shared-memory region from {st.shm_allreduce_min_bytes} B (all ranks on this host)"
+                  if self._shm_ar is not None else "; no shared-memory allreduce (not every rank on one host, "
+                  "or switched off)", hier.get(st.hierarchical_allreduce, str(st.hierarchical_allreduce)),
+                  len({p["host"] for p in table}), st.fusion_threshold, st.cycle_time)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"ringcomm-engine-{self.rank}", daemon=True)

@@ -17,6 +17,7 @@ What a rank sees, np = 2, one fused allreduce of ``a`` (3 floats) and ``b`` (2):
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from .handles import Entry
     from .serving_link import ServingLink
     from .timeline import Timeline
+
+log = logging.getLogger("ringcomm.executor")
 
 
 class Executor:
@@ -116,6 +119,9 @@ class Executor:
             elif self.rank == resp.root and out is not arr:
                 np.copyto(out, arr)
             root = self._sets[resp.pset].index(resp.root)  # a global rank: its index in the set
+            log.debug("rank %d: broadcast %s: %d B from rank %d, process set %d: %s", self.rank, resp.names,
+                      out.nbytes, resp.root, resp.pset, "straight from the root" if
+                      out.nbytes <= algorithms.DIRECT_BROADCAST_BYTES else "pipelined along the ring")
             algorithms.broadcast(link, out.reshape(-1), root, seq, seg)
             return [out]
         if kind == wire.ALLGATHER:
@@ -127,6 +133,8 @@ class Executor:
                 if got.size != sum(counts):
                     raise HorovodInternalError(f"allgather {list(resp.names)}: result of {got.size} elements, "
                                                f"expected {sum(counts)}")
+                log.debug("rank %d: allgather %s: %d B, process set %d: gathered at rank 0 (small)", self.rank,
+                          resp.names, got.nbytes, resp.pset)
                 if self.timeline is not None:
                     t = self._star_spans.pop((resp.pset, *resp.names), None)
                     self._phases = [("RANK0_GATHER", t[0] if t else time.perf_counter(), time.perf_counter())]
@@ -135,6 +143,8 @@ class Executor:
             flat = out.reshape(-1)
             start = sum(counts[:rank])
             flat[start:start + counts[rank]] = arr.reshape(-1)
+            log.debug("rank %d: allgather %s: %d B, process set %d: ring", self.rank, resp.names, out.nbytes,
+                      resp.pset)
             algorithms.ring_allgatherv(link, flat, counts, seq, seg)
             return [out]
         if kind == wire.ALLTOALL:
@@ -199,13 +209,14 @@ class Executor:
                     pos += a.size
         t1 = time.perf_counter()
         marks: list[float] | None = [] if self.timeline is not None else None
-        hier = False
+        hier = used_shm = False
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
             shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
-            if not (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
-                    and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
-                                        watch=self._watch_peer)):
+            used_shm = (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
+                        and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
+                                             watch=self._watch_peer))
+            if not used_shm:
                 plan = self._host_plan(resp.pset)  # several hosts: reduce within each host first
                 hier = hierarchical.choose(self.settings.hierarchical_allreduce, buf.nbytes, plan, op)
                 if hier and plan is not None:
@@ -215,6 +226,11 @@ class Executor:
                 else:
                     algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
+        if log.isEnabledFor(logging.DEBUG):
+            path = ("reduced at rank 0 (small)" if resp.data else "shared memory" if used_shm
+                    else "hierarchical (host, then across hosts)" if hier else "ring")
+            log.debug("rank %d: allreduce %s: %d B in %d op(s), process set %d: %s", self.rank, resp.names,
+                      buf.nbytes, len(resp.names), resp.pset, path)
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
             if resp.data:

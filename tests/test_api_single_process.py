@@ -256,7 +256,7 @@ def test_log_level_setting(monkeypatch) -> None:
     rc.init()
     assert logging.getLogger("ringcomm").level == logging.DEBUG
     rc.shutdown()
-    logging.getLogger("ringcomm").setLevel(logging.WARNING)
+    logging.getLogger("ringcomm").setLevel(logging.NOTSET)  # as the import left it
     with pytest.raises(ValueError, match="RINGCOMM_LOG_LEVEL='loud'"):
         Settings.from_env({"RINGCOMM_LOG_LEVEL": "loud"})
 
