@@ -82,7 +82,8 @@ class Settings:
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
-    #: (-1: by job size, :func:`small_allreduce_bytes_for`).
+    #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
+    #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
     small_allreduce_bytes: int = -1
     #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
     #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
