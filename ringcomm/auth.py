@@ -16,7 +16,7 @@ Two mechanisms (:meth:`Credentials.derive`):
     The client sends user ``ringcomm`` and a password, HMAC-SHA256(secret,
     label); the handler compares it in constant time.  Proves that the peer
     holds the job secret; costs nothing per message; the password crosses the
-    network in the clear (see the README's threat model).
+    network in the clear (see the threat model in docs/design/security.md).
 ``CURVE`` (``RINGCOMM_ENCRYPT=1``)
     One server and one client Curve25519 key pair, their secret keys
     HMAC-SHA256(secret, label) (any 32 bytes are a valid Curve25519 secret

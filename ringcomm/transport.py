@@ -108,7 +108,7 @@ class DataPlane:
         self.reports: dict[int, int] = {}
         self._noticed = False  # this rank told its peers which rank it lost
         self.peer_names: dict[int, str] = {}
-        #: messages sent through shared memory / inline, for the benchmark and the README's numbers
+        #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers
         self.stats: collections.Counter[str] = collections.Counter()
 
     def _socket(self, peer: int, server: bool) -> zmq.Socket:

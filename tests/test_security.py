@@ -281,7 +281,7 @@ def test_payloads_cross_the_wire_in_clear_only_without_encryption(encrypt: bool,
     if encrypt:
         assert marker not in seen
     else:
-        # the README's threat model: without encryption a sniffer reads the data, and the PLAIN password
+        # the threat model (docs/design/security.md): without encryption a sniffer reads the data, and the PLAIN password
         assert marker in seen and creds.password in seen
 
 

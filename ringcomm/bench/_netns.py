@@ -3,7 +3,7 @@
 Used by the multi-host tests and by ``python -m ringcomm.bench crosshost``.
 
 :class:`TwoHosts` creates namespaces ``rcmh-<pid>-<n>-a`` and ``-b`` (names
-unique to this test process, so engineers sharing the machine never collide),
+unique to this test process, so users sharing the machine never collide),
 each with loopback up and one end of a veth pair carrying its own address
 (the end is called ``rceth0`` in both, so ``--network-interface rceth0``
 names it on every host).
