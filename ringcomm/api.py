@@ -211,7 +211,8 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
 
     Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
-    again while initialized does nothing; after :func:`shutdown` it starts anew.
+    again while initialized does nothing (with ``process_sets`` it raises: they
+    could not be registered); after :func:`shutdown` it starts anew.
 
     ``process_sets``: a list of :class:`ProcessSet` to register now (the same
     list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
@@ -227,6 +228,11 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
                                                           for p in process_sets]
     with _init_lock:
         if _runtime is not None:
+            if process_sets is not None:  # silently dropping the sets would leave them unregistered
+                raise InvalidInputError(
+                    f"init(process_sets=...) on rank {_runtime.topo.rank}: ringcomm is already initialized, so "
+                    "these process sets would not be registered; pass them to the first init(), or use "
+                    "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
             return
         rt = Runtime(_rounds, dynamic)
         _rounds += 1
@@ -447,6 +453,9 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
               postscale_factor: float = 1.0, out: np.ndarray | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``arr`` across the ranks of ``process_set`` (default: all); each of them gets the result.
+
+    Integer sums wrap around on overflow, as NumPy's (and Horovod's) do: an int8 Sum of 100 and 100
+    is -56.  Use a wider dtype when the sum may not fit.
 
         rank 0: [1., 2.]   rank 1: [3., 4.]   ->   every rank: [2., 3.]   (Average, the default)
         with process_set=ProcessSet([0, 2]) of 4 ranks: ranks 0 and 2 call it and get the average of
