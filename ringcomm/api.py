@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -29,8 +30,8 @@ try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use i
 except ImportError:  # pragma: no cover - depends on the environment
     _pickler = pickle
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -87,15 +88,30 @@ class Runtime:
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
-        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind)."""
+        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
+
+        Also notes the op as the one being checked on this thread: if its arguments are then
+        refused, :func:`_refusable` tells the other ranks (see :meth:`refuse`).
+        """
         if name is not None:
             if not isinstance(name, str) or not name:
                 raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
-            return name
-        with self._lock:
-            n = self._counters[(pset, kind)]
-            self._counters[(pset, kind)] += 1
-        return f"{kind}.noname.{n}"
+        else:
+            with self._lock:
+                n = self._counters[(pset, kind)]
+                self._counters[(pset, kind)] += 1
+            name = f"{kind}.noname.{n}"
+        _checking.op = (self, name, pset)
+        return name
+
+    def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
+        """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
+        reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
+        req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
+        try:
+            self.engine.submit(Entry(req, [], Handle(name)))
+        except Exception as exc:  # the engine is gone: the caller's own error says enough
+            log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
 
     def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
         """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
@@ -148,6 +164,38 @@ class Runtime:
         self.engine.shutdown(timeout=0.0 if _dying.is_set() else 10.0)
 
 
+log = logging.getLogger("ringcomm")
+F = TypeVar("F", bound=Callable[..., Any])
+_checking = threading.local()  # .op: (runtime, name, set) of the op whose arguments are being checked
+
+
+def _refusable(kind: str) -> Callable[[F], F]:
+    """Make a collective's argument errors collective too.
+
+    Arguments are checked on each rank before its op is submitted.  When this rank's are
+    refused (a non-contiguous array, a root out of range, bad splits...), the other ranks would
+    wait for it forever; instead rank 0 hears of the refusal and fails the op on every member
+    with its reason (``MismatchError: rank 1 refused the call: ...``), and this rank raises its
+    own error.  The next collective works on every rank.
+    """
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            _checking.op = None
+            try:
+                return fn(*args, **kwargs)
+            except (InvalidInputError, InvalidTypeError) as exc:
+                op = getattr(_checking, "op", None)
+                if op is not None and not isinstance(exc, DuplicateNameError):
+                    rt, name, pset = op
+                    rt.refuse(kind, name, pset, str(exc))
+                raise
+            finally:
+                _checking.op = None
+        return checked  # type: ignore[return-value]
+    return wrap
+
+
 _runtime: Runtime | None = None
 _rounds = 0
 _init_lock = threading.Lock()
@@ -187,7 +235,8 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
 
     Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
-    again while initialized does nothing; after :func:`shutdown` it starts anew.
+    again while initialized does nothing (with ``process_sets`` it raises: they
+    could not be registered); after :func:`shutdown` it starts anew.
 
     ``process_sets``: a list of :class:`ProcessSet` to register now (the same
     list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
@@ -203,6 +252,11 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
                                                           for p in process_sets]
     with _init_lock:
         if _runtime is not None:
+            if process_sets is not None:  # silently dropping the sets would leave them unregistered
+                raise InvalidInputError(
+                    f"init(process_sets=...) on rank {_runtime.topo.rank}: ringcomm is already initialized, so "
+                    "these process sets would not be registered; pass them to the first init(), or use "
+                    "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
             return
         rt = Runtime(_rounds, dynamic)
         _rounds += 1
@@ -395,6 +449,7 @@ def _scale(value: Any, label: str, what: str) -> float:
 # collectives
 
 
+@_refusable(wire.ALLREDUCE)
 def allreduce_async(
     arr: Any,
     op: ReduceOp = Average,
@@ -423,6 +478,9 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``arr`` across the ranks of ``process_set`` (default: all); each of them gets the result.
 
+    Integer sums wrap around on overflow, as NumPy's (and Horovod's) do: an int8 Sum of 100 and 100
+    is -56.  Use a wider dtype when the sum may not fit.
+
         rank 0: [1., 2.]   rank 1: [3., 4.]   ->   every rank: [2., 3.]   (Average, the default)
         with process_set=ProcessSet([0, 2]) of 4 ranks: ranks 0 and 2 call it and get the average of
         their two arrays; ranks 1 and 3 do not call it
@@ -430,6 +488,7 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
     return allreduce_async(arr, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
+@_refusable(wire.ALLREDUCE)
 def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             outs: Sequence[np.ndarray | None] | None = None,
@@ -464,6 +523,7 @@ def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | N
     return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
+@_refusable(wire.ALLGATHER)
 def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
     rt = _rt("allgather")
@@ -511,6 +571,7 @@ def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int
     return root
 
 
+@_refusable(wire.BROADCAST)
 def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
     """Start a broadcast; ``synchronize(handle)`` returns the root's values (in ``out`` if given)."""
@@ -538,6 +599,7 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
     return broadcast_async(arr, root_rank, name, process_set, out).wait()
 
 
+@_refusable(wire.ALLTOALL)
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     rt = _rt("alltoall")
@@ -590,6 +652,7 @@ def alltoall(arr: Any, splits: Any = None, name: str | None = None,
     return alltoall_async(arr, splits, name, process_set).wait()
 
 
+@_refusable(wire.REDUCESCATTER)
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> Handle:
@@ -622,6 +685,7 @@ def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
     return reducescatter_async(arr, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
+@_refusable(wire.REDUCESCATTER)
 def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> GroupHandle:
@@ -664,6 +728,19 @@ def synchronize(handle: AnyHandle) -> Any:
     return handle.wait()
 
 
+def _refuse_object(rt: Runtime, kind: str, name: str, pset: int, obj: Any, exc: BaseException) -> Exception:
+    """This rank cannot take part in object op ``name`` (a bad root, an object that does not pickle):
+    the op the other ranks wait on (``name.len``) fails there too; returns this rank's error."""
+    what = f"{'broadcast' if kind == wire.BROADCAST else 'allgather'}_object {name!r}"
+    if isinstance(exc, (InvalidInputError, InvalidTypeError)):
+        err: Exception = exc
+    else:
+        err = InvalidInputError(f"{what}: cannot pickle the {type(obj).__name__} object: {exc}; "
+                                "send something picklable (install cloudpickle for lambdas and local classes)")
+    rt.refuse(kind, f"{name}.len", pset, str(err))
+    return err
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Every rank (of ``process_set``) gets the root's Python object (pickled; only from ranks of this job).
@@ -673,8 +750,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     rt = _rt("broadcast_object")
     pset, ranks = rt.resolve_set(process_set, "broadcast_object")
     name = rt.auto_name("broadcast_object", name, pset)
-    _check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
-    payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
+    try:
+        _check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
+        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
+    except Exception as exc:
+        err = _refuse_object(rt, wire.BROADCAST, name, pset, obj, exc)
+        if err is exc:
+            raise
+        raise err from exc
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
     length = broadcast(length, root_rank, f"{name}.len", process_set)
     data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
@@ -687,7 +770,13 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     rt = _rt("allgather_object")
     pset, _ = rt.resolve_set(process_set, "allgather_object")
     name = rt.auto_name("allgather_object", name, pset)
-    payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
+    try:
+        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
+    except Exception as exc:
+        err = _refuse_object(rt, wire.ALLGATHER, name, pset, obj, exc)
+        if err is exc:
+            raise
+        raise err from exc
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
     data = allgather(payload, f"{name}.data", process_set)
     out, pos = [], 0

@@ -29,6 +29,7 @@ TOPOLOGY_VARS = frozenset(
         "RINGCOMM_RENDEZVOUS_PORT",
         "RINGCOMM_MASTER_ADDR",
         "RINGCOMM_NETWORK_INTERFACE",
+        "RINGCOMM_INSECURE",
     }
 )
 #: Set by ringcomm-run's elastic driver (ringcomm/elastic).

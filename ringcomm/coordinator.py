@@ -91,6 +91,12 @@ def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str
     ``reqs`` is keyed by global rank; ``where`` (e.g. `` in process set 1 (ranks [0, 2])``)
     follows the op's name in the message.
     """
+    refusals = {r: q.refused for r, q in reqs.items() if q.refused}
+    if refusals:  # a rank refused its call: the op fails everywhere with its reason
+        r = min(refusals)
+        others = sorted(set(refusals) - {r})
+        also = f" (rank(s) {others} refused it too)" if others else ""
+        return f"rank {r} refused the call{also}: {refusals[r]}"
     it = iter(reqs.values())
     first = next(it)
     if first.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER, wire.BARRIER, wire.JOIN, wire.SHUTDOWN,

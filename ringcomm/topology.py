@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import secrets
 import socket
@@ -52,6 +53,7 @@ from .errors import InvalidInputError
 
 #: Placement fields a source may leave to be worked out from the rendezvous table.
 PLACEMENT_FIELDS = ("local_rank", "local_size", "cross_rank", "cross_size")
+log = logging.getLogger("ringcomm.topology")
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
 
@@ -143,13 +145,30 @@ def _host_of(address: str) -> str:
     return hostport.rpartition(":")[0].strip("[]")
 
 
-def _derived_secret(env: Mapping[str, str], seed: str) -> bytes:
+def _derived_secret(env: Mapping[str, str], seed: str, master: str, source: str) -> bytes:
+    """The job's secret when no launcher hands one out: ``RINGCOMM_SECRET``, or one derived from ``seed``.
+
+    A derived secret is made of facts every rank can compute, and so can anyone else who
+    sees the job (its address, port and size): fine for a job confined to loopback, not for
+    one that listens on the network.  There a stranger could compute it and take a rank's
+    place, so such a job needs ``RINGCOMM_SECRET`` (or ``RINGCOMM_INSECURE=1``, logged).
+    """
     if "RINGCOMM_SECRET" in env:
         try:
             return bytes.fromhex(env["RINGCOMM_SECRET"])
         except ValueError:
             raise InvalidInputError("RINGCOMM_SECRET must be hex") from None
-    # No launcher to hand out a secret: derive one every rank can compute.
+    if not _literal_loopback(master):
+        if env.get("RINGCOMM_INSECURE", "").strip().lower() not in ("1", "true", "yes", "on"):
+            raise InvalidInputError(
+                f"this job ({source}) listens on the network (its rendezvous is at {master}), but has no "
+                "RINGCOMM_SECRET: a secret derived from the job's address, port and size could be computed by "
+                "anyone who can reach it, and a stranger could join the job. Export the same random secret on "
+                "every rank, e.g. RINGCOMM_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))') "
+                "in the job script before the launcher, or set RINGCOMM_INSECURE=1 to accept the risk on a "
+                "trusted network.")
+        log.warning("RINGCOMM_INSECURE=1: the job's secret is derived from its address, port and size (%s, "
+                    "rendezvous at %s); anyone who can reach the job can compute it", source, master)
     return hashlib.sha256(seed.encode()).digest()
 
 
@@ -211,7 +230,9 @@ def _from_torchrun(env: Mapping[str, str], hostname: str) -> Topology:
     master = env.get("MASTER_ADDR", "127.0.0.1")
     port = _int(env, "RINGCOMM_RENDEZVOUS_PORT", torchrun_port(
         master, _int(env, "MASTER_PORT", 29500, src), env.get("TORCHELASTIC_RUN_ID", "")))
-    secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}")
+    if local_size == size and "RINGCOMM_MASTER_ADDR" not in env:
+        master = "127.0.0.1"  # every rank on this host (torchrun --standalone, one node): stay on loopback
+    secret = _derived_secret(env, f"{master}:{port}:{size}:{env.get('TORCHELASTIC_RUN_ID', '')}", master, "torchrun")
     cross_size = max(1, -(-size // max(local_size, 1)))
     cross_rank = _int(env, "GROUP_RANK", rank // max(local_size, 1))
     where = _rendezvous_at(master, port, rank)
@@ -251,7 +272,7 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
         mine = [a for a in {netaddr.default_source() or ""} if a]
         raise InvalidInputError(mpi_env.rank0_elsewhere_message(where_from, mine, hostname))
     jobid = env.get("OMPI_MCA_ess_base_jobid", "") or env.get("PMI_ID", "") or where_from.job
-    secret = _derived_secret(env, f"mpi:{master}:{port}:{size}:{jobid}")
+    secret = _derived_secret(env, f"mpi:{master}:{port}:{size}:{jobid}", master, src)
     where = _rendezvous_at(master, port, rank)
     return Topology(
         rank, size, local_rank, local_size, 0, 1,
@@ -297,12 +318,13 @@ def _from_slurm(env: Mapping[str, str], hostname: str) -> Topology:
         raise InvalidInputError(f"SLURM_TASKS_PER_NODE is not set; the environment from {src} is incomplete")
     _check(rank, size, local_rank, local_size, f"SLURM_PROCID/SLURM_NTASKS ({src})")
     job, step = _int(env, "SLURM_JOB_ID", src=src), _int(env, "SLURM_STEP_ID", src=src)
-    master = env.get("RINGCOMM_MASTER_ADDR") or env.get("MASTER_ADDR") or nodes[0]
+    master = env.get("RINGCOMM_MASTER_ADDR") or env.get("MASTER_ADDR") or (
+        "127.0.0.1" if len(nodes) == 1 else nodes[0])  # one node: the job stays on loopback
     if "RINGCOMM_RENDEZVOUS_PORT" in env:
         port = _int(env, "RINGCOMM_RENDEZVOUS_PORT")
     else:
         port = _int(env, "MASTER_PORT", slurm_port(job, step))
-    secret = _derived_secret(env, f"slurm:{job}.{step}:{master}:{port}:{size}")
+    secret = _derived_secret(env, f"slurm:{job}.{step}:{master}:{port}:{size}", master, src)
     others = [n for n in nodes if n != nodes[node_id]]
     toward = [master] if nodes[node_id] != master else [master, *others[:1]]
     where = _rendezvous_at(master, port, rank)

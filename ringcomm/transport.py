@@ -407,14 +407,20 @@ class DataPlane:
                 pass
             if sock.poll(int(_SLICE * 1000), zmq.POLLOUT):
                 continue
-            waited += _SLICE
-            self.raise_if_lost(dst, "room to send", sending=True)
-            if waited >= self._timeout:
-                raise PeerLostError(
-                    f"rank {self.rank}: could not send to rank {dst} ({self.peer_names.get(dst, '?')}) for "
-                    f"{self._timeout:.0f} s: it is not connected to this rank (it died, never connected, or "
-                    "hangs). Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                )
+            waited = self._slice_waited(
+                dst, waited, "room to send", True,
+                f"could not send to rank {dst} ({self.peer_names.get(dst, '?')}) for {self._timeout:.0f} s: it is "
+                "not connected to this rank (it died, never connected, or hangs). Raise RINGCOMM_PEER_TIMEOUT if it "
+                "is only slow.")
+
+    def _slice_waited(self, peer: int, waited: float, what: str, sending: bool, timeout_message: str) -> float:
+        """One more slice spent waiting on ``peer``: raises if a peer is lost or ``peer`` used up the peer
+        timeout (``timeout_message``, after the rank); returns the time waited so far."""
+        waited += _SLICE
+        self.raise_if_lost(peer, what, sending=sending)
+        if waited >= self._timeout:
+            raise PeerLostError(f"rank {self.rank}: {timeout_message}")
+        return waited
 
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
@@ -427,13 +433,10 @@ class DataPlane:
                 if not block:
                     return None
                 # a slice passed with no data: has a peer gone?
-                waited += _SLICE
-                self.raise_if_lost(src, "data")
-                if waited >= self._timeout:
-                    raise PeerLostError(
-                        f"rank {self.rank}: no data from rank {src} ({self.peer_names.get(src, '?')}) for "
-                        f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow."
-                    ) from None
+                waited = self._slice_waited(
+                    src, waited, "data", False,
+                    f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
+                    "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
                 continue
             try:
                 key = self._accept(src, frames)
@@ -545,13 +548,10 @@ class DataPlane:
                     tracker.wait(_SLICE)
                     break
                 except zmq.NotDone:
-                    waited += _SLICE
-                self.raise_if_lost(dst, "its data to be taken", sending=True)
-                if waited >= self._timeout:
-                    raise PeerLostError(
-                        f"rank {self.rank}: rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data "
-                        f"within {self._timeout:.0f} s"
-                    )
+                    pass
+                waited = self._slice_waited(
+                    dst, waited, "its data to be taken", True,
+                    f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
 
 

@@ -58,6 +58,9 @@ class Request(NamedTuple):
     postscale: float = 1.0
     splits: tuple[int, ...] | None = None
     pset: int = 0
+    #: Set when this rank refused the call (bad arguments): why.  The op then fails on every member
+    #: with that reason instead of leaving the others waiting for this rank.
+    refused: str = ""
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -189,6 +192,7 @@ def request_from_wire(obj: Any) -> Request:
         postscale=_num(w, "postscale", d["postscale"]),
         splits=None if splits is None else _ints(w, "splits", splits),
         pset=_int(w, "pset", d["pset"]),
+        refused=_str(w, "refused", d["refused"]),
     )
 
 

@@ -298,3 +298,19 @@ def test_process_set_arguments_are_validated(monkeypatch) -> None:
             rc.barrier(process_set=stale)
         finally:
             rc.shutdown()
+
+
+def test_a_second_init_with_process_sets_is_refused_not_ignored(monkeypatch) -> None:
+    import ringcomm as rc
+
+    for key in [k for k in __import__("os").environ if k.startswith(("RINGCOMM_", "RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(key, raising=False)
+    rc.init()
+    try:
+        rc.init()  # a plain second init is a no-op, as in Horovod
+        with pytest.raises(rc.InvalidInputError, match="already initialized"):
+            rc.init(process_sets=[rc.ProcessSet([0])])
+        assert rc.is_initialized() and rc.size() == 1
+    finally:
+        rc.shutdown()
+

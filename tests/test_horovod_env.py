@@ -74,3 +74,15 @@ def test_workers_see_the_variables_horovodrun_sets() -> None:
     proc = launch(2, ["-c", code], timeout=50)
     assert proc.returncode == 0, proc.stderr
     assert "[0]<stdout>:HVD 0 2 0 2 0 1" in proc.stdout and "[1]<stdout>:HVD 1 2 1 2 0 1" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_integer_sums_wrap_around_as_in_horovod() -> None:
+    code = ("import numpy as np, ringcomm as rc; rc.init();"
+            "print('SUM', rc.allreduce(np.array([100, 1], dtype=np.int8), op=rc.Sum, name='i8').tolist(),"
+            " rc.allreduce(np.array([100, 1], dtype=np.int8), op=rc.Sum, name='i8big',"
+            " out=None).dtype)")
+    proc = launch(2, ["-c", code], timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert "[0]<stdout>:SUM [-56, 2] int8" in proc.stdout and "[1]<stdout>:SUM [-56, 2] int8" in proc.stdout

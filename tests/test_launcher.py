@@ -6,14 +6,19 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
 from _launcher_helpers import (
+    REPO_ROOT,
     LiveLauncher,
     alive,
     kill_leftovers,
+    launcher_cmd,
+    launcher_env,
     run_launcher,
     spawned_pids,
     wait_gone,
@@ -313,3 +318,28 @@ def test_a_sigkilled_launcher_leaves_no_worker_running():
         assert wait_gone(workers, timeout=10) == []
     finally:
         kill_leftovers(pids)
+
+
+@pytest.mark.timeout(40)
+def test_a_worker_that_ignores_sigterm_does_not_outlive_a_sigkilled_launcher():
+    """The kernel's SIGTERM is not enough for a stubborn worker: the guard's watcher follows with SIGKILL."""
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen(launcher_cmd("-v", "-np", "2", sys.executable, "-c", code), env=launcher_env(),
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            assert "ready" in proc.stdout.readline()
+        time.sleep(0.5)
+        workers = [p for p in _children_pids(proc.pid)]
+        assert len(workers) >= 2, workers
+        proc.kill()
+        proc.wait(10)
+        assert wait_gone(workers, timeout=15) == [], "a worker outlived the launcher"
+    finally:
+        proc.kill()
+
+
+def _children_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]

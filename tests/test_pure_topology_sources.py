@@ -10,8 +10,10 @@ import pytest
 
 from ringcomm import topology
 from ringcomm.config import Settings
+from ringcomm.errors import InvalidInputError
 
-LO = {"RINGCOMM_NETWORK_INTERFACE": "lo"}
+# jobs whose ranks meet beyond loopback need an explicit secret (a derived one could be computed by anyone)
+LO = {"RINGCOMM_NETWORK_INTERFACE": "lo", "RINGCOMM_SECRET": "5e" * 16}
 
 
 def slurm(procid: int, localid: int, nodeid: int, **extra: str) -> dict[str, str]:
@@ -50,7 +52,7 @@ def test_slurm_port_is_derived_per_step_unless_given() -> None:
 def test_slurm_step_variables_win_over_the_allocations() -> None:
     env = slurm(0, 0, 0, SLURM_STEP_NODELIST="node07", SLURM_STEP_NUM_TASKS="1", SLURM_STEP_TASKS_PER_NODE="1")
     topo = topology.from_env(env)
-    assert (topo.size, topo.local_size, topo.cross_size, topo.rendezvous.split(":")[1]) == (1, 1, 1, "//node07")
+    assert (topo.size, topo.local_size, topo.cross_size, topo.rendezvous.split(":")[1]) == (1, 1, 1, "//127.0.0.1")  # a one-node step
 
 
 def test_a_batch_script_without_srun_is_a_single_process() -> None:
@@ -124,7 +126,8 @@ def test_pmi_ranks_learn_everything_but_rank_and_size_at_the_rendezvous() -> Non
          "RINGCOMM_RENDEZVOUS_PORT is not set"),
         ({"PMI_RANK": "0", "RINGCOMM_MASTER_ADDR": "h", "RINGCOMM_RENDEZVOUS_PORT": "1"}, "PMI_SIZE is not set"),
         ({"PMI_RANK": "3", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank from PMI_RANK/PMI_SIZE"),
-        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "port 70000 is out of range"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000", **LO},
+         "port 70000 is out of range"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
           "RINGCOMM_NETWORK_INTERFACE": "nosuch0"}, "network interface 'nosuch0' does not exist"),
     ],
@@ -175,7 +178,7 @@ def srun_pmi2(procid: int, ntasks: int, job: int = 77, step: int = 0) -> dict[st
 def test_srun_mpi_pmi2_is_a_slurm_job() -> None:
     topo = topology.from_env(srun_pmi2(1, 2))
     assert topo.source == "Slurm (srun)" and (topo.rank, topo.size) == (1, 2)
-    assert topo.rendezvous == f"tcp://node01:{topology.slurm_port(77, 0)}"
+    assert topo.rendezvous == f"tcp://127.0.0.1:{topology.slurm_port(77, 0)}"  # one node: loopback
     without_jobid = srun_pmi2(1, 2)
     del without_jobid["PMI_JOBID"]  # PMI-1 plugins: rank and size agree with Slurm's
     assert topology.source_of(without_jobid) == "slurm"
@@ -315,3 +318,28 @@ def test_torchrun_port_stays_out_of_the_ephemeral_range() -> None:
            "TORCHELASTIC_RUN_ID": "run-a"}
     assert topology.from_env(env).rendezvous == f"tcp://127.0.0.1:{derived}"
     assert topology.from_env({**env, "RINGCOMM_RENDEZVOUS_PORT": "45000"}).rendezvous == "tcp://127.0.0.1:45000"
+
+
+def test_a_job_beyond_loopback_needs_a_secret_or_an_explicit_opt_out(caplog) -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5",
+           "MASTER_PORT": "29500", "RINGCOMM_NETWORK_INTERFACE": "lo"}
+    with pytest.raises(InvalidInputError, match="RINGCOMM_SECRET") as info:
+        topology.from_env(env)
+    assert "RINGCOMM_INSECURE=1" in str(info.value) and "10.0.0.5" in str(info.value)
+    assert topology.from_env({**env, "RINGCOMM_SECRET": "ab" * 16}).secret == bytes.fromhex("ab" * 16)
+    with caplog.at_level("WARNING", logger="ringcomm.topology"):
+        assert topology.from_env({**env, "RINGCOMM_INSECURE": "1"}).secret
+    assert "RINGCOMM_INSECURE=1" in caplog.text
+    for bad in (slurm(3, 1, 1), ompi(1)):  # Slurm and MPI facts are visible to other users too
+        with pytest.raises(InvalidInputError, match="RINGCOMM_SECRET"):
+            topology.from_env({k: v for k, v in bad.items() if k != "RINGCOMM_SECRET"})
+
+
+def test_single_host_jobs_stay_on_loopback_without_a_secret() -> None:
+    standalone = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "workstation.example", "MASTER_PORT": "29500"}
+    topo = topology.from_env(standalone)
+    assert topo.rendezvous.startswith("tcp://127.0.0.1:") and topo.rendezvous_bind == "127.0.0.1"
+    one_node = slurm(1, 1, 0, SLURM_NTASKS="2", SLURM_NODELIST="node01", SLURM_TASKS_PER_NODE="2")
+    del one_node["RINGCOMM_SECRET"]
+    assert topology.from_env(one_node).rendezvous.startswith("tcp://127.0.0.1:")

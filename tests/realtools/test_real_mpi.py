@@ -84,6 +84,11 @@ def test_a_taken_rendezvous_port_names_the_variable() -> None:
         proc.stderr)
 
 
+#: A job whose ranks meet beyond loopback needs its own secret (one derived from the job's facts could be
+#: computed by anyone who can reach it): as a user's multi-host job script exports it.
+ACROSS_HOSTS = {"RINGCOMM_SECRET": "c0ffee" * 6}
+
+
 # Ranks told they are each on a host of their own (the local-size variables overridden in a shell
 # around the worker) take the across-hosts path: the rendezvous is on the launcher's host, found in
 # its own variables (mpirun's OMPI_MCA_orte_hnp_uri, hydra's --control-port), here this machine.
@@ -92,7 +97,7 @@ def test_open_mpi_ranks_on_separate_hosts_meet_at_mpiruns_host() -> None:
     script = ("OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_MCA_orte_num_nodes=3 "
               f"{PYTHON} {WORKER}")
     cmd = [need("mpirun.openmpi", "openmpi-bin"), "--oversubscribe", "-np", "3", "sh", "-c", script]
-    proc = run(cmd, timeout=60, env=openmpi_env())
+    proc = run(cmd, timeout=60, env={**openmpi_env(), **ACROSS_HOSTS})
     assert_job_ok(proc, 3, "OMPI")
     recs = results(proc.stdout)
     assert {r["local_size"] for r in recs} == {1}
@@ -102,7 +107,8 @@ def test_open_mpi_ranks_on_separate_hosts_meet_at_mpiruns_host() -> None:
 @pytest.mark.timeout(90)
 def test_mpich_ranks_on_separate_hosts_meet_at_mpiexecs_host() -> None:
     script = f"MPI_LOCALNRANKS=1 MPI_LOCALRANKID=0 {PYTHON} {WORKER}"
-    proc = run([need("mpiexec.mpich", "mpich"), "-n", "3", "sh", "-c", script], timeout=60, env=env())
+    proc = run([need("mpiexec.mpich", "mpich"), "-n", "3", "sh", "-c", script], timeout=60,
+               env={**env(), **ACROSS_HOSTS})
     assert_job_ok(proc, 3, "PMI")
     recs = results(proc.stdout)
     assert {r["local_size"] for r in recs} == {1}
