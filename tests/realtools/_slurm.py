@@ -20,15 +20,26 @@ from pathlib import Path
 #: The daemons and client commands the cluster needs; a missing one skips the tests that use it.
 TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo")
 PLUGIN_DIRS = ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/aarch64-linux-gnu/slurm-wlm", "/usr/lib/slurm")
+PMIX_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu/pmix2", "/usr/lib/aarch64-linux-gnu/pmix2", "/usr/lib/x86_64-linux-gnu",
+                 "/usr/lib/aarch64-linux-gnu", "/usr/lib")
 
 
 def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
 
 
-def has_mpi_plugin(name: str) -> bool:
-    """True if Slurm's ``mpi/<name>`` plugin is installed (``srun --mpi=<name>`` can work)."""
-    return any(Path(d, f"mpi_{name}.so").exists() for d in PLUGIN_DIRS)
+def mpi_plugin_missing(name: str) -> str | None:
+    """Why ``srun --mpi=<name>`` cannot work here (a package to install), or None if it can.
+
+    Slurm's ``mpi/pmix`` plugin loads the unversioned ``libpmix.so``, which only
+    Debian's ``libpmix-dev`` provides; without it srun fails with "can not load
+    PMIx library" although the plugin file is present.
+    """
+    if not any(Path(d, f"mpi_{name}.so").exists() for d in PLUGIN_DIRS):
+        return f"Slurm's mpi/{name} plugin is not installed"
+    if name == "pmix" and not any(Path(d).glob("**/libpmix.so") for d in PMIX_LIB_DIRS if Path(d).is_dir()):
+        return "Slurm's mpi/pmix plugin cannot load libpmix.so (Debian: apt-get install libpmix-dev)"
+    return None
 
 
 def _free_ports(n: int) -> list[int]:

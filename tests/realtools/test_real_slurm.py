@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _slurm import SlurmCluster, has_mpi_plugin, missing_tools
+from _slurm import SlurmCluster, missing_tools, mpi_plugin_missing
 from _tools import PYTHON, WORKER, assert_job_ok, env, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
@@ -40,8 +40,9 @@ def cluster() -> Iterator[SlurmCluster]:
 @pytest.mark.parametrize("mpi", ["none", "pmi2", "pmix"])
 def test_srun_with_each_mpi_plugin(cluster: SlurmCluster, mpi: str) -> None:
     """srun --mpi=X -n 2 python job.py: no variable set by hand; pmi2's PMI_RANK does not hide SLURM_*."""
-    if not has_mpi_plugin(mpi):
-        pytest.skip(f"Slurm's mpi/{mpi} plugin is not installed")
+    why = mpi_plugin_missing(mpi)
+    if why:
+        pytest.skip(why)
     proc = run(["srun", f"--mpi={mpi}", "-n", "2", PYTHON, WORKER], timeout=60, env=cluster.env(env()))
     assert_job_ok(proc, 2, "slurm")
 

@@ -217,8 +217,14 @@ def check_errors() -> None:
     for start in (lambda: hvd.allreduce_async(torch.zeros(17), name="dup"),
                   lambda: hvd.allgather_async(torch.zeros(17), name="dup"),
                   lambda: hvd.broadcast_async(torch.zeros(17), root_rank=0, name="dup")):
-        first = start()
-        _raises((ValueError,), start, "a second op under a name in flight")
+        # Only rank 0 starts the op at first, so it cannot complete (and leave
+        # the name free) before the second call: the others join after a barrier.
+        if R == 0:
+            first = start()
+            _raises((ValueError,), start, "a second op under a name in flight")
+        hvd.barrier()
+        if R != 0:
+            first = start()
         hvd.synchronize(first)
         hvd.barrier()
 
