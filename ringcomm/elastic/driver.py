@@ -22,6 +22,15 @@ then:
   generation ``g + 1`` is published.  Below ``--min-np`` it waits for
   discovery to offer slots, and fails after ``--elastic-timeout`` seconds.
 
+Where workers run: :mod:`ringcomm.elastic.starter` starts them here, or on
+other hosts through ``--ssh-command`` as ``ringcomm-run -H`` starts remote
+ranks.  A member that fails before its generation's rendezvous completed
+makes the driver call that rendezvous off
+(:meth:`~ringcomm.rendezvous.RendezvousServer.abort`): the members waiting
+there come back at once instead of after ``RINGCOMM_START_TIMEOUT``.  A failed
+worker's host is blacklisted (``--blacklist-failures``, 1 by default, as
+Horovod does).
+
 New hosts while the job runs: the driver bumps ``hosts_version``; rank 0 sees
 it at the next ``state.commit()`` / ``check_host_updates()``, every rank raises
 ``HostsUpdatedInterrupt`` there, comes back, and the new world includes the

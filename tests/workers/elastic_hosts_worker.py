@@ -12,6 +12,8 @@ Prints (worker id = ``RINGCOMM_ELASTIC_WORKER``, host = ``RINGCOMM_HOSTNAME``):
 - ``COMMIT worker=W host=H rank=R size=N step=S hash=X`` after each commit's save;
 - ``DONE worker=W host=H rank=R size=N step=S value=V``.
 
+``--die-on-host H``: a worker on host H exits with code 3 before ``init()`` (it never reaches the rendezvous).
+
 ``--grow-line LINE --grow-step S --hosts-file F``: rank 0 appends LINE to F once it reached step S (the
 discovery script prints F), so the job grows while it runs.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
 
 import numpy as np
@@ -40,9 +43,12 @@ def main() -> None:
     p.add_argument("--grow-line", default="")
     p.add_argument("--grow-step", type=int, default=-1)
     p.add_argument("--hosts-file", default="")
+    p.add_argument("--die-on-host", default="")
     args = p.parse_args()
     me = f"worker={os.environ['RINGCOMM_ELASTIC_WORKER']} host={os.environ['RINGCOMM_HOSTNAME']}"
     print(f"PID {me} pid={os.getpid()}", flush=True)
+    if os.environ["RINGCOMM_HOSTNAME"] == args.die_on_host:
+        sys.exit(3)
     rc.init()
     state = ObjectState(step=0, w=np.zeros(16))
 
