@@ -111,8 +111,9 @@ def test_a_host_added_by_the_discovery_script_joins_at_the_next_commit(hosts: Tw
     a, b = hosts.addr["a"], hosts.addr["b"]
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"{a}:2\n")
+    # the interface named: the driver listens on its address, every host's workers reach it there
     job = Job(hosts, "-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script", f"cat {hostfile}",
-              "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "30", "--sleep", "0.1",
+              "--network-interface", hosts.interface, "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "30", "--sleep", "0.1",
               "--grow-line", f"{b}:2", "--grow-step", "3", "--hosts-file", str(hostfile))
     try:
         code, out, err = job.finish(timeout=80)
@@ -120,6 +121,7 @@ def test_a_host_added_by_the_discovery_script_joins_at_the_next_commit(hosts: Tw
         job.kill()
     assert code == 0, out[-3000:] + err[-3000:]
     assert "hosts changed" in err and "generation 1: 4 workers" in err, err
+    assert f"driver store at tcp://{a}:" in err
     # the two new workers were started on b through the ssh, the first two here
     assert sorted(re.findall(r"worker (\d+): pid \d+ on (\S+?)( \(ssh\))?$", err, re.M)) == [
         ("0", a, ""), ("1", a, ""), ("2", b, " (ssh)"), ("3", b, " (ssh)")], err
@@ -156,6 +158,7 @@ def test_a_host_whose_workers_are_killed_is_dropped_and_the_job_goes_on(hosts: T
         recs = job.wait_for(lambda rs: len([r for r in rs if r["kind"] == "ENTER" and r["size"] == 2]) == 2,
                             timeout=30)
         reformed = max(r["at"] for r in recs if r["kind"] == "ENTER" and r["size"] == 2) - killed_at
+        print(f"re-formed {reformed:.2f} s after the kill")
         code, out, err = job.finish(timeout=40)
     finally:
         job.kill()
@@ -171,3 +174,22 @@ def test_a_host_whose_workers_are_killed_is_dropped_and_the_job_goes_on(hosts: T
     assert sorted((r["worker"], r["size"], r["step"], r["value"]) for r in done) == [
         (0, 2, 60, "1830"), (1, 2, 60, "1830")], out
     assert_nothing_left(hosts)
+
+
+@pytest.mark.timeout(60)
+def test_workers_on_the_remote_host_end_when_the_launcher_is_killed_outright(hosts: TwoHosts, tmp_path: Path) -> None:
+    """SIGKILL leaves the driver no chance to stop anything: the remote side sees the ssh's input end."""
+    a, b = hosts.addr["a"], hosts.addr["b"]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{a}:1\n{b}:2\n")
+    job = Job(hosts, "-np", "3", "--host-discovery-script", f"cat {hostfile}", sys.executable, WORKER,
+              "--steps", "100000", "--sleep", "0.1")
+    try:
+        job.wait_for(lambda rs: len({r["worker"] for r in rs if r["kind"] == "COMMIT" and r["size"] == 3}) == 3,
+                     timeout=40)
+        assert len(hosts.pids("b")) >= 2
+        job.kill()
+        job.proc.wait(10)
+        assert hosts.wait_empty(timeout=10.0, sides=("b",)) == {}, "workers left running on host b"
+    finally:
+        job.kill()
