@@ -193,3 +193,28 @@ def test_workers_on_the_remote_host_end_when_the_launcher_is_killed_outright(hos
         assert hosts.wait_empty(timeout=10.0, sides=("b",)) == {}, "workers left running on host b"
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_host_ssh_cannot_reach_is_blacklisted_and_the_job_starts_without_it(hosts: TwoHosts,
+                                                                             tmp_path: Path) -> None:
+    """Its ssh fails before the worker reaches the rendezvous: the others do not wait out the start timeout."""
+    a = hosts.addr["a"]
+    ghost = a.rsplit(".", 1)[0] + ".7"  # on the link's subnet (a route leads there), but no such host
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{a}:2\n{ghost}:1\n")
+    start = time.monotonic()
+    job = Job(hosts, "-np", "3", "--min-np", "2", "--start-timeout", "60", "--host-discovery-script",
+              f"cat {hostfile}", "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "10", "--sleep", "0.05")
+    try:
+        code, out, err = job.finish(timeout=50)
+    finally:
+        job.kill()
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert time.monotonic() - start < 30, err
+    assert re.search(rf"worker 2 on {re.escape(ghost)} \(pid \d+\) exited with code 255", err), err
+    assert f"Could not resolve hostname {ghost}" in err and f"host {ghost} blacklisted" in err, err
+    assert f"generation 1: 2 workers (worker 0@{a} -> rank 0, worker 1@{a} -> rank 1)" in err, err
+    done = [r for r in job.records() if r["kind"] == "DONE"]
+    assert sorted((r["worker"], r["size"], r["value"]) for r in done) == [(0, 2, "55"), (1, 2, "55")], out
+    assert_nothing_left(hosts)
