@@ -240,14 +240,16 @@ def _new_runtime(dynamic: bool) -> Runtime:
     before it arrived) goes back to the driver for the next world at once."""
     global _rounds
     for attempt in range(1, _ABORTED_ROUNDS_TRIED + 1):
-        round_ = _rounds
-        _rounds += 1
         try:
-            return Runtime(round_, dynamic)
+            rt = Runtime(_rounds, dynamic)
         except RendezvousAbortedError as exc:
+            _rounds += 1
             if attempt == _ABORTED_ROUNDS_TRIED:
                 raise
             log.warning("%s; joining the launcher's next membership", exc)
+            continue
+        _rounds += 1
+        return rt
     raise AssertionError("unreachable")
 
 
