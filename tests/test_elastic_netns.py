@@ -113,7 +113,7 @@ def test_a_host_added_by_the_discovery_script_joins_at_the_next_commit(hosts: Tw
     hostfile.write_text(f"{a}:2\n")
     # the interface named: the driver listens on its address, every host's workers reach it there
     job = Job(hosts, "-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script", f"cat {hostfile}",
-              "--network-interface", hosts.interface, "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "30", "--sleep", "0.1",
+              "--network-interface", hosts.interface, "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "40", "--sleep", "0.1",
               "--grow-line", f"{b}:2", "--grow-step", "3", "--hosts-file", str(hostfile))
     try:
         code, out, err = job.finish(timeout=80)
@@ -134,7 +134,7 @@ def test_a_host_added_by_the_discovery_script_joins_at_the_next_commit(hosts: Tw
     assert sorted(r["rank"] for r in enter4) == [0, 1, 2, 3]
     done = [r for r in recs if r["kind"] == "DONE"]
     assert sorted((r["worker"], r["size"], r["step"], r["value"]) for r in done) == [
-        (w, 4, 30, "465") for w in range(4)], out
+        (w, 4, 40, "820") for w in range(4)], out
     lines = hosts.ssh_lines.read_text()  # the secret went through the ssh's input, not a command line
     assert lines.count("--secret-on-stdin") == 2 and "RINGCOMM_SECRET" not in lines
     assert_nothing_left(hosts)

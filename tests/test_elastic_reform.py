@@ -29,13 +29,14 @@ def test_a_worker_dying_before_the_rendezvous_does_not_cost_the_start_timeout(tm
     if when == "start":  # worker 2 dies before its first init(); 0 and 1 wait in theirs
         hosts.write_text("localhost:1\n127.0.0.2:1\n127.0.0.3:1\n")
         flags, grow = ["-np", "3"], []
-    else:  # the job grows onto 127.0.0.3 at step 3; the new worker dies while 0 and 1 wait to re-form
+    else:  # the job grows onto 127.0.0.3 at step 3 (the driver looks every second, the job runs for 4 s or
+        # more): the new worker dies while 0 and 1 wait to re-form
         hosts.write_text("localhost:1\n127.0.0.2:1\n")
         flags = ["-np", "2", "--max-np", "3"]
         grow = ["--grow-line", "127.0.0.3:1", "--grow-step", "3", "--hosts-file", str(hosts)]
     result, elapsed = run_launcher(
         "-v", *flags, "--min-np", "2", "--start-timeout", str(START_TIMEOUT), "--host-discovery-script",
-        f"cat {hosts}", "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "20", "--sleep", "0.05",
+        f"cat {hosts}", "--elastic-timeout", "30", sys.executable, WORKER, "--steps", "40", "--sleep", "0.1",
         "--die-on-host", "127.0.0.3", *grow, timeout=85,
     )
     out, err = result.stdout, result.stderr
@@ -46,4 +47,4 @@ def test_a_worker_dying_before_the_rendezvous_does_not_cost_the_start_timeout(tm
     last = "generation 1" if when == "start" else "generation 2"
     assert f"{last}: 2 workers (worker 0@localhost -> rank 0, worker 1@127.0.0.2 -> rank 1)" in err, err
     done = re.findall(r"DONE worker=(\d) host=\S+ rank=\d size=(\d) step=(\d+) value=(\S+)", out)
-    assert sorted(done) == [("0", "2", "20", "210"), ("1", "2", "20", "210")], out
+    assert sorted(done) == [("0", "2", "40", "820"), ("1", "2", "40", "820")], out
