@@ -38,7 +38,7 @@ import numpy as np
 from . import config, horovod_env, logsetup, ops, topology, wire
 from .coordinator import JOIN_NAME
 from .engine import Engine
-from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError
+from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError, RendezvousAbortedError
 from .handles import Entry, GroupHandle, Handle
 from .ops import Average, ReduceOp
 from .process_sets import (
@@ -231,6 +231,28 @@ def _install_excepthook() -> None:
     sys.excepthook = hook
 
 
+#: Rounds an elastic worker's init() tries when the driver calls off the new world's rendezvous.
+_ABORTED_ROUNDS_TRIED = 20
+
+
+def _new_runtime(dynamic: bool) -> Runtime:
+    """A runtime for the next round; an elastic worker whose round the driver called off (a member died
+    before it arrived) goes back to the driver for the next world at once."""
+    global _rounds
+    for attempt in range(1, _ABORTED_ROUNDS_TRIED + 1):
+        try:
+            rt = Runtime(_rounds, dynamic)
+        except RendezvousAbortedError as exc:
+            _rounds += 1
+            if attempt == _ABORTED_ROUNDS_TRIED:
+                raise
+            log.warning("%s; joining the launcher's next membership", exc)
+            continue
+        _rounds += 1
+        return rt
+    raise AssertionError("unreachable")
+
+
 def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
 
@@ -242,7 +264,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
     allow :func:`add_process_set` / :func:`remove_process_set` later.
     """
-    global _runtime, _rounds, _atexit_registered
+    global _runtime, _atexit_registered
     dynamic = isinstance(process_sets, str)
     if dynamic and process_sets != "dynamic":
         raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
@@ -258,8 +280,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
                     "these process sets would not be registered; pass them to the first init(), or use "
                     "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
             return
-        rt = Runtime(_rounds, dynamic)
-        _rounds += 1
+        rt = _new_runtime(dynamic)
         global_process_set.ranks = list(rt.all_ranks)
         global_process_set._round = rt.round
         try:

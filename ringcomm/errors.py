@@ -65,6 +65,10 @@ class RendezvousTimeoutError(RendezvousError, TimeoutError):
     """Not every rank arrived at the rendezvous in time."""
 
 
+class RendezvousAbortedError(RendezvousError):
+    """The launcher called off this round of the rendezvous (an elastic member died before it arrived)."""
+
+
 class ShutdownError(HorovodInternalError):
     """The runtime was shut down while this op was still pending."""
 

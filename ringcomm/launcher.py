@@ -137,8 +137,8 @@ def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how long to wait for --min-np workers before failing (default: 600)")
     group.add_argument("--reset-limit", type=int, default=None, metavar="N",
                        help="fail after the job re-formed N times (default: 100; 0: fail at the first loss)")
-    group.add_argument("--blacklist-failures", type=int, default=3, metavar="N",
-                       help="blacklist a host once N of its workers failed (default: 3)")
+    group.add_argument("--blacklist-failures", type=int, default=1, metavar="N",
+                       help="blacklist a host once N of its workers failed (default: 1, as Horovod)")
     group.add_argument("--blacklist-cooldown", type=float, default=60.0, metavar="SECONDS",
                        help="a blacklisted host gets no new workers for this long, doubled each time (default: 60)")
 

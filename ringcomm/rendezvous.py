@@ -58,7 +58,7 @@ import msgpack
 import zmq
 
 from .auth import Credentials, ZapHandler
-from .errors import InvalidTypeError, RendezvousError, RendezvousTimeoutError
+from .errors import InvalidTypeError, RendezvousAbortedError, RendezvousError, RendezvousTimeoutError
 
 __all__ = [
     "RendezvousServer",
@@ -197,6 +197,7 @@ class RendezvousServer:
         self._completed: collections.OrderedDict[int, list[dict[str, Any]]] = collections.OrderedDict()
         self._store: dict[str, bytes] = {}
         self._pending_gets: list[tuple[bytes, str, float]] = []
+        self._aborted: str | None = None
         self._stop = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="ringcomm-rendezvous", daemon=True)
@@ -237,6 +238,12 @@ class RendezvousServer:
     def refused_connections(self) -> int:
         """Connections refused at the handshake so far (peers without the job's secret)."""
         return self._zap.refused
+
+    def abort(self, reason: str) -> None:
+        """Refuse every round not complete yet, now and later, with ``reason``: ranks waiting in
+        :func:`register` get :class:`RendezvousAbortedError` at once instead of waiting out their timeout."""
+        with self._lock:
+            self._aborted = reason
 
     def close(self) -> None:
         """Stop the server thread and release the socket; safe to call more than once."""
@@ -283,6 +290,8 @@ class RendezvousServer:
                             break
                         self._handle_frames(frames)
                 self._expire_gets()
+                if self._aborted is not None and self._rounds:
+                    self._refuse_open_rounds()
         except Exception:  # pragma: no cover - a bug, not a peer's fault; never silent
             log.exception("rendezvous server at %s stopped on an internal error", self._address)
         finally:
@@ -345,6 +354,9 @@ class RendezvousServer:
                     f"round {rnd} of this job already completed, and rank {rank} registered with other "
                     f"info then; each init() after a shutdown() must use the next round"
                 )
+            if self._aborted is not None:
+                self._rounds.setdefault(rnd, _Round()).routes[rank] = route  # answered by the serving loop
+                return
             state = self._rounds.setdefault(rnd, _Round())
             previous = state.infos.get(rank)
             if previous is not None and previous != info:
@@ -364,6 +376,13 @@ class RendezvousServer:
         log.debug("round %d complete: sending the table to %d ranks", rnd, self._size)
         for r in range(self._size):
             self._reply(state.routes[r], {"op": "register", "ok": True, "table": table})
+
+    def _refuse_open_rounds(self) -> None:
+        with self._lock:
+            routes = [route for state in self._rounds.values() for route in state.routes.values()]
+            self._rounds.clear()
+        for route in routes:
+            self._reply(route, {"op": "register", "ok": False, "aborted": True, "error": self._aborted})
 
     def _on_status(self, route: bytes, msg: dict[str, Any]) -> None:
         rnd = msg.get("round")
@@ -476,6 +495,8 @@ class _Client:
 
 
 def _check(reply: dict[str, Any], address: str) -> dict[str, Any]:
+    if not reply.get("ok") and reply.get("aborted"):
+        raise RendezvousAbortedError(f"the rendezvous at {address} was called off: {reply.get('error')}")
     if not reply.get("ok"):
         raise RendezvousError(f"the rendezvous at {address} refused the request: {reply.get('error')}")
     return reply

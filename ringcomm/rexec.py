@@ -210,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             name = f"signal {-code}"
         if not stopped:
-            print(f"{_PROG}: rank {args.rank} (pid {child.pid}) on {host} was killed by {name}",
+            who = f"rank {args.rank}" if args.rank >= 0 else "the command"  # elastic workers change rank
+            print(f"{_PROG}: {who} (pid {child.pid}) on {host} was killed by {name}",
                   file=sys.stderr, flush=True)
         return 128 - code
     return code

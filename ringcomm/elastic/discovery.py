@@ -12,10 +12,11 @@ available right now, one per line; a line without ``:slots`` gets
     >>> parse_hosts("localhost:2\\n127.0.0.2\\n", default_slots=1)
     {'localhost': 2, '127.0.0.2': 1}
 
-Workers are started on this machine: a host must be this machine under some
-name (``localhost``, ``127.0.0.x``, this host's name, or a name that resolves
-to a loopback address).  Several names for this machine act as several hosts,
-which is how elastic jobs are tested on one machine.
+A host that is this machine under some name (``localhost``, ``127.0.0.x``,
+this host's name, or a name that resolves to a loopback address) gets local
+workers; any other host gets them through ssh (:mod:`ringcomm.elastic.starter`).
+Several names for this machine act as several hosts, which is how elastic
+jobs are tested on one machine.
 """
 
 from __future__ import annotations

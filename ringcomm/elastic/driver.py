@@ -22,6 +22,15 @@ then:
   generation ``g + 1`` is published.  Below ``--min-np`` it waits for
   discovery to offer slots, and fails after ``--elastic-timeout`` seconds.
 
+Where workers run: :mod:`ringcomm.elastic.starter` starts them here, or on
+other hosts through ``--ssh-command`` as ``ringcomm-run -H`` starts remote
+ranks.  A member that fails before its generation's rendezvous completed
+makes the driver call that rendezvous off
+(:meth:`~ringcomm.rendezvous.RendezvousServer.abort`): the members waiting
+there come back at once instead of after ``RINGCOMM_START_TIMEOUT``.  A failed
+worker's host is blacklisted (``--blacklist-failures``, 1 by default, as
+Horovod does).
+
 New hosts while the job runs: the driver bumps ``hosts_version``; rank 0 sees
 it at the next ``state.commit()`` / ``check_host_updates()``, every rank raises
 ``HostsUpdatedInterrupt`` there, comes back, and the new world includes the
@@ -40,11 +49,13 @@ import sys
 import threading
 import time
 
-from .._proc import Worker, describe_exit, emit, spawn, stop_all
+from .._proc import Worker, describe_exit, emit, stop_all
+from ..errors import InvalidInputError
 from ..rendezvous import RendezvousServer, kv_set
-from .discovery import DiscoveryError, HostDiscoveryScript, is_local_host
+from .discovery import DiscoveryError, HostDiscoveryScript
 from .plan import Blacklist, Member, assign_ranks, new_worker_hosts
-from .worker import TIMEOUT_VAR, WORKER_VAR, World, pack, unpack
+from .starter import WorkerStarter
+from .worker import World, pack, unpack
 
 __all__ = ["ElasticDriver", "run"]
 
@@ -94,11 +105,14 @@ class ElasticDriver:
         self.hosts: dict[str, int] = {}
         self.hosts_version = 0
         self._published_version = 0
-        self._warned_remote: set[str] = set()
+        self.starter = WorkerStarter(args, self.base_env, self.job_id, self.secret, self.timeout,
+                                     self._limit())
         self._discovery_lock = threading.Lock()
         self._discovery_error: str | None = None
         self._stop = threading.Event()
         self._servers: list[RendezvousServer] = []
+        self._bind = "127.0.0.1"
+        self._unreachable: set[str] = set()
         self.store: _Store | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -109,22 +123,23 @@ class ElasticDriver:
     def _limit(self) -> int:
         return self.max_np if self.max_np is not None else 1 << 30
 
-    def _discover(self) -> dict[str, int]:
-        """Run the script once; local hosts only (others are reported once and skipped)."""
-        found = self.discovery.find()
-        local = {}
+    def _reachable(self, found: dict[str, int]) -> dict[str, int]:
+        """``found`` less the hosts no route leads to from here (each reported once)."""
+        hosts = {}
         for host, slots in found.items():
-            if is_local_host(host):
-                local[host] = slots
-            elif host not in self._warned_remote:
-                self._warned_remote.add(host)
-                self.say(f"host {host!r} from the discovery script is not this machine; elastic jobs start "
-                         "workers on this machine only (localhost, 127.0.0.x, names resolving to them): skipped")
-        return local
+            try:
+                self.starter.address_toward(host)
+            except InvalidInputError as exc:
+                if host not in self._unreachable:
+                    self._unreachable.add(host)
+                    self.say(f"host {host!r} from the discovery script is left out: {exc}")
+                continue
+            hosts[host] = slots
+        return hosts
 
     def _refresh_hosts(self) -> None:
         try:
-            hosts = self._discover()
+            hosts = self._reachable(self.discovery.find())
         except DiscoveryError as exc:
             with self._discovery_lock:
                 if self._discovery_error != str(exc):
@@ -160,55 +175,40 @@ class ElasticDriver:
 
     def _kv(self, key: str, value: bytes) -> None:
         assert self.store is not None
-        kv_set(self.store.address, self.secret, key, value, 10.0)
-
-    def _env(self, wid: int, host: str) -> dict[str, str]:
-        env = dict(self.base_env)
-        for key in ("RINGCOMM_RANK", "RINGCOMM_SIZE", "RINGCOMM_LOCAL_RANK", "RINGCOMM_LOCAL_SIZE",
-                    "RINGCOMM_CROSS_RANK", "RINGCOMM_CROSS_SIZE"):
-            env.pop(key, None)
-        assert self.store is not None
-        env.update({
-            WORKER_VAR: str(wid),
-            TIMEOUT_VAR: repr(2 * self.timeout + 60.0),
-            "RINGCOMM_RENDEZVOUS_ADDR": self.store.address,
-            "RINGCOMM_SECRET": self.secret.hex(),
-            "RINGCOMM_JOB_ID": self.job_id,
-            "RINGCOMM_HOSTNAME": host,
-            "PYTHONUNBUFFERED": "1",
-        })
-        if "OMP_NUM_THREADS" not in self.base_env and self._limit() > 1:
-            env["OMP_NUM_THREADS"] = "1"
-        if self.args.start_timeout is not None:
-            env["RINGCOMM_START_TIMEOUT"] = repr(float(self.args.start_timeout))
-        if self.args.timeline_filename is not None:
-            env["RINGCOMM_TIMELINE"] = self.args.timeline_filename
-        return env
+        kv_set(f"tcp://127.0.0.1:{self.store.port}" if self._bind == "0.0.0.0" else self.store.address,
+               self.secret, key, value, 10.0)
 
     def _start_worker(self, host: str) -> Member:
         wid = len(self.workers)
-        worker = spawn(wid, self.args.command, self._env(wid, host), self.exits)
+        try:
+            worker = self.starter.start(wid, host, self.exits)
+        except InvalidInputError as exc:
+            raise JobFailed(f"elastic job failed: cannot start worker {wid} on {host}: {exc}") from None
+        except OSError as exc:
+            program = self.args.ssh_command if self.starter.is_remote(host) else shlex.join(self.args.command[:1])
+            raise JobFailed(f"elastic job failed: cannot start {program} for worker {wid} on {host}: {exc}") from None
         self.workers[wid] = worker
         self.host_of[wid] = host
         if self.args.verbose:
-            self.say(f"worker {wid}: pid {worker.pid} on {host}")
+            self.say(f"worker {wid}: pid {worker.pid} on {host}{' (ssh)' if worker.remote else ''}")
         return Member(wid, host)
 
     def _remove(self, member: Member, why: str) -> None:
         self.removed.add(member.wid)
-        self.workers[member.wid].signal_group(signal.SIGTERM)
+        self.workers[member.wid].terminate()  # SIGTERM here; a remote worker's ssh input closed
         self.say(f"worker {member.wid} on {member.host} removed from the job: {why}")
 
     # ------------------------------------------------------------------ forming worlds
 
     def _publish(self, members: list[Member]) -> None:
         self.gen += 1
-        server = RendezvousServer(size=len(members), secret=self.secret, host="127.0.0.1")
+        server = RendezvousServer(size=len(members), secret=self.secret, host=self._bind)
         self._servers.append(server)
         while len(self._servers) > 2:  # the generation before last has completed (or been abandoned)
             self._servers.pop(0).close()
         assignments = assign_ranks(members)
-        world = World(self.gen, server.address, self.hosts_version, {
+        address = f"tcp://{self.starter.advertised(m.host for m in members)}:{server.port}"
+        world = World(self.gen, address, self.hosts_version, {
             a.wid: [a.rank, a.size, a.local_rank, a.local_size, a.cross_rank, a.cross_size, a.host]
             for a in assignments
         })
@@ -288,6 +288,11 @@ class ElasticDriver:
     def _record_exit(self, worker: Worker) -> None:
         if worker.rank in self.removed or worker.returncode == 0:
             return
+        if self._servers and any(m.wid == worker.rank for m in self.members):
+            # the others may be waiting for it at this generation's rendezvous: send them back to re-form
+            # now, instead of after their RINGCOMM_START_TIMEOUT
+            self._servers[-1].abort(f"worker {worker.rank} of generation {self.gen} on {self.host_of[worker.rank]} "
+                                    f"{describe_exit(worker.returncode or 0)}; the launcher re-forms the job")
         self.failures.append(worker)
         host = self.host_of[worker.rank]
         self.say(f"worker {worker.rank} on {host} (pid {worker.pid}) {describe_exit(worker.returncode or 0)}")
@@ -369,7 +374,12 @@ class ElasticDriver:
         self.catcher.install()
         status = 1
         try:
-            self.store = _Store(size=1, secret=self.secret, host="127.0.0.1")
+            try:
+                self._bind = self.starter.bind_host()
+            except InvalidInputError as exc:
+                raise JobFailed(f"elastic job failed: {exc}") from None
+            self.store = _Store(size=1, secret=self.secret, host=self._bind)
+            self.starter.store_port = self.store.port
             self._kv("hosts_version", pack(0))
             if self.args.verbose:
                 self.say(f"job {self.job_id}: elastic, driver store at {self.store.address}, command: "

@@ -33,7 +33,8 @@ import msgpack
 
 from .. import rendezvous
 from ..errors import RendezvousError, RendezvousTimeoutError
-from ..topology import Topology
+from ..netaddr import is_loopback
+from ..topology import Topology, pick_address
 
 __all__ = ["World", "ElasticWaitError", "WorkerRemovedError", "topology_from_driver", "hosts_updated", "current_world", "WORKER_VAR", "TIMEOUT_VAR",
            "pack", "unpack"]
@@ -145,10 +146,13 @@ def topology_from_driver(env: Mapping[str, str], hostname: str, secret: bytes, j
             )
         _membership.world = world
     rank, size, local_rank, local_size, cross_rank, cross_size, host = world.members[wid]
+    # the address other hosts reach this worker at: the one that routes toward the generation's rendezvous
+    toward = world.rendezvous.partition("://")[2].rpartition(":")[0]
     return Topology(
         int(rank), int(size), int(local_rank), int(local_size), int(cross_rank), int(cross_size),
         rendezvous=world.rendezvous if int(size) > 1 else "", secret=secret, job_id=job_id,
         hostname=str(host) or hostname, source="elastic", round=gen,
+        addr="127.0.0.1" if int(size) == 1 or is_loopback(toward) else pick_address(env, [toward]),
     )
 
 
