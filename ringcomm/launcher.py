@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Protocol
 
 from . import hosts as _hosts
 from . import netaddr, remote
@@ -167,8 +168,22 @@ def _remove_job_files(job_id: str) -> None:
                 pass
 
 
-def run_job(args: argparse.Namespace) -> int:
-    """Run the job described by parsed ``args``; returns the launcher's exit status."""
+class JobHooks(Protocol):
+    """Calls into the caller of :func:`run_job` (``ringcomm.run`` uses them to pass data through the store)."""
+
+    def started(self, address: str, secret: bytes) -> None:
+        """The rendezvous server (and its key-value store) is up; no worker is started yet."""
+
+    def finished(self, address: str, secret: bytes) -> None:
+        """Every worker is gone; the server is still up."""
+
+
+def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
+    """Run the job described by parsed ``args``; returns the launcher's exit status.
+
+    ``hooks`` (static jobs only) are told the rendezvous address and the job's secret when the
+    server is up and again when every worker is gone.
+    """
     for notice in getattr(args, "notices", []):
         _say(f"warning: {notice}")
     base_env = {**os.environ, **getattr(args, "settings_env", {})}
@@ -202,6 +217,8 @@ def run_job(args: argparse.Namespace) -> int:
     try:
         server = RendezvousServer(size=size, secret=secret, host=bind)
         try:
+            if hooks is not None:
+                hooks.started(server.address, secret)
             if args.verbose:
                 _say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
                      f"{shlex.join(args.command)}")
@@ -231,7 +248,11 @@ def run_job(args: argparse.Namespace) -> int:
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
         finally:
             stop_all(workers, GRACE_SECONDS, hurry=lambda: len(catcher.received) > 1)
-            server.close()
+            try:
+                if hooks is not None:
+                    hooks.finished(server.address, secret)
+            finally:
+                server.close()
     finally:
         catcher.restore()
         # If anything above raised, stop_all may not have run yet; it is idempotent.
