@@ -234,4 +234,6 @@ class _Collector:
             raise RunFunctionError(
                 f"ringcomm.run: the job failed (launcher status {status}); ranks without a result: "
                 f"{missing or 'none'} (see their output above)")
+        # a rank imports the caller's script as __mp_main__: its classes come back under that name
+        sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         return [pickle.loads(self.results[r]) for r in range(self.size)]
