@@ -363,6 +363,12 @@ def notices(args: argparse.Namespace) -> list[str]:
     if args.network_interfaces and len(args.network_interfaces) > 1:
         out.append(f"--network-interface: ringcomm uses one interface; using {args.network_interfaces[0]}, "
                    f"not {', '.join(args.network_interfaces[1:])}")
+    if args.host_discovery_script is not None:
+        for flag, given in (("--output-filename", args.output_filename),
+                            ("--prefix-output-with-timestamp", args.prefix_output_with_timestamp)):
+            if given:
+                out.append(f"{flag} applies to static jobs: in elastic mode (--host-discovery-script) the "
+                           "workers' output is relayed to the terminal only")
     if args.blacklist_cooldown_range is not None:
         low, high = args.blacklist_cooldown_range
         out.append(f"--blacklist-cooldown-range {low:g} {high:g}: a blacklisted host's cooldown starts at {low:g} s "

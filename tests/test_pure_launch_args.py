@@ -139,6 +139,11 @@ def test_np_is_still_required(capsys):
     assert "-np/--num-proc" in capsys.readouterr().err
 
 
+def test_output_flags_in_elastic_mode_warn():
+    args = parse_args(["-np", "2", "--host-discovery-script", "./d.sh", "--output-filename", "logs", *CMD])
+    assert any("--output-filename applies to static jobs" in n for n in args.notices)
+
+
 def test_blacklist_cooldown_range_sets_the_cooldown():
     args = parse_args(["-np", "2", "--host-discovery-script", "./d.sh", "--blacklist-cooldown-range", "10", "100",
                        *CMD])

@@ -35,6 +35,15 @@ def test_results_come_back_in_rank_order(np_):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
+def test_hosts_and_output_filename_mean_what_the_launcher_flags_mean(tmp_path):
+    results = ringcomm.run(targets.rank_sum, args=(1,), num_proc=2, hosts="localhost:2",
+                           output_filename=str(tmp_path / "out"))
+    assert [r[:2] for r in results] == [(0, 2), (1, 2)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rank.0", "rank.1"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
 def test_horovod_spelling_np_and_use_gloo(monkeypatch):
     with pytest.warns(DeprecationWarning, match="np is deprecated"):
         results = ringcomm.run(targets.settings_seen, np=2, use_gloo=True, start_timeout=77)
