@@ -63,6 +63,7 @@ from .errors import (
     StallError,
 )
 from .handles import GroupHandle, Handle
+from .run_fn import RunFunctionError, run
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 from . import logsetup as _logsetup
@@ -94,6 +95,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeoutError",
     "RingcommError",
+    "RunFunctionError",
     "ShutdownError",
     "StallError",
     "Sum",
@@ -129,6 +131,7 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
     "remove_process_set",
+    "run",
     "shutdown",
     "size",
     "start_timeline",

@@ -55,7 +55,7 @@ class Worker:
 
     def __init__(
         self, rank: int, popen: subprocess.Popen[bytes], exits: "queue.Queue[Worker]", host: str = "",
-        remote: bool = False,
+        remote: bool = False, output_dir: str | None = None, timestamp: bool = False,
     ) -> None:
         self.rank = rank
         #: the host the rank runs on ("" when the job has no host list)
@@ -71,6 +71,13 @@ class Worker:
         self.exited_at: float | None = None
         self.exited = threading.Event()
         self._tail_lock = threading.Lock()
+        #: prefix each relayed line with the time it arrived (horovodrun's --prefix-output-with-timestamp)
+        self.timestamp = timestamp
+        # --output-filename: each stream also goes to output_dir/stdout and output_dir/stderr
+        self._copies: dict[str, IO[str]] = {}
+        if output_dir is not None:
+            for label in ("stdout", "stderr"):
+                self._copies[label] = open(os.path.join(output_dir, label), "w", encoding="utf-8")
         self._pumps = [
             threading.Thread(target=self._pump, args=(popen.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._pump, args=(popen.stderr, "stderr"), daemon=True),
@@ -82,7 +89,12 @@ class Worker:
         threading.Thread(target=self._wait, name=f"ringcomm-run-wait{rank}", daemon=True).start()
 
     def _pump(self, pipe: IO[bytes] | None, label: str) -> None:
-        """Copy ``pipe`` line by line to the launcher's stream ``label`` as ``[rank]<label>:line``."""
+        """Copy ``pipe`` line by line to the launcher's stream ``label`` as ``[rank]<label>:line``.
+
+        With ``timestamp`` the line starts with ``time.asctime()`` as horovodrun's do; with an
+        output directory the same text also goes to its file ``label``.
+        """
+        copy = self._copies.get(label)
         if pipe is None:
             return
         try:
@@ -93,11 +105,19 @@ class Worker:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 with self._tail_lock:
                     self.tail.append(line)
+                text = f"{time.asctime() if self.timestamp else ''}[{self.rank}]<{label}>:{line}"
                 # Looked up per line: the launcher's streams may be swapped (tests, redirection).
-                emit(sys.stdout if label == "stdout" else sys.stderr, f"[{self.rank}]<{label}>:{line}")
+                emit(sys.stdout if label == "stdout" else sys.stderr, text)
+                if copy is not None:
+                    emit(copy, text)
         except (OSError, ValueError):
             pass
         finally:
+            if copy is not None:
+                try:
+                    copy.close()
+                except OSError:
+                    pass
             try:
                 pipe.close()
             except OSError:
@@ -223,13 +243,15 @@ def _check_runnable(program: str, env: Mapping[str, str]) -> None:
 
 def spawn(
     rank: int, command: Sequence[str], env: Mapping[str, str], exits: "queue.Queue[Worker]", host: str = "",
-    remote: bool = False,
+    remote: bool = False, output_dir: str | None = None, timestamp: bool = False,
 ) -> Worker:
     """Start ``command`` as rank ``rank`` in a new session with piped output.
 
     It runs through :mod:`ringcomm._parent_guard`, so it gets SIGTERM if the launcher dies.
 
     ``remote``: ``command`` is an ssh to ``host``; its input stays open (a pipe) until the rank is stopped.
+    ``output_dir``: an existing directory that gets copies of the output (``stdout``, ``stderr``);
+    ``timestamp``: relayed lines start with the time (see :class:`Worker`).
     """
     _check_runnable(command[0], env)
     # -E -s -c: the guard needs only the standard library, whatever PYTHONPATH the job has
@@ -242,7 +264,7 @@ def spawn(
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    return Worker(rank, popen, exits, host, remote)
+    return Worker(rank, popen, exits, host, remote, output_dir, timestamp)
 
 
 def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] = lambda: False) -> list[Worker]:

@@ -32,14 +32,17 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Protocol
 
 from . import hosts as _hosts
 from . import netaddr, remote
 from ._proc import Worker, describe_exit, emit, exit_status, spawn, stop_all
 from .errors import InvalidInputError
+from .launch_args import build_parser, parse_args, plan_hosts
 from .rendezvous import RendezvousServer
 
-__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host"]
+__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
+           "output_paths"]
 
 #: Seconds workers get between SIGTERM and SIGKILL.
 GRACE_SECONDS = 3.0
@@ -52,132 +55,7 @@ _DRAIN_SECONDS = 2.0
 _PROG = "ringcomm-run"
 
 
-# --------------------------------------------------------------------------- arguments
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ringcomm-run`` argument parser."""
-    parser = argparse.ArgumentParser(
-        prog=_PROG,
-        allow_abbrev=False,
-        description="Run COMMAND as N ringcomm workers on this machine or across hosts "
-                    "(Horovod's horovodrun, for ringcomm).",
-        epilog="examples: ringcomm-run -np 4 python train.py --epochs 3; "
-               "ringcomm-run -np 8 -H node1:4,node2:4 python train.py",
-    )
-    from . import __version__
-
-    parser.add_argument("--version", action="version", version=f"ringcomm-run (ringcomm) {__version__}")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, metavar="N",
-                        help="number of worker processes to start (>= 1)")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...",
-                       help="hosts and their slots, filled in order, e.g. -H node1:4,node2:4 "
-                            "(default: every rank on this machine)")
-    where.add_argument("--hostfile", default=None, metavar="FILE",
-                       help="hosts from FILE: one 'host slots=N' per line, '#' comments")
-    parser.add_argument("--ssh-command", default="ssh", metavar="CMD",
-                        help="program that runs a command on another host, called as CMD HOST 'COMMAND LINE' "
-                             "(default: ssh); may hold options, e.g. 'ssh -o BatchMode=yes'")
-    parser.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="passed to ssh as -p PORT")
-    parser.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="passed to ssh as -i FILE")
-    parser.add_argument("--network-interface", default=None, metavar="NAME",
-                        help="interface whose address ranks use to reach each other across hosts, on every "
-                             "host (e.g. eth0; default: the one that routes to the other hosts); sets "
-                             "RINGCOMM_NETWORK_INTERFACE")
-    parser.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
-                        help="seconds every rank has to reach the rendezvous (default: $RINGCOMM_START_TIMEOUT "
-                             "or 60); sets RINGCOMM_START_TIMEOUT")
-    parser.add_argument("--timeline-filename", default=None, metavar="PATH",
-                        help="write a Chrome-trace timeline of the collectives to PATH (sets RINGCOMM_TIMELINE)")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="print the job id, the rendezvous address and each worker's pid to stderr")
-    _add_elastic_arguments(parser)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with its arguments")
-    return parser
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate ``argv``; exits with status 2 and a message that says what to pass."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
-    if args.num_proc < 1:
-        parser.error(f"-np must be at least 1 (the number of worker processes, e.g. -np 4), got {args.num_proc}")
-    if args.start_timeout is not None and not args.start_timeout > 0:
-        parser.error(f"--start-timeout must be > 0 seconds, got {args.start_timeout}")
-    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
-        parser.error(f"--ssh-port must be 1..65535, got {args.ssh_port}")
-    try:
-        args.placements = plan_hosts(args.hosts, args.hostfile, args.num_proc)
-    except InvalidInputError as exc:
-        parser.error(str(exc))
-    except OSError as exc:
-        parser.error(f"cannot read --hostfile {args.hostfile}: {exc.strerror or exc}")
-    _check_elastic_arguments(parser, args)
-    if not args.command:
-        parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
-    return args
-
-
-def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
-    """Elastic mode (``--host-discovery-script``): see :mod:`ringcomm.elastic.driver`."""
-    group = parser.add_argument_group("elastic training (with --host-discovery-script)")
-    group.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
-                       help="run elastically: SCRIPT prints the available hosts as host:slots lines; polled "
-                            "every second; workers come and go as it changes")
-    group.add_argument("--min-np", type=int, default=None, metavar="N",
-                       help="fewest workers to run with (default: -np)")
-    group.add_argument("--max-np", type=int, default=None, metavar="N",
-                       help="most workers to run with (default: every discovered slot)")
-    group.add_argument("--slots-per-host", type=int, default=1, metavar="N",
-                       help="slots of a discovered host printed without :slots (default: 1)")
-    group.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
-                       help="how long to wait for --min-np workers before failing (default: 600)")
-    group.add_argument("--reset-limit", type=int, default=None, metavar="N",
-                       help="fail after the job re-formed N times (default: 100; 0: fail at the first loss)")
-    group.add_argument("--blacklist-failures", type=int, default=1, metavar="N",
-                       help="blacklist a host once N of its workers failed (default: 1, as Horovod)")
-    group.add_argument("--blacklist-cooldown", type=float, default=60.0, metavar="SECONDS",
-                       help="a blacklisted host gets no new workers for this long, doubled each time (default: 60)")
-
-
-def _check_elastic_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.host_discovery_script is None:
-        given = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
-                                          ("--reset-limit", args.reset_limit)) if value is not None]
-        if given:
-            parser.error(f"{', '.join(given)} need --host-discovery-script (elastic mode)")
-        return
-    if args.hosts is not None or args.hostfile is not None:
-        parser.error("-H/--hostfile and --host-discovery-script exclude each other: in elastic mode the script "
-                     "names the hosts")
-    min_np = args.min_np if args.min_np is not None else args.num_proc
-    if min_np < 1:
-        parser.error(f"--min-np must be at least 1, got {min_np}")
-    if min_np > args.num_proc:
-        parser.error(f"--min-np {min_np} is larger than -np {args.num_proc}")
-    if args.max_np is not None and args.max_np < args.num_proc:
-        parser.error(f"--max-np {args.max_np} is smaller than -np {args.num_proc}")
-    if args.slots_per_host < 1:
-        parser.error(f"--slots-per-host must be at least 1, got {args.slots_per_host}")
-    if not args.elastic_timeout > 0:
-        parser.error(f"--elastic-timeout must be > 0 seconds, got {args.elastic_timeout}")
-    if args.reset_limit is not None and args.reset_limit < 0:
-        parser.error(f"--reset-limit must be >= 0, got {args.reset_limit}")
-    if args.blacklist_failures < 1 or args.blacklist_cooldown < 0:
-        parser.error("--blacklist-failures must be >= 1 and --blacklist-cooldown >= 0")
-
-
-def plan_hosts(hosts: str | None, hostfile: str | None, num_proc: int) -> list[_hosts.Placement] | None:
-    """Where each rank runs, from ``-H`` or ``--hostfile``; ``None`` without either (all on this machine)."""
-    if hosts is not None:
-        return _hosts.assign(_hosts.parse_hosts(hosts), num_proc)
-    if hostfile is not None:
-        with open(hostfile, encoding="utf-8") as f:
-            return _hosts.assign(_hosts.parse_hostfile(f.read(), hostfile), num_proc)
-    return None
+# --------------------------------------------------------------------------- arguments (launch_args.py)
 
 
 def rendezvous_host(remote_hosts: Sequence[str], interface: str | None) -> str:
@@ -290,12 +168,29 @@ def _remove_job_files(job_id: str) -> None:
                 pass
 
 
-def run_job(args: argparse.Namespace) -> int:
-    """Run the job described by parsed ``args``; returns the launcher's exit status."""
+class JobHooks(Protocol):
+    """Calls into the caller of :func:`run_job` (``ringcomm.run`` uses them to pass data through the store)."""
+
+    def started(self, address: str, secret: bytes) -> None:
+        """The rendezvous server (and its key-value store) is up; no worker is started yet."""
+
+    def finished(self, address: str, secret: bytes) -> None:
+        """Every worker is gone; the server is still up."""
+
+
+def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
+    """Run the job described by parsed ``args``; returns the launcher's exit status.
+
+    ``hooks`` (static jobs only) are told the rendezvous address and the job's secret when the
+    server is up and again when every worker is gone.
+    """
+    for notice in getattr(args, "notices", []):
+        _say(f"warning: {notice}")
+    base_env = {**os.environ, **getattr(args, "settings_env", {})}
     if getattr(args, "host_discovery_script", None) is not None:
         from .elastic import driver
 
-        return driver.run(args)
+        return driver.ElasticDriver(args, base_env).run()
     size = args.num_proc
     job_id = secrets.token_hex(4)
     secret = secrets.token_bytes(32)
@@ -307,6 +202,11 @@ def run_job(args: argparse.Namespace) -> int:
     except InvalidInputError as exc:
         _say(str(exc))
         return 2
+    try:
+        output_dirs = _output_dirs(getattr(args, "output_filename", None), size)
+    except OSError as exc:
+        _say(f"cannot create the --output-filename directories under {args.output_filename}: {exc}")
+        return 2
     exits: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
     catcher = _SignalCatcher()
@@ -317,6 +217,8 @@ def run_job(args: argparse.Namespace) -> int:
     try:
         server = RendezvousServer(size=size, secret=secret, host=bind)
         try:
+            if hooks is not None:
+                hooks.started(server.address, secret)
             if args.verbose:
                 _say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
                      f"{shlex.join(args.command)}")
@@ -324,12 +226,12 @@ def run_job(args: argparse.Namespace) -> int:
                 if catcher.received:
                     break
                 place = placements[rank] if placements else None
-                env = worker_env(os.environ, rank, size, server.address, secret, job_id,
+                env = worker_env(base_env, rank, size, server.address, secret, job_id,
                                  args.start_timeout, args.timeline_filename, place, interface)
                 host = place.host if place else ""
                 try:
                     workers.append(_start_rank(args, rank, host, host != "" and not is_local[host], env, job_id,
-                                               exits))
+                                               exits, output_dirs[rank] if output_dirs else None))
                 except InvalidInputError as exc:
                     _say(str(exc))
                     spawn_status = 2
@@ -346,7 +248,11 @@ def run_job(args: argparse.Namespace) -> int:
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
         finally:
             stop_all(workers, GRACE_SECONDS, hurry=lambda: len(catcher.received) > 1)
-            server.close()
+            try:
+                if hooks is not None:
+                    hooks.finished(server.address, secret)
+            finally:
+                server.close()
     finally:
         catcher.restore()
         # If anything above raised, stop_all may not have run yet; it is idempotent.
@@ -376,19 +282,39 @@ def run_job(args: argparse.Namespace) -> int:
 
 def _start_rank(
     args: argparse.Namespace, rank: int, host: str, over_ssh: bool, env: Mapping[str, str], job_id: str,
-    exits: "queue.Queue[Worker]",
+    exits: "queue.Queue[Worker]", output_dir: str | None = None,
 ) -> Worker:
     """Start ``rank`` here with ``env``, or on ``host`` through ``--ssh-command`` with ``env`` on its command line."""
+    timestamp = bool(getattr(args, "prefix_output_with_timestamp", False))
     if not over_ssh:
-        return spawn(rank, args.command, env, exits, host)
+        return spawn(rank, args.command, env, exits, host, output_dir=output_dir, timestamp=timestamp)
     forwarded = remote.forwarded_env(env)
     secret = forwarded.pop("RINGCOMM_SECRET")  # never on a command line: it goes through the ssh's input
     line = remote.remote_command(os.getcwd(), forwarded, args.command, sys.executable, job_id, rank,
                                  REMOTE_GRACE_SECONDS, secret_on_stdin=True)
     argv = remote.ssh_argv(args.ssh_command, args.ssh_port, args.ssh_identity_file, host, line)
-    worker = spawn(rank, argv, os.environ, exits, host, remote=True)
+    worker = spawn(rank, argv, os.environ, exits, host, remote=True, output_dir=output_dir, timestamp=timestamp)
     worker.send_input(secret + "\n")
     return worker
+
+
+def output_paths(directory: str, size: int) -> list[str]:
+    """horovodrun's ``--output-filename`` layout: ``DIR/rank.<N>`` per rank, N zero-padded to the last rank's width.
+
+        output_paths("logs", 12) -> ["logs/rank.00", "logs/rank.01", ..., "logs/rank.11"]
+    """
+    width = len(str(max(size - 1, 0)))
+    return [os.path.join(directory, f"rank.{rank:0{width}d}") for rank in range(size)]
+
+
+def _output_dirs(directory: str | None, size: int) -> list[str] | None:
+    """Create the ``--output-filename`` directories (each rank writes ``stdout`` and ``stderr`` there)."""
+    if directory is None:
+        return None
+    paths = output_paths(directory, size)
+    for path in paths:
+        os.makedirs(path, exist_ok=True)
+    return paths
 
 
 def _wait_for_end(
