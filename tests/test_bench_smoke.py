@@ -109,7 +109,7 @@ def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Pat
 def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--np", "2", "--steps", "3", "--warmup", "1",
-           "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
+           "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path), "--no-plot", "--job-timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     section = json.loads(out.read_text())["training"]

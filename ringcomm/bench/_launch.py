@@ -73,5 +73,10 @@ def run_system(system: str, np_: int, module: str, args: Sequence[str], timeout:
         if not result.ok and any("address already in use" in t.lower() for t in result.tails):
             _util.log("gloo: the rendezvous port was taken meanwhile; retrying on another port")
             result = _procs.run_job(gloo_commands(np_, module, args, _util.free_port()), env, timeout)
+        elif result.timed_out:
+            # gloo has no deadline of its own at its rendezvous (a stray peer on the port, a lost
+            # connection): it waits 30 minutes.  One retry on a fresh port tells that from a slow job.
+            _util.log(f"gloo: the job timed out after {timeout:g} s; retrying once on another port")
+            result = _procs.run_job(gloo_commands(np_, module, args, _util.free_port()), env, timeout)
         return result
     raise ValueError(f"unknown system {system!r}")
