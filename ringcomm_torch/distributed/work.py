@@ -25,6 +25,7 @@ import torch.distributed as dist
 __all__ = ["RingcommWork", "Completer", "completer", "as_backend_error", "completed_work"]
 
 Finish = Callable[[list[Any]], Any]
+_local = threading.local()  # .completing: this thread completes futures (and so runs their callbacks)
 
 
 def as_backend_error(what: str, exc: BaseException) -> BaseException:
@@ -76,6 +77,22 @@ class RingcommWork(dist._Work):
         return f"<RingcommWork {self.what} {'done' if self.is_completed() else 'pending'}>"
 
 
+class _Failed:
+    """What a failed op's source future holds; :func:`_unwrap` raises it into the user-facing future."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(src: torch.futures.Future) -> Any:
+    value = src.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
 class Completer:
     """Waits on the core's handles in submission order and completes each op's future.
 
@@ -89,9 +106,18 @@ class Completer:
         self._thread: threading.Thread | None = None
 
     def submit(self, what: str, handles: list[Any], finish: Finish) -> RingcommWork:
-        fut: torch.futures.Future = torch.futures.Future()
+        # C++ consumers (DDP's reducer) read a future's value as tensors: an error must be the future's error
+        # state, which only then() gives (a Python set_exception would hand them the exception object)
+        src: torch.futures.Future = torch.futures.Future()
+        fut = src.then(_unwrap)
+        if getattr(_local, "completing", False):
+            # submitted by a future's callback on a completing thread (PowerSGD's hooks chain collectives and
+            # wait for them inside callbacks): that thread may block until this op completes, so it gets its own
+            threading.Thread(target=self._complete, args=(what, handles, finish, src), daemon=True,
+                             name="ringcomm-torch-completer-nested").start()
+            return RingcommWork(what, fut)
         with self._cond:
-            self._queue.append((what, handles, finish, fut))
+            self._queue.append((what, handles, finish, src))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ringcomm-torch-completer", daemon=True)
                 self._thread.start()
@@ -104,22 +130,25 @@ class Completer:
                 while not self._queue:
                     self._cond.wait()
                 what, handles, finish, fut = self._queue.popleft()
-            results: list[Any] = []
-            error: BaseException | None = None
-            for h in handles:  # wait for every handle, so no buffer is still in use when the op fails
-                try:
-                    results.append(h.wait())
-                except BaseException as exc:
-                    error = error or exc
-            if error is None:
-                try:
-                    value = finish(results)
-                except BaseException as exc:
-                    error = exc
-            if error is not None:
-                fut.set_exception(as_backend_error(what, error))
-            else:
-                fut.set_result(value)
+            self._complete(what, handles, finish, fut)
+
+    @staticmethod
+    def _complete(what: str, handles: list[Any], finish: Finish, fut: torch.futures.Future) -> None:
+        _local.completing = True  # callbacks run on this thread when the future completes
+        results: list[Any] = []
+        error: BaseException | None = None
+        for h in handles:  # wait for every handle, so no buffer is still in use when the op fails
+            try:
+                results.append(h.wait())
+            except BaseException as exc:
+                error = error or exc
+        value: Any = None
+        if error is None:
+            try:
+                value = finish(results)
+            except BaseException as exc:
+                error = exc
+        fut.set_result(_Failed(as_backend_error(what, error)) if error is not None else value)
 
 
 completer = Completer()

@@ -1,6 +1,6 @@
 """DDP and collectives on the "ringcomm" torch.distributed backend, checked against gloo in the same job.
 
-    python ddp_checks.py MODE [--spawn NP PORT]
+    python ddp_checks.py MODE[,MODE...] [--spawn NP PORT]
 
 The default group runs on "ringcomm"; a second group over every rank runs on gloo
 (``dist.new_group(backend="gloo")``), so each check compares the two side by side.  Started by
@@ -189,7 +189,9 @@ def check_hooks(rank: int, gloo: dist.ProcessGroup) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-    for name in ("fp16", "bf16", "powersgd"):
+    # torch's DDP accepts bf16_compress_hook only with CUDA and NCCL (whatever the backend)
+    names = ("fp16", "bf16", "powersgd") if torch.cuda.is_available() else ("fp16", "powersgd")
+    for name in names:
         models = []
         for group in (None, gloo):
             ddp = nn.parallel.DistributedDataParallel(model(3), process_group=group)
@@ -246,19 +248,20 @@ def main(rank: int, mode: str, init_method: str | None = None, world: int | None
     rank = dist.get_rank()
     assert dist.get_backend() == "ringcomm"
     gloo = dist.new_group(backend="gloo")
-    if mode == "equiv":
-        check_equiv(rank, gloo)
-    elif mode == "collectives":
-        check_collectives(rank, gloo)
-    elif mode == "hooks":
-        check_hooks(rank, gloo)
-    elif mode == "train":
-        run_train(rank)
-    elif mode == "monitored":
-        run_monitored(rank)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
-    print(f"{mode.upper()} OK rank={rank}", flush=True)
+    for one in mode.split(","):  # several modes in one job: torch's start-up is paid once
+        if one == "equiv":
+            check_equiv(rank, gloo)
+        elif one == "collectives":
+            check_collectives(rank, gloo)
+        elif one == "hooks":
+            check_hooks(rank, gloo)
+        elif one == "train":
+            run_train(rank)
+        elif one == "monitored":
+            run_monitored(rank)
+        else:
+            raise SystemExit(f"unknown mode {one!r}")
+        print(f"{one.upper()} OK rank={rank}", flush=True)
     dist.destroy_process_group()
 
 
