@@ -112,9 +112,9 @@ def register() -> None:
         dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     for mod in (dist, dist.distributed_c10d):
         if not getattr(mod.new_group, "_ringcomm_wrapped", False):
-            mod.new_group = _wrap_new_group(mod.new_group)
+            mod.new_group = _wrap_new_group(mod.new_group)  # type: ignore[attr-defined]
         if not getattr(mod.monitored_barrier, "_ringcomm_wrapped", False):
-            mod.monitored_barrier = _wrap_monitored_barrier(mod.monitored_barrier)
+            mod.monitored_barrier = _wrap_monitored_barrier(mod.monitored_barrier)  # type: ignore[attr-defined]
     _init.torch_env_for_ringcomm_run(os.environ)
 
 
