@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     ddpp.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
     ddpp.add_argument("--models", nargs="+", choices=ddp.MODELS, default=list(ddp.MODELS),
                       help="models (default: cnn mlp)")
-    ddpp.add_argument("--steps", type=_positive, default=20, help="timed steps per job (default: 20)")
-    ddpp.add_argument("--warmup", type=int, default=3, help="untimed steps per job (default: 3)")
+    ddpp.add_argument("--steps", type=_positive, default=40, help="timed steps per job (default: 40)")
+    ddpp.add_argument("--warmup", type=int, default=15, help="untimed steps per job (default: 15)")
     ddpp.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     ddpp.add_argument("--repeats", type=_positive, default=5, help="alternating rounds (default: 5)")
 

@@ -32,8 +32,8 @@ class DDPConfig:
     np_: int = 2
     models: Sequence[str] = MODELS
     batch: int = 32
-    steps: int = 20
-    warmup: int = 3
+    steps: int = 40
+    warmup: int = 15  # the first steps after init pay for connection set-up: measure the steady state
     repeats: int = 5
     job_timeout: float = 300.0
 
