@@ -92,14 +92,17 @@ def test_every_collective_matches_gloo_under_mp_spawn_np3():
 
 
 class _Rank:
-    """One rank started with torch's env:// variables, its output read by a thread."""
+    """One rank started with Slurm's variables, its output read by a thread."""
 
     def __init__(self, rank: int, world: int, port: int) -> None:
         self.lines: list[tuple[float, str]] = []
+        # Slurm's variables (one step, one node), as a Slurm job script's ranks see them
+        slurm = dict(SLURM_PROCID=str(rank), SLURM_NTASKS=str(world), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                     SLURM_JOB_ID="4242", SLURM_STEP_ID="0", SLURM_NODELIST="localhost",
+                     SLURM_TASKS_PER_NODE=str(world))
         self.proc = subprocess.Popen(
             [sys.executable, str(CHECKS), "train"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=_env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            text=True, env=_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **slurm))
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -116,6 +119,7 @@ class _Rank:
 
 @pytest.mark.timeout(120)
 def test_kill_9_of_a_rank_mid_training_fails_every_survivor_naming_it():
+    """Ranks started as under Slurm (SLURM_PROCID/SLURM_NTASKS, init_method tcp://); rank 1 gets SIGKILL."""
     world, victim = 3, 1
     port = free_port()
     ranks = [_Rank(r, world, port) for r in range(world)]

@@ -4,8 +4,9 @@
 
 The default group runs on "ringcomm"; a second group over every rank runs on gloo
 (``dist.new_group(backend="gloo")``), so each check compares the two side by side.  Started by
-ringcomm-run or torchrun (``env://``), or with ``--spawn`` by ``torch.multiprocessing.spawn``
-with ``init_method="tcp://..."``.  Prints ``MODE OK rank=R`` when every check passed.
+ringcomm-run or torchrun (``env://``), with ``--spawn`` by ``torch.multiprocessing.spawn``
+with ``init_method="tcp://..."``, or with Slurm's variables (``SLURM_PROCID``, ``SLURM_NTASKS``)
+and ``init_method="tcp://MASTER_ADDR:MASTER_PORT"``, as Slurm scripts do.  Prints ``MODE OK rank=R`` when every check passed.
 
 Modes: ``equiv`` (DDP 20 steps on both backends from the same seed: parameters within 1e-6),
 ``collectives`` (every collective against gloo or NumPy), ``hooks`` (fp16/bf16 compression and
@@ -274,5 +275,9 @@ if __name__ == "__main__":
         import torch.multiprocessing as mp
 
         mp.spawn(_spawned, args=(sys.argv[1], int(sys.argv[3]), int(sys.argv[4])), nprocs=int(sys.argv[3]))
+    elif "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        # as Slurm scripts do: rank and size from srun's variables, the address from the job script
+        main(int(os.environ["SLURM_PROCID"]), sys.argv[1],
+             f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", int(os.environ["SLURM_NTASKS"]))
     else:
         main(int(os.environ.get("RANK", "0")), sys.argv[1])
