@@ -3,22 +3,19 @@
 It registers the ``"ringcomm"`` torch.distributed backend (:mod:`ringcomm_torch.distributed`),
 so ``dist.init_process_group("ringcomm")`` works without importing anything first.  A
 failure never breaks ``import torch``: it is logged, and the backend is then available only
-after ``import ringcomm_torch.distributed`` (which raises the error itself).
-``RINGCOMM_TORCH_PLUGIN=0`` skips it.
+after ``import ringcomm_torch.distributed`` (which raises the error itself).  torch's
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` switches this off (with every other such extension).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger("ringcomm.torch_plugin")
 
 
 def load() -> None:
     """Import :mod:`ringcomm_torch.distributed`, which registers the backend; never raises."""
-    if os.environ.get("RINGCOMM_TORCH_PLUGIN", "1").strip().lower() in ("0", "false", "no", "off"):
-        return
     try:
         import torch.distributed as dist
 

@@ -100,11 +100,11 @@ def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
         pytest.skip("the installed ringcomm has no torch.backends entry point (reinstall: pip install -e .)")
     code = ("import sys, torch.distributed as dist; "
             "print('RINGCOMM' in dist.Backend._plugins, 'ringcomm_torch.distributed' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_TORCH_PLUGIN"}
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
-    env["RINGCOMM_TORCH_PLUGIN"] = "0"
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     off = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
     assert off.stdout.split() == ["False", "False"], off.stdout + off.stderr
