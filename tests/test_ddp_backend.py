@@ -140,6 +140,7 @@ def test_kill_9_of_a_rank_mid_training_fails_every_survivor_naming_it():
             at, line = found
             assert f"rank {victim}" in line and "DistBackendError" in line, line
             assert at - killed_at < 10.0, f"rank {r} took {at - killed_at:.1f} s: {line}"
+            print(f"rank {r} failed {at - killed_at:.2f} s after the kill: {line}")  # shown with pytest -s
     finally:
         for rk in ranks:
             if rk.proc.poll() is None:
