@@ -138,9 +138,12 @@ def test_kill_9_of_a_rank_mid_training_fails_every_survivor_naming_it():
             found = rk.find("CAUGHT")
             assert found is not None, "\n".join(ln for _, ln in rk.lines)[-4000:]
             at, line = found
+            # DDP's backward re-raises the backend's DistBackendError as a RuntimeError carrying its message
             assert f"rank {victim}" in line and "DistBackendError" in line, line
             assert at - killed_at < 10.0, f"rank {r} took {at - killed_at:.1f} s: {line}"
             print(f"rank {r} failed {at - killed_at:.2f} s after the kill: {line}")  # shown with pytest -s
+            then = rk.find("THEN")
+            assert then is not None and "DistBackendError" in then[1] and f"rank {victim}" in then[1], then
     finally:
         for rk in ranks:
             if rk.proc.poll() is None:

@@ -227,6 +227,11 @@ def run_train(rank: int) -> None:
             time.sleep(0.02)
     except Exception as exc:
         print(f"CAUGHT rank={rank} {type(exc).__name__} at {time.time():.3f}: {exc}", flush=True)
+        try:  # a collective after the loss fails at once, as torch's DistBackendError
+            dist.all_reduce(torch.ones(1))
+            print(f"THEN rank={rank} the next all_reduce passed", flush=True)
+        except Exception as again:
+            print(f"THEN rank={rank} {type(again).__name__}: {again}", flush=True)
         os._exit(3)
 
 
