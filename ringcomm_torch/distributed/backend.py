@@ -90,8 +90,10 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return f"<RingcommProcessGroup rank {self._rank} of {self._size}, global ranks {list(self._ranks)}>"
 
     def shutdown(self) -> None:
-        if self._owns_runtime and rc.is_initialized():
-            rc.shutdown()
+        if self._owns_runtime:
+            from . import init
+
+            init.leave()
 
     def abort(self) -> None:
         self.shutdown()

@@ -41,7 +41,7 @@ from ringcomm import mpi_env, topology
 from ringcomm.errors import InvalidInputError
 from ringcomm.rendezvous import RendezvousServer
 
-__all__ = ["join", "torch_env_for_ringcomm_run", "store_plan"]
+__all__ = ["join", "leave", "torch_env_for_ringcomm_run", "store_plan"]
 
 log = logging.getLogger("ringcomm.torch.distributed")
 _lock = threading.Lock()
@@ -178,3 +178,14 @@ def join(store: Any, rank: int, size: int, timeout: datetime.timedelta | None = 
         with _environ(plan, ("RINGCOMM_ELASTIC_WORKER",)):
             rc.init(process_sets="dynamic")
         return "store"
+
+
+def leave() -> None:
+    """Shut ringcomm down (collectively, as ``ringcomm.shutdown()``) and close rank 0's rendezvous server."""
+    global _server
+    with _lock:
+        if rc.is_initialized():
+            rc.shutdown()
+        server, _server = _server, None
+    if server is not None:
+        server.close()
