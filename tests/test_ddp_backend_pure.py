@@ -74,6 +74,9 @@ def test_single_process_group_through_a_hash_store():
     if rc.is_initialized():
         pytest.skip("ringcomm already initialized in this process")
     dist.init_process_group("ringcomm", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()  # and again: a second group starts a new ringcomm job
+    assert not rc.is_initialized()
+    dist.init_process_group("ringcomm", store=dist.HashStore(), rank=0, world_size=1)
     try:
         t = torch.arange(4.0)
         work = dist.all_reduce(t, async_op=True)
