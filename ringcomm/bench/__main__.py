@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, coordination, crosshost, latency, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, crosshost, ddp, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
 
+    ddpp = sub.add_parser("ddp", parents=[output],
+                          help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')
+    ddpp.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
+    ddpp.add_argument("--models", nargs="+", choices=ddp.MODELS, default=list(ddp.MODELS),
+                      help="models (default: cnn mlp)")
+    ddpp.add_argument("--steps", type=_positive, default=40, help="timed steps per job (default: 40)")
+    ddpp.add_argument("--warmup", type=int, default=15, help="untimed steps per job (default: 15)")
+    ddpp.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
+    ddpp.add_argument("--repeats", type=_positive, default=5, help="alternating rounds (default: 5)")
+
     res = sub.add_parser("resources", parents=[output],
                          help="RSS growth over many allreduces and CPU of an idle job, ringcomm vs gloo")
     res.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
@@ -176,6 +186,9 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
             job_timeout=args.job_timeout))
+    elif args.command == "ddp":
+        results["ddp"] = ddp.run(ddp.DDPConfig(np_=args.np, models=args.models, batch=args.batch, steps=args.steps,
+                                               warmup=args.warmup, repeats=args.repeats, job_timeout=args.job_timeout))
     elif args.command == "resources":
         results["resources"] = resources.run(resources.ResourceConfig(
             np_=args.np, nbytes=args.bytes, ops=args.ops, idle=args.idle, systems=tuple(args.systems),
@@ -198,7 +211,7 @@ def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
     runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
-    runs += results.get("crosshost", {}).get("runs", [])
+    runs += results.get("crosshost", {}).get("runs", []) + results.get("ddp", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

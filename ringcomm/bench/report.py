@@ -144,6 +144,10 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(ceiling_markdown(results["ceiling"]))
     if "training" in results:
         parts.append(training_markdown(results["training"]))
+    if "ddp" in results:
+        from . import ddp
+
+        parts.append(ddp.markdown(results["ddp"]))
     if "resources" in results:
         from .resources import markdown as resources_markdown
 

@@ -1,0 +1,390 @@
+"""The ``"ringcomm"`` process group: torch.distributed's collectives on ringcomm's engine.
+
+Every collective stages its tensors as host arrays (:mod:`ringcomm_torch.tensors`: a
+contiguous CPU tensor *is* the array, no copy; CUDA tensors go through pinned buffers),
+submits them to the core under a name counted per group (every rank calls a group's
+collectives in the same order, as torch requires), and returns a
+:class:`~.work.RingcommWork` that completes when the core's handles do.
+
+Group ranks (``rootRank``, split order) are ranks within the group; the core's roots are
+global ranks, translated through the group's global ranks.  A group over every rank runs on
+ringcomm's global process set; a smaller one on the process set registered for it
+(:func:`ringcomm_torch.distributed.new_group`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ringcomm as rc
+from ringcomm import ops as _ops
+from ringcomm.errors import InvalidInputError
+
+from ..tensors import Staged, stage
+from .work import RingcommWork, as_backend_error, completer
+
+__all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
+
+NAME = "ringcomm"
+_R = dist.ReduceOp.RedOpType
+_OPS: dict[Any, _ops.ReduceOp] = {_R.SUM: rc.Sum, _R.AVG: rc.Average, _R.MIN: rc.Min, _R.MAX: rc.Max,  # type: ignore[attr-defined]
+                                  _R.PRODUCT: rc.Product}  # type: ignore[attr-defined]
+
+
+def reduce_op(op: Any, what: str) -> _ops.ReduceOp:
+    """torch's ``ReduceOp`` -> ringcomm's; refuses the ones ringcomm does not have."""
+    kind = getattr(op, "op", op)
+    try:
+        return _OPS[kind]
+    except (KeyError, TypeError):
+        raise InvalidInputError(
+            f"{what}: ReduceOp {getattr(kind, 'name', kind)} is not supported by the ringcomm backend; "
+            "use SUM, AVG, MIN, MAX or PRODUCT (or the gloo backend for bitwise and premultiplied sums)") from None
+
+
+def _flat(s: Staged) -> np.ndarray:
+    return s.array.reshape(-1)
+
+
+def _release(staged: Sequence[Staged]) -> None:
+    for s in staged:
+        s.release()
+
+
+class RingcommProcessGroup(dist.ProcessGroup):
+    """A torch ``ProcessGroup`` whose collectives run on ringcomm (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], process_set: Any,
+                 timeout: datetime.timedelta | None = None, owns_runtime: bool = False) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self._rank = rank
+        self._size = size
+        self._ranks = tuple(global_ranks)
+        self._pset = process_set
+        self._timeout = timeout
+        self._owns_runtime = owns_runtime
+        self._seq = itertools.count()
+        self._mb = itertools.count()
+        self._store: Any = None  # torch's store for this group (monitored_barrier)
+        self._tag = "g" if process_set is rc.global_process_set else f"s{process_set.process_set_id}"
+
+    # -- identity -------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"<RingcommProcessGroup rank {self._rank} of {self._size}, global ranks {list(self._ranks)}>"
+
+    def shutdown(self) -> None:
+        if self._owns_runtime:
+            from . import init
+
+            init.leave()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # -- helpers --------------------------------------------------------------
+
+    def _name(self, kind: str) -> str:
+        return f"tdist.{self._tag}.{kind}.{next(self._seq)}"
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self._size:
+            raise InvalidInputError(f"{what} on rank {self._rank}: root {root} is not a rank of this group "
+                                    f"(0..{self._size - 1})")
+        return self._ranks[root]
+
+    def _start(self, what: str, submit: Callable[[], list[Any]], finish: Callable[[list[Any]], Any],
+               staged: Sequence[Staged] = ()) -> RingcommWork:
+        """Submit the core ops (``submit`` returns their handles); the work completes with ``finish``."""
+        try:
+            handles = submit()
+        except BaseException as exc:
+            _release(staged)
+            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
+
+        def done(results: list[Any]) -> Any:
+            try:
+                return finish(results)
+            finally:
+                _release(staged)
+        return completer.submit(f"{what} on rank {self._rank}", handles, done)
+
+    # -- reductions -------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:  # type: ignore[override]
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        return self._allreduce_list(tensors, op, "allreduce")
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce_coalesced")
+        return self._allreduce_list(tensors, op, "allreduce_coalesced")
+
+    def _allreduce_list(self, tensors: list[torch.Tensor], op: _ops.ReduceOp, what: str) -> RingcommWork:
+        staged = [stage(t, reduce=True, what=what) for t in tensors]
+        name = self._name("ar")
+
+        def submit() -> list[Any]:
+            if len(staged) == 1:
+                a = staged[0].array
+                return [rc.allreduce_async(a, op=op, name=name, out=a, process_set=self._pset)]
+            arrays = [s.array for s in staged]
+            return [rc.grouped_allreduce_async(arrays, op=op, name=name, outs=arrays, process_set=self._pset)]
+
+        def finish(_: list[Any]) -> list[torch.Tensor]:
+            for s, t in zip(staged, tensors):
+                s.write_back(t)
+            return tensors
+        return self._start(what, submit, finish, staged)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
+        op = reduce_op(opts.reduceOp, "reduce")
+        root = self._root(opts.rootRank, "reduce")
+        t = tensors[0]
+        s = stage(t, reduce=True, what="reduce")
+        mine = self._ranks[self._rank] == root
+        out = s.array if mine else np.empty_like(s.array)  # only the root's tensor changes
+        name = self._name("reduce")
+
+        def finish(_: list[Any]) -> list[torch.Tensor]:
+            if mine:
+                s.write_back(t)
+            return tensors
+        return self._start("reduce", lambda: [rc.allreduce_async(s.array, op=op, name=name, out=out,
+                                                                process_set=self._pset)], finish, [s])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
+                       opts: Any = None) -> RingcommWork:
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        out, parts = outputs[0], input_lists[0]
+        if len(parts) != self._size:
+            raise InvalidInputError(f"reduce_scatter on rank {self._rank}: {len(parts)} input tensors for a group "
+                                    f"of {self._size}; pass one per rank")
+        whole = torch.cat([p.detach().reshape(1, -1) for p in parts])
+        return self._reduce_scatter(out, whole, op, "reduce_scatter")
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self._size:
+            raise InvalidInputError(
+                f"reduce_scatter_tensor on rank {self._rank}: the input has {input.numel()} elements, the output "
+                f"{output.numel()}; the input must hold group size ({self._size}) x the output's elements")
+        return self._reduce_scatter(output, input, op, "reduce_scatter_tensor")
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def _reduce_scatter(self, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp, what: str) -> RingcommWork:
+        s = stage(whole, reduce=True, what=what)
+        rows = s.array.reshape(self._size, -1)
+        name = self._name("rs")
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            s.write_back(out, results[0].reshape(-1))
+            return [out]
+        return self._start(what, lambda: [rc.reducescatter_async(rows, op=op, name=name, process_set=self._pset)],
+                           finish, [s])
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> RingcommWork:
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor_coalesced")
+        staged = [stage(t, reduce=True, what="reduce_scatter_tensor_coalesced") for t in inputs]
+        name = self._name("rsc")
+
+        def submit() -> list[Any]:
+            arrays = [s.array.reshape(self._size, -1) for s in staged]
+            return [rc.grouped_reducescatter_async(arrays, op=op, name=name, process_set=self._pset)]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            for s, o, r in zip(staged, outputs, results[0]):
+                s.write_back(o, r.reshape(-1))
+            return outputs
+        return self._start("reduce_scatter_tensor_coalesced", submit, finish, staged)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+
+    # -- data movement ------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
+        root = self._root(opts.rootRank, "broadcast")
+        staged = [stage(t, reduce=False, what="broadcast") for t in tensors]
+        name = self._name("bc")
+
+        def submit() -> list[Any]:
+            return [rc.broadcast_async(s.array, root, name=f"{name}.{i}", out=s.array, process_set=self._pset)
+                    for i, s in enumerate(staged)]
+
+        def finish(_: list[Any]) -> list[torch.Tensor]:
+            for s, t in zip(staged, tensors):
+                s.write_back(t)
+            return tensors
+        return self._start("broadcast", submit, finish, staged)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> RingcommWork:
+        return self.allgather_coalesced(output_lists, inputs, opts, what="allgather")
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None, what: str = "allgather_coalesced") -> RingcommWork:
+        for outs in output_lists:
+            if len(outs) != self._size:
+                raise InvalidInputError(f"{what} on rank {self._rank}: {len(outs)} output tensors for a group of "
+                                        f"{self._size}; pass one per rank")
+        staged = [stage(t, reduce=False, what=what) for t in inputs]
+        name = self._name("ag")
+
+        def submit() -> list[Any]:
+            rows = [s.array.reshape(1, -1) for s in staged]
+            if len(rows) == 1:
+                return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
+            return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
+
+        def finish(results: list[Any]) -> list[list[torch.Tensor]]:
+            gathered = results[0] if len(staged) == 1 else None
+            for i, (s, outs) in enumerate(zip(staged, output_lists)):
+                rows = gathered if gathered is not None else results[0][i]
+                for r, o in enumerate(outs):
+                    s.write_back(o, rows[r])
+            return output_lists
+        return self._start(what, submit, finish, staged)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
+        return self.all_gather_single_coalesced([output], [input], opts, what="allgather_into_tensor")
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None, what: str = "allgather_into_tensor_coalesced") -> RingcommWork:
+        for o, i in zip(outputs, inputs):
+            if o.numel() != i.numel() * self._size:
+                raise InvalidInputError(
+                    f"{what} on rank {self._rank}: the output has {o.numel()} elements, the input {i.numel()}; "
+                    f"the output must hold group size ({self._size}) x the input's elements")
+        staged = [stage(t, reduce=False, what=what) for t in inputs]
+        name = self._name("agt")
+
+        def submit() -> list[Any]:
+            rows = [s.array.reshape(1, -1) for s in staged]
+            if len(rows) == 1:
+                return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
+            return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            res = [results[0]] if len(staged) == 1 else results[0]
+            for s, o, r in zip(staged, outputs, res):
+                s.write_back(o, r.reshape(-1))
+            return outputs
+        return self._start(what, submit, finish, staged)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> RingcommWork:
+        what = "all_to_all_single"
+        if input.dim() == 0:
+            raise InvalidInputError(f"{what} on rank {self._rank}: needs a tensor with at least one dimension")
+        splits = list(input_split_sizes) if len(input_split_sizes) else None
+        s = stage(input, reduce=False, what=what)
+        name = self._name("a2a")
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            rows = results[0][0] if isinstance(results[0], tuple) else results[0]
+            s.write_back(output, rows)
+            return [output]
+        return self._start(what, lambda: [rc.alltoall_async(s.array, splits, name=name, process_set=self._pset)],
+                           finish, [s])
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RingcommWork:
+        what = "alltoall"
+        if len(inputs) != self._size or len(outputs) != self._size:
+            raise InvalidInputError(f"{what} on rank {self._rank}: {len(inputs)} inputs and {len(outputs)} outputs "
+                                    f"for a group of {self._size}; pass one of each per rank")
+        whole = torch.cat([t.detach().reshape(-1) for t in inputs])
+        return self._exchange(what, whole, [t.numel() for t in inputs], outputs)
+
+    def _exchange(self, what: str, flat: torch.Tensor, splits: list[int], outputs: list[torch.Tensor]) -> RingcommWork:
+        """Alltoall of a 1-D tensor cut by ``splits``; what arrives is cut into ``outputs`` in order."""
+        s = stage(flat, reduce=False, what=what)
+        name = self._name("x")
+
+        def finish(results: list[Any]) -> list[torch.Tensor]:
+            rows = results[0][0] if isinstance(results[0], tuple) else results[0]
+            at = 0
+            for o in outputs:
+                n = o.numel()
+                s.write_back(o, rows[at:at + n])
+                at += n
+            return outputs
+        return self._start(what, lambda: [rc.alltoall_async(_flat(s), splits, name=name, process_set=self._pset)],
+                           finish, [s])
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
+        root = opts.rootRank
+        self._root(root, "gather")
+        t = inputs[0]
+        splits = [0] * self._size
+        splits[root] = t.numel()
+        outs = output_lists[0] if self._rank == root else []
+        if self._rank == root and len(outs) != self._size:
+            raise InvalidInputError(f"gather on rank {self._rank} (the root): {len(outs)} output tensors for a "
+                                    f"group of {self._size}; pass one per rank")
+        return self._exchange("gather", t.detach().reshape(-1), splits, outs)
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> RingcommWork:  # type: ignore[override]
+        root = opts.rootRank
+        self._root(root, "scatter")
+        out = outputs[0]
+        if self._rank == root:
+            parts = input_lists[0]
+            if len(parts) != self._size:
+                raise InvalidInputError(f"scatter on rank {self._rank} (the root): {len(parts)} input tensors for "
+                                        f"a group of {self._size}; pass one per rank")
+            flat = torch.cat([p.detach().reshape(-1) for p in parts])
+            splits = [p.numel() for p in parts]
+        else:
+            flat, splits = torch.empty(0, dtype=out.dtype), [0] * self._size
+        return self._exchange("scatter", flat, splits, [out])
+
+    def barrier(self, opts: Any = None) -> RingcommWork:
+        token = np.zeros(1, dtype=np.int32)
+        name = self._name("barrier")
+        return self._start("barrier", lambda: [rc.allreduce_async(token, op=rc.Sum, name=name, out=token,
+                                                                  process_set=self._pset)], lambda _: None)
+
+    # -- point to point -----------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingcommWork:
+        raise as_backend_error(f"send on rank {self._rank}", InvalidInputError(
+            "send/isend is not supported by the ringcomm backend (it runs collectives only); use a gloo group "
+            "for point-to-point traffic: dist.new_group(backend='gloo')"))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> RingcommWork:
+        raise as_backend_error(f"recv on rank {self._rank}", InvalidInputError(
+            "recv/irecv is not supported by the ringcomm backend (it runs collectives only); use a gloo group "
+            "for point-to-point traffic: dist.new_group(backend='gloo')"))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> RingcommWork:
+        return self.recv(tensors, -1, tag)
+
+    def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier through torch's store that names the ranks missing after ``timeout`` (rank 0 checks)."""
+        from .monitor import monitored_barrier
+
+        secs = (timeout or self._timeout or datetime.timedelta(minutes=30)).total_seconds()
+        monitored_barrier(self._store, self._tag, next(self._mb), self._rank, self._size, secs, wait_all_ranks)

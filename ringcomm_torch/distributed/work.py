@@ -1,0 +1,161 @@
+"""``Work`` objects of the ``"ringcomm"`` torch.distributed backend, and the thread that completes them.
+
+A collective on the backend submits its arrays to the ringcomm core and returns at once
+with a :class:`RingcommWork`.  Its ``torch.futures.Future`` completes when the core's
+handles do: one daemon thread per process (:class:`Completer`) waits on the handles in
+submission order, copies results into the caller's tensors (only where the core could not
+write into them directly), then sets the future's result, so DDP's bucket allreduces run
+while backward goes on and its ``then()`` callbacks see finished tensors.
+
+A failed op (a lost rank, a refused argument on another rank) completes the future with
+``torch.distributed.DistBackendError`` whose message carries ringcomm's error (which names
+the rank that was lost).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RingcommWork", "Completer", "completer", "as_backend_error", "completed_work"]
+
+Finish = Callable[[list[Any]], Any]
+_local = threading.local()  # .completing: this thread completes futures (and so runs their callbacks)
+
+
+def as_backend_error(what: str, exc: BaseException) -> BaseException:
+    """``exc`` as torch's ``DistBackendError`` (kept as is when it already is one)."""
+    if isinstance(exc, dist.DistBackendError):
+        return exc
+    err = dist.DistBackendError(f"ringcomm backend: {what} failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+class RingcommWork(dist._Work):
+    """One collective in flight: ``wait()`` blocks until it finished, ``get_future()`` completes with it."""
+
+    def __init__(self, what: str, future: torch.futures.Future) -> None:
+        super().__init__()
+        self.what = what
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            self._future.wait()
+        except dist.DistBackendError:
+            raise
+        except Exception as exc:  # torch may re-wrap the exception it stored
+            raise as_backend_error(self.what, exc) from exc
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def result(self) -> Any:
+        self.wait()
+        return self._future.value()
+
+    def __repr__(self) -> str:
+        return f"<RingcommWork {self.what} {'done' if self.is_completed() else 'pending'}>"
+
+
+class _Failed:
+    """What a failed op's source future holds; :func:`_unwrap` raises it into the user-facing future."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(src: torch.futures.Future) -> Any:
+    value = src.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class Completer:
+    """Waits on the core's handles in submission order and completes each op's future.
+
+    ``submit(what, handles, finish)``: ``finish(results)`` (the handles' results, in order)
+    turns them into the future's value; it runs on this thread once every handle is done.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, list[Any], Finish, torch.futures.Future]] = collections.deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, what: str, handles: list[Any], finish: Finish) -> RingcommWork:
+        # C++ consumers (DDP's reducer) read a future's value as tensors: an error must be the future's error
+        # state, which only then() gives (a Python set_exception would hand them the exception object)
+        src: torch.futures.Future = torch.futures.Future()
+        fut = src.then(_unwrap)
+        if getattr(_local, "completing", False):
+            # submitted by a future's callback on a completing thread (PowerSGD's hooks chain collectives and
+            # wait for them inside callbacks): that thread may block until this op completes, so it gets its own
+            threading.Thread(target=self._complete, args=(what, handles, finish, src), daemon=True,
+                             name="ringcomm-torch-completer-nested").start()
+            return RingcommWork(what, fut)
+        with self._cond:
+            self._queue.append((what, handles, finish, src))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ringcomm-torch-completer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return RingcommWork(what, fut)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                what, handles, finish, fut = self._queue.popleft()
+            self._complete(what, handles, finish, fut)
+
+    @staticmethod
+    def _complete(what: str, handles: list[Any], finish: Finish, fut: torch.futures.Future) -> None:
+        _local.completing = True  # callbacks run on this thread when the future completes
+        results: list[Any] = []
+        error: BaseException | None = None
+        for h in handles:  # wait for every handle, so no buffer is still in use when the op fails
+            try:
+                results.append(h.wait())
+            except BaseException as exc:
+                error = error or exc
+        value: Any = None
+        if error is None:
+            try:
+                value = finish(results)
+            except BaseException as exc:
+                error = exc
+        fut.set_result(_Failed(as_backend_error(what, error)) if error is not None else value)
+
+
+completer = Completer()
+
+
+def completed_work(what: str, value: Any) -> RingcommWork:
+    """A work that is already done (ops with nothing to send, e.g. a size-1 group)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return RingcommWork(what, fut)
