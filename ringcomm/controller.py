@@ -100,7 +100,7 @@ class Controller:
         return out
 
     def _add(self, resp: Response) -> Response:
-        ranks = tuple(resp.splits[0]) if resp.splits else ()
+        ranks = resp.set_ranks
         error = self.check_ranks(ranks)
         if not error:
             for pset, coord in self.sets.items():
@@ -112,7 +112,7 @@ class Controller:
         pset = self._next_id
         self._next_id += 1
         self.sets[pset] = self._coordinator(pset, ranks)
-        return resp._replace(root=pset)
+        return resp._replace(set_id=pset)
 
     def check_ranks(self, ranks: tuple[int, ...]) -> str:
         """'' if ``ranks`` can form a process set of this job, else why not."""
@@ -127,7 +127,7 @@ class Controller:
         return ""
 
     def _remove(self, resp: Response, out: list[tuple[Response, tuple[int, ...]]]) -> Response:
-        pset = resp.root
+        pset = resp.set_id
         if pset == 0:
             return resp._replace(error="remove_process_set: the global process set cannot be removed")
         coord = self.sets.get(pset)

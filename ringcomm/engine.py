@@ -36,7 +36,7 @@ from .coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
     HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
 )
-from .executor import Executor
+from .executor import DATA_KINDS, Executor
 from .handles import Entry, Handle
 from .ops import ReduceOp
 from .serving_link import ServingLink
@@ -83,7 +83,7 @@ def _check_same_security(table: list[dict], rank: int) -> None:
 _PSET_SHIFT = 40
 
 
-class Engine(Executor):
+class Engine:
     """Owns the sockets of one rank and executes collectives in rank 0's order."""
 
     def __init__(self, topo: Topology, settings: Settings, round_: int = 0) -> None:
@@ -98,13 +98,10 @@ class Engine(Executor):
         # per process set: its global ranks, its own op count and response cache (every member
         # records the set's responses in the same order; rank 0 records every set's)
         self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
-        self._links: dict[int, Any] = {}
-        self._host_plans: dict[int, Any] = {}  # process set -> hierarchical.HostPlan or None (executor's cache)
         self._seqs: dict[int, int] = {0: 0}
         self._caches: dict[int, ResponseCache] = {0: ResponseCache(settings.cache_capacity)}
         self._stopping = False
         self._failed: BaseException | None = None
-        self._fusion = np.empty(0, dtype=np.uint8)
         # payloads travel inside control frames, which are bounded: never more than one frame's share
         self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         # an allgather's result is every rank's part: a rank's part goes through rank 0 up to 1/size of that
@@ -116,7 +113,6 @@ class Engine(Executor):
         self._executing = False
         self._serving: ServingLink | None = None
         self._warned_stalls: set[tuple[int, str]] = set()
-        self._phases: list[tuple[str, float, float]] = []
         self._star_spans: dict[tuple[Any, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
         self._last_emit = 0.0
         self._thread: threading.Thread | None = None
@@ -138,6 +134,8 @@ class Engine(Executor):
             except BaseException:
                 self._close()  # a failed init() leaves no socket, context or file behind
                 raise
+        self._exec = Executor(self.rank, self.size, settings, self._link, base=self._serving, shm_ar=self._shm_ar,
+                              hosts=[str(p["host"]) for p in self.peer_table])
 
     # -- setup ---------------------------------------------------------------
 
@@ -377,8 +375,7 @@ class Engine(Executor):
         self._queue.clear()
 
     def _drain_queue(self) -> None:
-        items: list[Any] = []
-        carried = 0  # payload bytes in ``items``
+        items: list[tuple[Request | int, int, bytes | None]] = []
         now = time.monotonic()
         drained_at = time.perf_counter()
         while self._queue:
@@ -392,23 +389,17 @@ class Engine(Executor):
                 pset = entry.req.pset
                 cache = self._caches.get(pset)
                 cid = cache.lookup(entry.req) if cache is not None else None
-                item: Any = list(entry.req) if cid is None else cid if pset == 0 else {"s": pset, "c": cid}
                 nbytes = self._nbytes(entry)
                 kind = entry.req.kind
+                data = None
                 if 0 < nbytes and (kind == wire.ALLREDUCE and nbytes <= self._small
                                    or kind == wire.ALLGATHER and nbytes <= self._small_gather):
-                    if carried + nbytes > wire.CONTROL_DATA_BYTES:
-                        self._send_requests(items)  # keep every control frame within its bound
-                        items, carried = [], 0
-                    item = {"q": item, "d": b"".join(a.tobytes() for a in entry.arrays)}
-                    carried += nbytes
-                items.append(item)
+                    data = b"".join(a.tobytes() for a in entry.arrays)
+                items.append((entry.req if cid is None else cid, pset, data))
         if items:
-            self._send_requests(items)
-
-    def _send_requests(self, items: list[Any]) -> None:
-        assert self._ctrl is not None
-        self._ctrl.send(wire.pack_control(self.topo.secret, ["req", self.rank, items]))
+            assert self._ctrl is not None
+            for frame in wire.encode_requests(self.topo.secret, self.rank, items):
+                self._ctrl.send(frame)
 
     def _drain_control(self) -> bool:
         """Handle one control message (the poller is level-triggered: it reports the next one).
@@ -499,9 +490,9 @@ class Engine(Executor):
         """
         for resp, _ in pairs:
             if resp.kind == wire.ADD_PSET and not resp.error:
-                self._caches[resp.root] = ResponseCache(self.settings.cache_capacity)
+                self._caches[resp.set_id] = ResponseCache(self.settings.cache_capacity)
             if resp.kind == wire.REMOVE_PSET and not resp.error:
-                self._caches.pop(resp.root, None)
+                self._caches.pop(resp.set_id, None)
             if resp.error or resp.joined or resp.kind not in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
                 continue
             cache = self._caches.get(resp.pset)
@@ -525,8 +516,7 @@ class Engine(Executor):
         for r, idx in per_rank.items():
             key = tuple(idx)
             if key not in frames:  # each batch keeps the result data of a frame within its bound
-                frames[key] = [wire.pack_control(self.topo.secret, ["resp", [list(resp) for resp in batch]])
-                               for batch in _control_batches([pairs[i][0] for i in idx])]
+                frames[key] = wire.encode_responses(self.topo.secret, [pairs[i][0] for i in idx])
             ident = self._idents[r]
             try:
                 for frame in frames[key]:
@@ -658,12 +648,11 @@ class Engine(Executor):
         entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
         tl = self.timeline
         start = time.perf_counter()
+        star = self._star_spans.pop((resp.pset, *resp.names), None)  # rank 0 reduced it before answering
         if tl is not None:
-            star = self._star_spans.get((resp.pset, *resp.names))  # rank 0 reduced it before answering
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
                 tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, star[0] if star else start)
-            self._phases = []
         if resp.error:
             cls = StallError if resp.error_kind == "stall" else MismatchError
             err: Exception = cls(f"{resp.error} [raised on rank {self.rank}]")
@@ -679,29 +668,35 @@ class Engine(Executor):
             for e in entries:
                 if cache is not None and e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
                     cache.record(e.req)
-        try:
-            self._executing = True
-            results = self._dispatch(resp, entries, seq)
-        except PeerLostError as exc:
-            for e in entries:
-                e.handle.set_error(exc)
-            raise
-        except Exception as exc:
-            # A data-plane failure leaves the peers' streams out of step: the job cannot go on.
-            log.exception("rank %d: %s %s failed", self.rank, resp.kind, resp.names)
-            err = HorovodInternalError(f"rank {self.rank}: {resp.kind} {list(resp.names)} failed: {exc!r}")
-            for e in entries:
-                e.handle.set_error(err)
-            raise err from exc
-        finally:
-            self._executing = False
+        phases: list[tuple[str, float, float]] = []
+        kind = resp.kind
+        if kind in DATA_KINDS:
+            try:
+                self._executing = True
+                results, phases = self._exec.execute(resp, entries, seq, self._sets[pset], timed=tl is not None,
+                                                     reduced_at=star[0] if star else None)
+            except PeerLostError as exc:
+                for e in entries:
+                    e.handle.set_error(exc)
+                raise
+            except Exception as exc:
+                # A data-plane failure leaves the peers' streams out of step: the job cannot go on.
+                log.exception("rank %d: %s %s failed", self.rank, resp.kind, resp.names)
+                err = HorovodInternalError(f"rank {self.rank}: {resp.kind} {list(resp.names)} failed: {exc!r}")
+                for e in entries:
+                    e.handle.set_error(err)
+                raise err from exc
+            finally:
+                self._executing = False
+        else:
+            results = [self._complete(resp)] * len(entries)
         if tl is not None:
             end = time.perf_counter()
             args = {"op": seq, "fused": len(resp.names), "tensors": sum(len(e.arrays) for e in entries),
                     "dtype": resp.dtype}
             for e in entries:
-                if self._phases:
-                    for phase, a, b in self._phases:
+                if phases:
+                    for phase, a, b in phases:
                         tl.span(e.req.name, phase, a, b, args)
                 else:
                     tl.span(e.req.name, resp.kind.upper(), start, end, args)
@@ -709,6 +704,17 @@ class Engine(Executor):
             e.handle.set_result(result)
         if resp.kind == wire.SHUTDOWN:
             self._stopping = True
+
+    def _complete(self, resp: Response) -> Any:
+        """The result of an op that moves no data: barrier, join, shutdown, process-set changes."""
+        if resp.kind == wire.JOIN:
+            return resp.last_joined
+        if resp.kind == wire.ADD_PSET:
+            return self._register_set(resp)
+        if resp.kind == wire.REMOVE_PSET:
+            self._unregister_set(resp.set_id)
+            return True
+        return None
 
     def set_ranks(self, pset: int) -> tuple[int, ...] | None:
         """The global ranks of registered process set ``pset`` (None if unknown); any thread."""
@@ -725,8 +731,8 @@ class Engine(Executor):
         return sorted(self._sets)
 
     def _register_set(self, resp: Response) -> int:
-        """Every rank, in the same order: an ADD_PSET response creates set ``resp.root``."""
-        pset, ranks = resp.root, tuple(resp.splits[0])
+        """Every rank, in the same order: an ADD_PSET response creates set ``resp.set_id``."""
+        pset, ranks = resp.set_id, resp.set_ranks
         self._sets[pset] = ranks
         self._seqs[pset] = 0
         if self.rank in ranks:
@@ -735,28 +741,9 @@ class Engine(Executor):
 
     def _unregister_set(self, pset: int) -> None:
         self._sets.pop(pset, None)
-        self._links.pop(pset, None)
-        self._host_plans.pop(pset, None)
+        self._exec.forget_set(pset)
         self._seqs.pop(pset, None)
         self._caches.pop(pset, None)
-
-def _control_batches(resps: list[Response]) -> list[list[Response]]:
-    """Split responses into batches whose result data stays within ``wire.CONTROL_DATA_BYTES``.
-
-    Without this, many small allreduces reduced at rank 0 in one cycle made one
-    control frame larger than ``wire.MAX_CONTROL_BYTES``; the other ranks dropped
-    it and waited forever for their results.
-    """
-    batches: list[list[Response]] = [[]]
-    carried = 0
-    for resp in resps:
-        if batches[-1] and carried + len(resp.data) > wire.CONTROL_DATA_BYTES:
-            batches.append([])
-            carried = 0
-        batches[-1].append(resp)
-        carried += len(resp.data)
-    return batches
-
 
 def _print_waiting(line: str) -> None:
     """Rank 0's report of the ranks still missing at the rendezvous: on stderr, whatever the logging setup."""

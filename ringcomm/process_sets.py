@@ -115,7 +115,7 @@ def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
         return ps
     if existing is not None:  # every rank sees the same registry here: all raise alike
         raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
-    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, splits=tuple(ps.ranks))
+    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks))
     ps.process_set_id = int(rt.submit(req, []).wait())
     ps._round = rt.round
     return ps
@@ -161,7 +161,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     pid = process_set.process_set_id
     if pid is None or process_set._round != rt.round or rt.engine.set_ranks(pid) is None:
         raise InvalidInputError(f"remove_process_set: {process_set!r} is not a registered process set")
-    req = wire.Request(rt.auto_name(wire.REMOVE_PSET, None), wire.REMOVE_PSET, root=pid)
+    req = wire.Request(rt.auto_name(wire.REMOVE_PSET, None), wire.REMOVE_PSET, set_id=pid)
     rt.submit(req, []).wait()
     process_set.invalidate()
     return True
