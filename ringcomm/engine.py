@@ -39,7 +39,6 @@ from .errors import (
 from .executor import DATA_KINDS, Executor
 from .handles import Entry, Handle
 from .ops import ReduceOp
-from .serving_link import ServingLink
 from .timeline import Timeline
 from .topology import Topology
 from .transport import DataPlane, ipc_base, ipc_file, remove_files
@@ -111,7 +110,6 @@ class Engine:
         self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
         self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
         self._executing = False
-        self._serving: ServingLink | None = None
         self._warned_stalls: set[tuple[int, str]] = set()
         self._star_spans: dict[tuple[Any, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
         self._last_emit = 0.0
@@ -134,7 +132,7 @@ class Engine:
             except BaseException:
                 self._close()  # a failed init() leaves no socket, context or file behind
                 raise
-        self._exec = Executor(self.rank, self.size, settings, self._link, base=self._serving, shm_ar=self._shm_ar,
+        self._exec = Executor(self.rank, self.size, settings, self._link, shm_ar=self._shm_ar,
                               hosts=[str(p["host"]) for p in self.peer_table])
 
     # -- setup ---------------------------------------------------------------
@@ -185,7 +183,7 @@ class Engine:
             creds.apply_client(ctrl)
         self._ctrl = ctrl
         if self.rank == 0:
-            self._serving = ServingLink(link, ctrl, self._serve_control)
+            link.serve_while_waiting(ctrl, self._serve_control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
             progress=_print_waiting if self.rank == 0 else None,

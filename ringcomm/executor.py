@@ -53,17 +53,15 @@ class Outcome(NamedTuple):
 class Executor:
     """Turns an ordered response into data movement on this rank's links.
 
-    ``link`` is the job's data plane (or a single-process stand-in), ``base`` the
-    link the algorithms use for the global set (rank 0's :class:`ServingLink`,
-    else ``link``), ``shm_ar`` the shared-memory allreduce when every rank is on
+    ``link`` is the job's data plane (or a single-process stand-in; on rank 0 it
+    keeps negotiating while it waits, see :meth:`DataPlane.serve_while_waiting`), ``shm_ar`` the shared-memory allreduce when every rank is on
     this host, ``hosts`` each global rank's host name.
     """
 
-    def __init__(self, rank: int, size: int, settings: Settings, link: Any, base: Any | None = None,
+    def __init__(self, rank: int, size: int, settings: Settings, link: Any,
                  shm_ar: shm_allreduce.ShmAllreduce | None = None, hosts: list[str] | None = None) -> None:
         self.rank, self.size, self.settings = rank, size, settings
         self._link = link
-        self._base = base if base is not None else link
         self._shm_ar = shm_ar
         self._hosts = hosts if hosts is not None else [""] * size
         self._fusion = np.empty(0, dtype=np.uint8)
@@ -110,10 +108,10 @@ class Executor:
     def _link_for(self, pset: int, members: tuple[int, ...]) -> Any:
         """The link of a process set: the job's own for the global set, else a view with set ranks."""
         if pset == 0:
-            return self._base
+            return self._link
         link = self._links.get(pset)
         if link is None:
-            link = self._links[pset] = algorithms.SubLink(self._base, members)
+            link = self._links[pset] = algorithms.SubLink(self._link, members)
         return link
 
     def _host_plan(self, pset: int, members: tuple[int, ...]) -> hierarchical.HostPlan | None:

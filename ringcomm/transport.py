@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
@@ -84,6 +85,8 @@ class DataPlane:
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
+        self._serving: tuple[zmq.Socket, Callable[[], None]] | None = None  # see serve_while_waiting()
+        self._serve_pollers: dict[int, zmq.Poller] = {}
         self._out_rings: dict[int, shm.SlotRing] = {}
         self._free: dict[int, collections.deque[int]] = {}
         self._in_rings: dict[int, shm.SlotRing] = {}
@@ -507,11 +510,46 @@ class DataPlane:
             self._op[src] = seq
             self._taken[src] = set()
 
+    def serve_while_waiting(self, sock: zmq.Socket, serve: Callable[[], None]) -> None:
+        """While a receive waits for a peer's data, also watch ``sock`` and call ``serve`` when it is readable.
+
+        Rank 0 hands its control socket and its negotiation step here: the ops of
+        process sets without rank 0 are then answered while rank 0 waits inside a
+        transfer of its own, instead of after it.
+        """
+        self._serving = (sock, serve)
+        self._serve_pollers.clear()
+
+    def _serve_until_data(self, src: int) -> None:
+        """Run the serving hook until ``src`` sends something (or a slice passes: the receive's own wait,
+        with its peer checks and timeout, takes over then)."""
+        if self._serving is None:
+            return
+        ctrl, serve = self._serving
+        poller = self._serve_pollers.get(src)
+        if poller is None:
+            poller = self._serve_pollers[src] = zmq.Poller()
+            poller.register(self._socks[src], zmq.POLLIN)
+            poller.register(ctrl, zmq.POLLIN)
+        data = self._socks[src]
+        deadline = time.monotonic() + 1.0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if ctrl in events:
+                serve()
+            if data in events or not events:
+                return
+
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
         self._enter(src, seq)
         key = (seq, tag)
         stash = self._stash[src]
+        if key not in stash:
+            self._serve_until_data(src)
         while key not in stash:
             self._pump(src, block=True)
         return self._open(src, key, stash.pop(key))
@@ -524,6 +562,7 @@ class DataPlane:
         for key in stash:
             if key[0] == seq:
                 return key[1], self._open(src, key, stash.pop(key))
+        self._serve_until_data(src)
         while True:
             got = self._pump(src, block=True)
             if got is not None and got[0] == seq:
