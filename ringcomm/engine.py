@@ -28,17 +28,16 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, hierarchical, ops, shm_allreduce, wire
+from . import auth, hierarchical, shm_allreduce, wire
 from .cache import ResponseCache
 from .config import Settings
-from .controller import Controller
 from .coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
     HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
 )
 from .executor import DATA_KINDS, Executor
+from .service import CACHED_KINDS, Service
 from .handles import Entry, Handle
-from .ops import ReduceOp
 from .timeline import Timeline
 from .topology import Topology
 from .transport import DataPlane, ipc_base, ipc_file, remove_files
@@ -105,14 +104,12 @@ class Engine:
         self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         # an allgather's result is every rank's part: a rank's part goes through rank 0 up to 1/size of that
         self._small_gather = self._small // max(1, self.size)
-        self._coord = Controller(self.size, settings.fusion_threshold, small_bytes=self._small) if self.rank == 0 else None
-        self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: small allreduce data sent with requests
-        self._canon: dict[tuple[int, str], Request] = {}  # rank 0: the first request seen per op, for the caches
+        self._service = Service(self.size, topo.secret, settings.fusion_threshold, self._small, settings.cache_capacity,
+                                settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None
         self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
         self._executing = False
         self._warned_stalls: set[tuple[int, str]] = set()
-        self._star_spans: dict[tuple[Any, ...], tuple[float, float]] = {}  # timeline: rank 0's small reductions
-        self._last_emit = 0.0
+        self._reduced_at: dict[tuple[Any, ...], float] = {}  # timeline: when rank 0 began a small reduction
         self._thread: threading.Thread | None = None
         self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
         self.timeline: Timeline | None = None
@@ -320,7 +317,7 @@ class Engine:
                     self._drain_queue()
                 if self._ctrl is not None and self._ctrl in events:
                     self._drain_control()
-                if self._coord is not None:
+                if self._service is not None:
                     self._coordinate()
                 if monitors and (any(m in events for m in monitors) or self._link.suspects):
                     self._on_connection_events()
@@ -355,13 +352,7 @@ class Engine:
     def _poll_timeout(self) -> int | None:
         if isinstance(self._link, DataPlane) and self._link.suspects:
             return 200  # re-check a peer whose connection closed while its process ran
-        if self._coord is None:
-            return None
-        if self.settings.cycle_time > 0 and self._coord.has_ready():
-            return max(1, int(self.settings.cycle_time))
-        if self._coord.has_pending():
-            return 1000  # stall checks
-        return None
+        return self._service.wait_ms() if self._service is not None else None
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
@@ -380,9 +371,8 @@ class Engine:
             entry = self._queue.popleft()
             entry.drained_at = drained_at
             self._inflight[entry.key] = entry
-            if self._coord is not None:
-                self._canon.setdefault(entry.key, entry.req)
-                self._coord.submit(0, entry.req, now)
+            if self._service is not None:
+                self._service.submit_local(entry.req, entry.arrays, now)
             else:
                 pset = entry.req.pset
                 cache = self._caches.get(pset)
@@ -410,9 +400,9 @@ class Engine:
             frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        if self._coord is not None:
+        if self._service is not None:
             if len(frames) == 2:  # ROUTER: [sender identity, message]
-                self._on_request(frames[1], secret)
+                self._service.receive(frames[1], time.monotonic())
             return True
         try:
             msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
@@ -433,92 +423,31 @@ class Engine:
             pass
         self._coordinate(nested=True)
 
-    def _on_request(self, frame: bytes, secret: bytes) -> None:
-        assert self._coord is not None
-        try:
-            rank, items = wire.parse_request_batch(wire.unpack_control(secret, frame), self.size)
-            reqs = []
-            for it, data in items:
-                if not isinstance(it, wire.Request):  # a response-cache id: (set id, id)
-                    pset, cid = it
-                    try:
-                        it = self._caches[pset].get(cid)
-                    except KeyError:
-                        raise ProtocolError(f"unknown response-cache id {cid} of process set {pset} "
-                                            f"from rank {rank}") from None
-                reqs.append((it, data))
-        except ProtocolError as exc:
-            log.debug("coordinator: dropping control message: %s", exc)
-            return
-        now = time.monotonic()
-        for req, data in reqs:
-            if data is not None:
-                self._payloads.setdefault((req.pset, req.name), {})[rank] = data
-            self._canon.setdefault((req.pset, req.name), req)
-            self._coord.submit(rank, req, now)
-
     def _coordinate(self, nested: bool = False) -> None:
-        coord = self._coord
-        assert coord is not None
+        service = self._service
+        assert service is not None
         now = time.monotonic()
-        if self.settings.cycle_time > 0 and coord.has_ready():
-            if (now - self._last_emit) * 1000 < self.settings.cycle_time:
-                return
-        pairs = coord.take_responses(skip_member=0 if nested else None)
-        if self._payloads:
-            pairs = [(self._star(r, members), members) for r, members in pairs]
-        if pairs:
-            self._last_emit = now
-            if self.timeline is not None and self.timeline.mark_cycles:
-                self.timeline.marker("CYCLE", time.perf_counter())
-            self._record_emitted(pairs)
-            if self.size > 1:
-                self._send_responses(pairs)
-            self._backlog.extend(resp for resp, members in pairs if 0 in members)
+        out = service.take(now, nested)
+        if out is not None:
+            if self.timeline is not None:
+                if self.timeline.mark_cycles:
+                    self.timeline.marker("CYCLE", time.perf_counter())
+                self._reduced_at.update(out.reduced_at)
+            self._send_responses(out.frames)
+            self._backlog.extend(out.local)
             if not self._executing:  # else this runs inside rank 0's current transfer: they wait their turn
                 while self._backlog:
                     self._execute(self._backlog.popleft())
         self._check_stalls(now)
 
-    def _record_emitted(self, pairs: list[tuple[Response, tuple[int, ...]]]) -> None:
-        """Rank 0 caches every set's requests as it emits them, members cache theirs as they execute.
-
-        The order is the same, so the caches agree; rank 0 must know an id before a member can
-        send it, and it may not be a member of the set at all.
-        """
-        for resp, _ in pairs:
-            if resp.kind == wire.ADD_PSET and not resp.error:
-                self._caches[resp.set_id] = ResponseCache(self.settings.cache_capacity)
-            if resp.kind == wire.REMOVE_PSET and not resp.error:
-                self._caches.pop(resp.set_id, None)
-            if resp.error or resp.joined or resp.kind not in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
-                continue
-            cache = self._caches.get(resp.pset)
-            for name in resp.names:
-                req = self._canon.get((resp.pset, name))
-                if cache is not None and req is not None:
-                    cache.record(req)
-        for resp, _ in pairs:
-            for name in resp.names:
-                self._canon.pop((resp.pset, name), None)
-
-    def _send_responses(self, pairs: list[tuple[Response, tuple[int, ...]]]) -> None:
-        """Each rank gets the responses of its sets, in emission order (one message per distinct list)."""
-        assert self._ctrl is not None
-        per_rank: dict[int, list[int]] = {}
-        for i, (_, members) in enumerate(pairs):
-            for r in members:
-                if r != 0:
-                    per_rank.setdefault(r, []).append(i)
-        frames: dict[tuple[int, ...], list[bytes]] = {}
-        for r, idx in per_rank.items():
-            key = tuple(idx)
-            if key not in frames:  # each batch keeps the result data of a frame within its bound
-                frames[key] = wire.encode_responses(self.topo.secret, [pairs[i][0] for i in idx])
+    def _send_responses(self, frames: dict[int, list[bytes]]) -> None:
+        """Each other rank gets the frames the service encoded for it."""
+        assert frames == {} or self._ctrl is not None
+        for r, batch in frames.items():
             ident = self._idents[r]
             try:
-                for frame in frames[key]:
-                    self._ctrl.send_multipart([ident, frame])
+                for frame in batch:
+                    self._ctrl.send_multipart([ident, frame])  # type: ignore[union-attr]
             except zmq.ZMQError as exc:
                 # that rank's connection is gone: it left after the collective shutdown,
                 # or it died, which its data-plane monitor reports as a lost peer
@@ -529,85 +458,6 @@ class Engine:
     @staticmethod
     def _nbytes(entry: Entry) -> int:
         return sum(a.nbytes for a in entry.arrays)
-
-    def _star(self, resp: Response, members: tuple[int, ...]) -> Response:
-        """Rank 0 finishes a small allreduce or allgather from the payloads sent with the requests
-        (2 hops, no ring): the response carries the result.  Anything else comes back unchanged."""
-        payloads = [self._payloads.pop((resp.pset, n), {}) for n in resp.names]
-        if resp.error or not resp.names:
-            return resp
-        if resp.kind == wire.ALLREDUCE and resp.numels:
-            return self._star_reduce(resp, members, payloads)
-        if resp.kind == wire.ALLGATHER:
-            return self._star_gather(resp, members, payloads[0])
-        return resp
-
-    def _star_gather(self, resp: Response, members: tuple[int, ...], payloads: dict[int, bytes]) -> Response:
-        """The members' parts, concatenated in set order; unchanged (the ring runs) if one is missing."""
-        started = time.perf_counter()
-        (name,) = resp.names
-        req = self._canon.get((resp.pset, name))
-        if req is None or len(resp.first_dims) != len(members):
-            return resp
-        row_bytes = int(np.prod(req.shapes[0][1:], dtype=np.int64)) * np.dtype(resp.dtype).itemsize
-        if sum(resp.first_dims) * row_bytes > wire.CONTROL_DATA_BYTES:
-            return resp
-        parts: list[bytes] = []
-        for rank, dim in zip(members, resp.first_dims):
-            if rank == 0:
-                entry = self._inflight.get((resp.pset, name))
-                part = entry.arrays[0].tobytes() if entry is not None else None
-            else:
-                part = payloads.get(rank)
-            if part is None or len(part) != dim * row_bytes:
-                return resp
-            parts.append(part)
-        if self.timeline is not None:
-            self._star_spans[(resp.pset, name)] = (started, time.perf_counter())
-        return resp._replace(data=b"".join(parts))
-
-    def _star_reduce(self, resp: Response, members: tuple[int, ...], payloads: list[dict[int, bytes]]) -> Response:
-        """Rank 0 reduces a small allreduce from the payloads sent with the requests."""
-        started = time.perf_counter()
-        dtype = np.dtype(resp.dtype)
-        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
-            return resp  # too much to carry in one control frame (many small ones fused): run the ring
-        op = ReduceOp(resp.op)
-        joined = set(resp.joined)
-        acc: np.ndarray | None = None
-        total = sum(resp.numels)
-        for rank in members:
-            if rank in joined:
-                continue
-            if rank == 0:
-                arrays = []
-                for n in resp.names:
-                    entry = self._inflight.get((resp.pset, n))
-                    if entry is None:
-                        return resp
-                    arrays.extend(entry.arrays)
-                contrib = arrays[0].reshape(-1) if len(arrays) == 1 else np.concatenate([a.reshape(-1) for a in arrays])
-            else:
-                parts = [p.get(rank) for p in payloads]
-                if any(p is None for p in parts):
-                    return resp  # some rank sent no payload: run the ring
-                raw = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
-                contrib = np.frombuffer(raw, dtype=dtype)  # type: ignore[arg-type]
-            if contrib.size != total:
-                return resp
-            if resp.prescale != 1.0:
-                contrib = contrib.copy()
-                ops.scale_inplace(contrib, resp.prescale)
-            if acc is None:
-                acc = contrib.copy()
-            else:
-                ops.reduce_into(op, acc, contrib)
-        if acc is None:
-            return resp
-        ops.scale_inplace(acc, ops.postscale(op, len(members), resp.postscale))
-        if self.timeline is not None:
-            self._star_spans[(resp.pset, *resp.names)] = (started, time.perf_counter())
-        return resp._replace(data=acc.tobytes())
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Start writing a timeline (rank 0 only, as Horovod does); replaces one already running."""
@@ -623,21 +473,12 @@ class Engine:
             old.close()
 
     def _check_stalls(self, now: float) -> None:
-        assert self._coord is not None
+        assert self._service is not None
         st = self.settings
-        after = min(st.stall_check_seconds, st.stall_shutdown_seconds or st.stall_check_seconds)
-        for pset, stall in self._coord.stalled(now, after):
-            text = (f"{stall.kind} '{stall.name}'{self._coord.where(pset)} was submitted by ranks "
-                    f"{list(stall.submitted)} {stall.waited:.0f} s ago but ranks {list(stall.missing)} "
-                    "have not submitted it")
-            if st.stall_shutdown_seconds and stall.waited >= st.stall_shutdown_seconds:
-                self._coord.fail(pset, stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
-                                                   f"{st.stall_shutdown_seconds:g})")
-                continue
-            if (pset, stall.name) in self._warned_stalls or stall.waited < st.stall_check_seconds:
-                continue
-            self._warned_stalls.add((pset, stall.name))
-            log.warning("stall: %s; every rank must run the same collectives in the end", text)
+        for key, text in self._service.stalls(now, st.stall_check_seconds, st.stall_shutdown_seconds):
+            if key not in self._warned_stalls:
+                self._warned_stalls.add(key)
+                log.warning("stall: %s; every rank must run the same collectives in the end", text)
 
     # -- execution -----------------------------------------------------------
 
@@ -646,11 +487,11 @@ class Engine:
         entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
         tl = self.timeline
         start = time.perf_counter()
-        star = self._star_spans.pop((resp.pset, *resp.names), None)  # rank 0 reduced it before answering
+        reduced_at = self._reduced_at.pop((resp.pset, *resp.names), None)  # rank 0 reduced it before answering
         if tl is not None:
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
-                tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, star[0] if star else start)
+                tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, start if reduced_at is None else reduced_at)
         if resp.error:
             cls = StallError if resp.error_kind == "stall" else MismatchError
             err: Exception = cls(f"{resp.error} [raised on rank {self.rank}]")
@@ -661,10 +502,10 @@ class Engine:
         n = self._seqs.get(pset, 0)
         self._seqs[pset] = n + 1
         seq = (pset << _PSET_SHIFT) | (n * hierarchical.PHASES)  # room for an op's phases
-        if not resp.joined and self._coord is None:  # rank 0 recorded it when it emitted the response
+        if not resp.joined and self._service is None:  # rank 0 recorded it when it emitted the response
             cache = self._caches.get(pset)
             for e in entries:
-                if cache is not None and e.req.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER):
+                if cache is not None and e.req.kind in CACHED_KINDS:
                     cache.record(e.req)
         phases: list[tuple[str, float, float]] = []
         kind = resp.kind
@@ -672,7 +513,7 @@ class Engine:
             try:
                 self._executing = True
                 results, phases = self._exec.execute(resp, entries, seq, self._sets[pset], timed=tl is not None,
-                                                     reduced_at=star[0] if star else None)
+                                                     reduced_at=reduced_at)
             except PeerLostError as exc:
                 for e in entries:
                     e.handle.set_error(exc)
