@@ -29,14 +29,14 @@ import numpy as np
 import zmq
 
 from . import auth, hierarchical, shm_allreduce, wire
-from .cache import ResponseCache
 from .config import Settings
 from .coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
-    HorovodInternalError, InvalidInputError, MismatchError, PeerLostError, ProtocolError, ShutdownError, StallError,
+    HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError,
 )
 from .executor import DATA_KINDS, Executor
-from .service import CACHED_KINDS, Service
+from .service import Service
+from .session import Session
 from .handles import Entry, Handle
 from .timeline import Timeline
 from .topology import Topology
@@ -76,9 +76,6 @@ def _check_same_security(table: list[dict], rank: int) -> None:
         )
 
 
-#: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
-#: set count that set's ops alike, and messages of different sets never share a number.
-_PSET_SHIFT = 40
 
 
 class Engine:
@@ -92,18 +89,16 @@ class Engine:
         self._wake_pending = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._inflight: dict[tuple[int, str], Entry] = {}
-        # per process set: its global ranks, its own op count and response cache (every member
-        # records the set's responses in the same order; rank 0 records every set's)
-        self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
-        self._seqs: dict[int, int] = {0: 0}
-        self._caches: dict[int, ResponseCache] = {0: ResponseCache(settings.cache_capacity)}
         self._stopping = False
         self._failed: BaseException | None = None
         # payloads travel inside control frames, which are bounded: never more than one frame's share
         self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
         # an allgather's result is every rank's part: a rank's part goes through rank 0 up to 1/size of that
         self._small_gather = self._small // max(1, self.size)
+        # in-flight ops, op counts, response caches (every member records a set's responses in the
+        # same order; rank 0's service records every set's) and the process-set registry
+        self._session = Session(self.rank, self.size, topo.secret, settings.cache_capacity, self._small,
+                                self._small_gather, hierarchical.PHASES, records=self.rank != 0)
         self._service = Service(self.size, topo.secret, settings.fusion_threshold, self._small, settings.cache_capacity,
                                 settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None
         self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
@@ -266,10 +261,10 @@ class Engine:
 
     def _close(self) -> None:
         err = ShutdownError("ringcomm was shut down while this op was pending")
-        for entry in list(self._inflight.values()) + list(self._queue):
+        for entry in self._session.pending() + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(err)
-        self._inflight.clear()
+        self._session.inflight.clear()
         self._queue.clear()
         if self._shm_ar is not None:
             self._shm_ar.close()
@@ -336,7 +331,7 @@ class Engine:
         lost = link.check_peers()
         if not lost or self._stopping:
             return
-        leaving = self._inflight.pop((0, SHUTDOWN_NAME), None)
+        leaving = self._session.inflight.pop((0, SHUTDOWN_NAME), None)
         if leaving is not None:
             # This rank is shutting down too: a peer that left has most likely finished the
             # collective shutdown before this rank received its response.  Finish quietly.
@@ -344,8 +339,8 @@ class Engine:
             leaving.handle.set_result(None)
             return
         peer = link.culprit()
-        pending = [e.req.name + set_label(e.req.pset, self._sets.get(e.req.pset, ()))
-                   for e in list(self._inflight.values()) + list(self._queue)]
+        pending = [e.req.name + set_label(e.req.pset, self._session.set_ranks(e.req.pset) or ())
+                   for e in self._session.pending() + list(self._queue)]
         shown = ", ".join(pending[:8]) + (f" and {len(pending) - 8} more" if len(pending) > 8 else "")
         raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
@@ -357,37 +352,29 @@ class Engine:
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
         self._backlog.clear()
-        for entry in list(self._inflight.values()) + list(self._queue):
+        for entry in self._session.pending() + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(exc)
-        self._inflight.clear()
+        self._session.inflight.clear()
         self._queue.clear()
 
     def _drain_queue(self) -> None:
-        items: list[tuple[Request | int, int, bytes | None]] = []
+        entries: list[Entry] = []
         now = time.monotonic()
         drained_at = time.perf_counter()
         while self._queue:
             entry = self._queue.popleft()
             entry.drained_at = drained_at
-            self._inflight[entry.key] = entry
-            if self._service is not None:
+            entries.append(entry)
+        if self._service is not None:  # rank 0 is its own coordinator
+            for entry in entries:
+                self._session.track(entry)
                 self._service.submit_local(entry.req, entry.arrays, now)
-            else:
-                pset = entry.req.pset
-                cache = self._caches.get(pset)
-                cid = cache.lookup(entry.req) if cache is not None else None
-                nbytes = self._nbytes(entry)
-                kind = entry.req.kind
-                data = None
-                if 0 < nbytes and (kind == wire.ALLREDUCE and nbytes <= self._small
-                                   or kind == wire.ALLGATHER and nbytes <= self._small_gather):
-                    data = b"".join(a.tobytes() for a in entry.arrays)
-                items.append((entry.req if cid is None else cid, pset, data))
-        if items:
-            assert self._ctrl is not None
-            for frame in wire.encode_requests(self.topo.secret, self.rank, items):
-                self._ctrl.send(frame)
+            return
+        frames = self._session.announce(entries)
+        assert self._ctrl is not None or not frames
+        for frame in frames:
+            self._ctrl.send(frame)  # type: ignore[union-attr]
 
     def _drain_control(self) -> bool:
         """Handle one control message (the poller is level-triggered: it reports the next one).
@@ -395,7 +382,6 @@ class Engine:
         Returns whether there was one.
         """
         assert self._ctrl is not None
-        secret = self.topo.secret
         try:
             frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
@@ -404,13 +390,7 @@ class Engine:
             if len(frames) == 2:  # ROUTER: [sender identity, message]
                 self._service.receive(frames[1], time.monotonic())
             return True
-        try:
-            msg = wire.unpack_control(secret, frames[0] if len(frames) == 1 else b"")
-            resps = wire.parse_response_batch(msg)
-        except ProtocolError as exc:
-            log.debug("rank %d: dropping control message: %s", self.rank, exc)
-            return True
-        for resp in resps:
+        for resp in self._session.receive(frames[0] if len(frames) == 1 else b""):
             self._execute(resp)
         return True
 
@@ -455,10 +435,6 @@ class Engine:
                     raise
                 log.debug("rank 0: %s is gone; response not delivered", ident.decode())
 
-    @staticmethod
-    def _nbytes(entry: Entry) -> int:
-        return sum(a.nbytes for a in entry.arrays)
-
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Start writing a timeline (rank 0 only, as Horovod does); replaces one already running."""
         if self.rank != 0:
@@ -483,8 +459,8 @@ class Engine:
     # -- execution -----------------------------------------------------------
 
     def _execute(self, resp: Response) -> None:
-        pset = resp.pset
-        entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
+        step = self._session.begin(resp)
+        entries = step.entries
         tl = self.timeline
         start = time.perf_counter()
         reduced_at = self._reduced_at.pop((resp.pset, *resp.names), None)  # rank 0 reduced it before answering
@@ -492,27 +468,15 @@ class Engine:
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
                 tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, start if reduced_at is None else reduced_at)
-        if resp.error:
-            cls = StallError if resp.error_kind == "stall" else MismatchError
-            err: Exception = cls(f"{resp.error} [raised on rank {self.rank}]")
+        if step.error is not None:
             for e in entries:
-                e.handle.set_error(err)
+                e.handle.set_error(step.error)
             return
-        # the set's op count advances only for ops that move data (errors may reach one rank only)
-        n = self._seqs.get(pset, 0)
-        self._seqs[pset] = n + 1
-        seq = (pset << _PSET_SHIFT) | (n * hierarchical.PHASES)  # room for an op's phases
-        if not resp.joined and self._service is None:  # rank 0 recorded it when it emitted the response
-            cache = self._caches.get(pset)
-            for e in entries:
-                if cache is not None and e.req.kind in CACHED_KINDS:
-                    cache.record(e.req)
         phases: list[tuple[str, float, float]] = []
-        kind = resp.kind
-        if kind in DATA_KINDS:
+        if resp.kind in DATA_KINDS:
             try:
                 self._executing = True
-                results, phases = self._exec.execute(resp, entries, seq, self._sets[pset], timed=tl is not None,
+                results, phases = self._exec.execute(resp, entries, step.seq, step.members, timed=tl is not None,
                                                      reduced_at=reduced_at)
             except PeerLostError as exc:
                 for e in entries:
@@ -528,10 +492,12 @@ class Engine:
             finally:
                 self._executing = False
         else:
-            results = [self._complete(resp)] * len(entries)
+            results = [self._session.complete(resp)] * len(entries)
+            if resp.kind == wire.REMOVE_PSET:
+                self._exec.forget_set(resp.set_id)
         if tl is not None:
             end = time.perf_counter()
-            args = {"op": seq, "fused": len(resp.names), "tensors": sum(len(e.arrays) for e in entries),
+            args = {"op": step.seq, "fused": len(resp.names), "tensors": sum(len(e.arrays) for e in entries),
                     "dtype": resp.dtype}
             for e in entries:
                 if phases:
@@ -544,45 +510,17 @@ class Engine:
         if resp.kind == wire.SHUTDOWN:
             self._stopping = True
 
-    def _complete(self, resp: Response) -> Any:
-        """The result of an op that moves no data: barrier, join, shutdown, process-set changes."""
-        if resp.kind == wire.JOIN:
-            return resp.last_joined
-        if resp.kind == wire.ADD_PSET:
-            return self._register_set(resp)
-        if resp.kind == wire.REMOVE_PSET:
-            self._unregister_set(resp.set_id)
-            return True
-        return None
-
     def set_ranks(self, pset: int) -> tuple[int, ...] | None:
         """The global ranks of registered process set ``pset`` (None if unknown); any thread."""
-        return self._sets.get(pset)
+        return self._session.set_ranks(pset)
 
     def find_set(self, ranks: tuple[int, ...]) -> int | None:
         """The id of the registered set with exactly these ranks, if any; any thread."""
-        for pset, members in list(self._sets.items()):
-            if members == ranks:
-                return pset
-        return None
+        return self._session.find_set(ranks)
 
     def set_ids(self) -> list[int]:
-        return sorted(self._sets)
+        return self._session.set_ids()
 
-    def _register_set(self, resp: Response) -> int:
-        """Every rank, in the same order: an ADD_PSET response creates set ``resp.set_id``."""
-        pset, ranks = resp.set_id, resp.set_ranks
-        self._sets[pset] = ranks
-        self._seqs[pset] = 0
-        if self.rank in ranks:
-            self._caches.setdefault(pset, ResponseCache(self.settings.cache_capacity))
-        return pset
-
-    def _unregister_set(self, pset: int) -> None:
-        self._sets.pop(pset, None)
-        self._exec.forget_set(pset)
-        self._seqs.pop(pset, None)
-        self._caches.pop(pset, None)
 
 def _print_waiting(line: str) -> None:
     """Rank 0's report of the ranks still missing at the rendezvous: on stderr, whatever the logging setup."""

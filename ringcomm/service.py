@@ -29,12 +29,10 @@ from .cache import ResponseCache
 from .controller import Controller
 from .errors import ProtocolError
 from .ops import ReduceOp
+from .session import CACHED_KINDS
 from .wire import Request, Response
 
 log = logging.getLogger("ringcomm.service")
-
-#: Kinds whose requests go into the response caches (the others are rare or vary in shape).
-CACHED_KINDS = (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER)
 
 Pair = tuple[Response, tuple[int, ...]]
 
