@@ -63,7 +63,7 @@ from .errors import (
     StallError,
 )
 from .handles import GroupHandle, Handle
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 from . import logsetup as _logsetup
 

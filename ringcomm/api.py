@@ -35,12 +35,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import config, horovod_env, logsetup, ops, topology, wire
-from .coordinator import JOIN_NAME
+from . import config, horovod_env, logsetup, topology
+from .core import ops, wire
+from .core.coordinator import JOIN_NAME
 from .engine import Engine
 from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError
 from .handles import Entry, GroupHandle, Handle
-from .ops import Average, ReduceOp
+from .core.ops import Average, ReduceOp
 from .process_sets import (
     ProcessSet,
     add_process_set as add_process_set,  # re-exported: ringcomm.add_process_set

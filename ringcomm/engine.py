@@ -28,20 +28,21 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, hierarchical, shm_allreduce, wire
+from . import auth, hierarchical, shm_allreduce
+from .core import wire
 from .config import Settings
-from .coordinator import SHUTDOWN_NAME, set_label
+from .core.coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
     HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError,
 )
 from .executor import DATA_KINDS, Executor
-from .service import Service
-from .session import Session
+from .core.service import Service
+from .core.session import Session
 from .handles import Entry, Handle
 from .timeline import Timeline
 from .topology import Topology
 from .transport import DataPlane, ipc_base, ipc_file, remove_files
-from .wire import Request, Response
+from .core.wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
 

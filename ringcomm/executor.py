@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import algorithms, hierarchical, ops, ring, shm_allreduce, wire
+from . import algorithms, hierarchical, shm_allreduce
+from .core import ops, ring, wire
 from .errors import HorovodInternalError
-from .ops import ReduceOp
+from .core.ops import ReduceOp
 from .transport import DataPlane
-from .wire import Response
+from .core.wire import Response
 
 if TYPE_CHECKING:
     from .config import Settings

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import wire
+from .core import wire
 from .errors import InvalidInputError, InvalidTypeError
 
 if TYPE_CHECKING:

@@ -56,9 +56,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import ring, shm, shm_barrier
+from . import shm, shm_barrier
+from .core import ring
 from .algorithms import Link
-from .ops import ReduceOp, combine, reduce_into, scale_inplace
+from .core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
 log = logging.getLogger("ringcomm.shm_allreduce")
 

@@ -45,7 +45,8 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import shm, wire
+from . import shm
+from .core import wire
 from .auth import Credentials
 from .errors import PeerLostError, ProtocolError
 

@@ -18,12 +18,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import wire
+from ringcomm.core import wire
 from ringcomm.handles import Entry, Handle
-from ringcomm.ops import ReduceOp
-from ringcomm.service import Service
-from ringcomm.session import Session
-from ringcomm.wire import Request
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.service import Service
+from ringcomm.core.session import Session
+from ringcomm.core.wire import Request
 
 SECRET = b"c" * 32
 SMALL = 64  # allreduces up to 16 float32 go with their requests

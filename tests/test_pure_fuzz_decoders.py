@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import ProtocolError, wire
-from ringcomm.wire import Request, Response
+from ringcomm import ProtocolError
+from ringcomm.core import wire
+from ringcomm.core.wire import Request, Response
 
 SECRET = b"k" * 32
 
@@ -88,7 +89,7 @@ def test_one_field_of_the_wrong_type_or_range_is_a_protocol_error(which: str, da
 
 def test_the_decoders_tables_match_the_ops_module() -> None:
     """wire.py keeps its own copy of the op and dtype names (it imports no NumPy): they must agree."""
-    from ringcomm import ops
+    from ringcomm.core import ops
 
     assert wire._OPS == {int(op) for op in ops.ReduceOp if op is not ops.ReduceOp.ADASUM}
     assert wire._DTYPES == set(ops.SUPPORTED_DTYPES) | {""}
@@ -108,7 +109,7 @@ def test_valid_messages_still_decode() -> None:
 
 def test_every_response_the_coordinator_makes_passes_the_strict_decoder() -> None:
     """The strict decoder must accept all the coordinator emits: fused, error, stall, join, alltoall."""
-    from ringcomm.coordinator import Coordinator
+    from ringcomm.core.coordinator import Coordinator
 
     coord = Coordinator(2, 1 << 20, small_bytes=1024)
     reqs = [

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_algorithms_inprocess import queue_links, run_ranks
 
-from ringcomm import algorithms, wire
-from ringcomm.controller import Controller
-from ringcomm.ops import ReduceOp
-from ringcomm.wire import Request, Response
+from ringcomm import algorithms
+from ringcomm.core import wire
+from ringcomm.core.controller import Controller
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.wire import Request, Response
 
 
 def ar(name: str, pset: int = 0, shape=(4,), dtype="float32") -> Request:

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import wire
-from ringcomm.cache import ResponseCache
-from ringcomm.coordinator import JOIN_NAME, Coordinator
-from ringcomm.ops import ReduceOp
-from ringcomm.wire import Request
+from ringcomm.core import wire
+from ringcomm.core.cache import ResponseCache
+from ringcomm.core.coordinator import JOIN_NAME, Coordinator
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.wire import Request
 
 SECRET = b"s" * 32
 shapes = st.lists(st.lists(st.integers(0, 5), max_size=3).map(tuple), min_size=1, max_size=3).map(tuple)

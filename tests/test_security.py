@@ -28,7 +28,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import WORKERS, job_env, launch, remove_files_of
-from ringcomm import auth, shm, wire
+from ringcomm import auth, shm
+from ringcomm.core import wire
 from ringcomm.config import Settings
 from ringcomm.errors import InvalidInputError
 from ringcomm.rendezvous import RendezvousServer

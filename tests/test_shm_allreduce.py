@@ -22,7 +22,7 @@ from conftest import WORKERS, launch
 from ringcomm import shm, shm_allreduce, shm_barrier
 from ringcomm.config import Settings
 from ringcomm.errors import InvalidInputError
-from ringcomm.ops import ReduceOp, reduce_into, scale_inplace
+from ringcomm.core.ops import ReduceOp, reduce_into, scale_inplace
 from ringcomm.shm_allreduce import ShmAllreduce
 from test_algorithms_inprocess import queue_links, run_ranks
 

@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 import ringcomm as rc
-from ringcomm import wire
+from ringcomm.core import wire
 
 rc.init()
 r, n = rc.rank(), rc.size()

@@ -23,7 +23,7 @@ import numpy as np
 
 import ringcomm as rc
 from ringcomm import api
-from ringcomm.ops import ReduceOp, reduce_into, scale_inplace
+from ringcomm.core.ops import ReduceOp, reduce_into, scale_inplace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives_worker import OPS, close, data  # noqa: E402

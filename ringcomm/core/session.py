@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import wire
 from .cache import ResponseCache
-from .errors import MismatchError, ProtocolError, StallError
+from ..errors import MismatchError, ProtocolError, StallError
 from .wire import Request, Response
 
 if TYPE_CHECKING:
-    from .handles import Entry
+    from ..handles import Entry
 
 log = logging.getLogger("ringcomm.session")
 

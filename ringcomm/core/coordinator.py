@@ -38,7 +38,7 @@ class Stall(NamedTuple):
     waited: float
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize_of(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype else 1
 
 
@@ -154,7 +154,7 @@ class Coordinator:
     ``first_dims``/``splits`` in responses are in the order of ``ranks``.
     """
 
-    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize,
+    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = itemsize_of,
                  small_bytes: int = 0, ranks: tuple[int, ...] | None = None, pset: int = 0) -> None:
         self.size = size
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))

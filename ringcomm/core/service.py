@@ -27,7 +27,7 @@ import numpy as np
 from . import ops, wire
 from .cache import ResponseCache
 from .controller import Controller
-from .errors import ProtocolError
+from ..errors import ProtocolError
 from .ops import ReduceOp
 from .session import CACHED_KINDS
 from .wire import Request, Response

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import wire
-from .coordinator import Coordinator, Stall, _itemsize, set_label
+from .coordinator import Coordinator, Stall, itemsize_of, set_label
 from .wire import Request, Response
 
 #: Kinds that only the global set runs.
@@ -36,7 +36,7 @@ class Controller:
     """Every process set's coordinator, the set registry, and requests that cannot be placed."""
 
     def __init__(self, size: int, fusion_threshold: int, small_bytes: int = 0,
-                 itemsize: Callable[[str], int] = _itemsize) -> None:
+                 itemsize: Callable[[str], int] = itemsize_of) -> None:
         self.size = size
         self._fusion_threshold = fusion_threshold
         self._small = small_bytes

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 # ---------------------------------------------------------------------------
 # kinds of collective
