@@ -116,7 +116,7 @@ def test_bad_input_raises_a_clear_error_and_the_job_keeps_working(job, call, exc
 
 def test_duplicate_in_flight_name(job, monkeypatch) -> None:
     # hold the engine so the first op stays in flight
-    engine = rc.api._runtime.engine
+    engine = rc.runtime.active().engine
     real = engine.submit
     held = []
     monkeypatch.setattr(engine, "submit", lambda e: held.append(e) or e.handle)
