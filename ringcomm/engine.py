@@ -41,7 +41,8 @@ from .core.session import Session
 from .handles import Entry, Handle
 from .timeline import Timeline
 from .topology import Topology
-from .transport import DataPlane, ipc_base, ipc_file, remove_files
+from .names import ipc_base, ipc_file, remove_files
+from .transport import DataPlane
 from .core.wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")

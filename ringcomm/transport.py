@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import cast
@@ -45,7 +42,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import shm
+from . import names, shm
 from .core import wire
 from .auth import Credentials
 from .errors import PeerLostError, ProtocolError
@@ -281,7 +278,7 @@ class DataPlane:
             for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
                 sock.bind(ep)
                 eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-                path = ipc_file(ep)
+                path = names.ipc_file(ep)
                 if path is not None:
                     self.ipc_paths.append(path)
             table[peer] = eps
@@ -307,7 +304,7 @@ class DataPlane:
         ring = self._out_rings.get(dst)
         if ring is None and dst in self._shm_peers:
             self._shm_peers.discard(dst)
-            path = shm.ring_path(self._job, self._round, self.rank, dst)
+            path = names.shm_ring(self._job, self._round, self.rank, dst)
             try:
                 ring = self._out_rings[dst] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
                 self._free[dst] = collections.deque(range(self._slots))
@@ -333,11 +330,11 @@ class DataPlane:
             ring.close()
         # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
         # remove it: this rank does (the name is unique to the pair, the round and the job).
-        remove_files([shm.ring_path(self._job, self._round, src, self.rank) for src in self._shm_sources])
+        names.remove_files([names.shm_ring(self._job, self._round, src, self.rank) for src in self._shm_sources])
         self._shm_sources.clear()
         self._out_rings.clear()
         self._in_rings.clear()
-        remove_files(self.ipc_paths)
+        names.remove_files(self.ipc_paths)
         self.ipc_paths.clear()
 
     # -- Link ----------------------------------------------------------------
@@ -489,7 +486,7 @@ class DataPlane:
         """The ring ``src`` writes to this rank, mapped (and its name unlinked) on first use."""
         ring = self._in_rings.get(src)
         if ring is None:
-            path = shm.ring_path(self._job, self._round, src, self.rank)
+            path = names.shm_ring(self._job, self._round, src, self.rank)
             try:
                 ring = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
             except (OSError, ValueError) as exc:
@@ -594,35 +591,6 @@ class DataPlane:
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
 
-
-
-#: Linux has an abstract socket namespace: ipc endpoints there are names, not files, so a
-#: process killed by SIGKILL leaves nothing behind.  Elsewhere they are files in the temp dir.
-ABSTRACT_IPC = sys.platform.startswith("linux")
-
-
-def ipc_base(job_id: str, pid: int, round_: int) -> str:
-    """The prefix of this process's ipc endpoints (job id, pid and round make it unique on the host)."""
-    name = f"ringcomm-{job_id}-{pid}-{round_}"
-    if ABSTRACT_IPC:
-        return f"ipc://@{name}"
-    return f"ipc://{tempfile.gettempdir()}/{name}"
-
-
-def ipc_file(endpoint: str) -> str | None:
-    """The socket file behind an ipc endpoint, which its owner must remove; None if there is none."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return None
-    return endpoint[len("ipc://"):]
-
-
-def remove_files(paths: list[str]) -> None:
-    """Unlink files, ignoring ones already gone."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _process_alive(pid: int) -> bool:

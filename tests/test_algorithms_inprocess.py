@@ -331,11 +331,11 @@ def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
     is dropped like any malformed message; the file is not mapped."""
     import os
 
-    from ringcomm import shm
+    from ringcomm import names
     from ringcomm.core import wire
 
     links = zmq_links(2, shm_slots=2)
-    path = shm.ring_path(links[1]._job, links[1]._round, 0, 1)
+    path = names.shm_ring(links[1]._job, links[1]._round, 0, 1)
     with open(path, "wb") as f:
         f.write(b"\0" * 10)
     try:
