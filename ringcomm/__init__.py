@@ -62,6 +62,7 @@ from .errors import (
     ShutdownError,
     StallError,
 )
+from .config import Settings
 from .handles import GroupHandle, Handle
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
@@ -94,6 +95,7 @@ __all__ = [
     "RendezvousError",
     "RendezvousTimeoutError",
     "RingcommError",
+    "Settings",
     "ShutdownError",
     "StallError",
     "Sum",

@@ -36,8 +36,8 @@ checking = threading.local()
 class Runtime:
     """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
 
-    def __init__(self, round_: int, dynamic_sets: bool = False) -> None:
-        self.settings = config.Settings.from_env()
+    def __init__(self, round_: int, dynamic_sets: bool = False, settings: config.Settings | None = None) -> None:
+        self.settings = settings if settings is not None else config.Settings.from_env()
         logsetup.apply_level(self.settings.log_level)  # only when RINGCOMM_LOG_LEVEL is given
         for name in horovod_env.without_meaning(os.environ):
             log.warning(
@@ -177,7 +177,7 @@ def _install_excepthook() -> None:
     sys.excepthook = hook
 
 
-def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+def init(process_sets: Sequence[ProcessSet] | str | None = None, *, settings: config.Settings | None = None) -> None:
     """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
 
     Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
@@ -187,12 +187,21 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     ``process_sets``: a list of :class:`ProcessSet` to register now (the same
     list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
     allow :func:`add_process_set` / :func:`remove_process_set` later.
+
+    ``settings``: the :class:`~ringcomm.config.Settings` to run with instead of those the
+    ``RINGCOMM_*`` / ``HOROVOD_*`` variables give (e.g. ``Settings.from_env()`` with changes)::
+
+        rc.init(settings=dataclasses.replace(rc.Settings.from_env(), fusion_threshold=0))
+
+    The job's layout (rank, size, rendezvous) always comes from the environment.
     """
     global _runtime, _rounds, _atexit_registered
+    if settings is not None and not isinstance(settings, config.Settings):
+        raise InvalidTypeError(f"init(settings=...): expected a ringcomm.Settings, got {type(settings).__name__}")
     dynamic = isinstance(process_sets, str)
     if dynamic and process_sets != "dynamic":
         raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
-    if process_sets is None and config.Settings.from_env().dynamic_process_sets:
+    if process_sets is None and (settings or config.Settings.from_env()).dynamic_process_sets:
         dynamic = True  # RINGCOMM_DYNAMIC_PROCESS_SETS / HOROVOD_DYNAMIC_PROCESS_SETS
     static = [] if dynamic or process_sets is None else [as_process_set(p, "init(process_sets=...)")
                                                           for p in process_sets]
@@ -204,7 +213,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
                     "these process sets would not be registered; pass them to the first init(), or use "
                     "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
             return
-        rt = Runtime(_rounds, dynamic)
+        rt = Runtime(_rounds, dynamic, settings)
         _rounds += 1
         global_process_set.ranks = list(rt.all_ranks)
         global_process_set._round = rt.round

@@ -314,3 +314,22 @@ def test_a_second_init_with_process_sets_is_refused_not_ignored(monkeypatch) -> 
     finally:
         rc.shutdown()
 
+
+
+def test_init_takes_a_settings_object(monkeypatch) -> None:
+    import dataclasses
+
+    for key in list(__import__("os").environ):
+        if key.startswith("RINGCOMM_") or key in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    mine = dataclasses.replace(rc.Settings.from_env(), fusion_threshold=0, cache_capacity=3)
+    rc.init(settings=mine)
+    try:
+        assert rc.runtime.current_settings() is mine
+        assert rc.allreduce(np.ones(3), op=rc.Sum).tolist() == [1.0, 1.0, 1.0]
+    finally:
+        rc.shutdown()
+    assert rc.runtime.current_settings() == rc.Settings.from_env()  # after shutdown: the environment's again
+    with pytest.raises(rc.InvalidTypeError, match="expected a ringcomm.Settings"):
+        rc.init(settings={"fusion_threshold": 0})
+    assert not rc.is_initialized()
