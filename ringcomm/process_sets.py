@@ -53,7 +53,8 @@ class ProcessSet:
             raise InvalidInputError(f"ProcessSet(ranks): ranks must be >= 0, got {values!r}")
         self.ranks: list[int] | None = ints
         self.process_set_id: int | None = None
-        self._round = -1  # which init() registered it: a set from before shutdown() is not valid after
+        #: Which init() registered it: a set from before shutdown() is not valid after.
+        self.registered_round = -1
 
     def _this_rank(self) -> int:
         if _rank_source is None:

@@ -99,7 +99,7 @@ class Runtime:
         pid = process_set.process_set_id
         if pid == 0:
             return 0, self.all_ranks
-        ranks = self.engine.set_ranks(pid) if pid is not None and process_set._round == self.round else None
+        ranks = self.engine.set_ranks(pid) if pid is not None and process_set.registered_round == self.round else None
         if pid is None or ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
             raise InvalidInputError(
                 f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
@@ -216,7 +216,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None, *, settings: co
         rt = Runtime(_rounds, dynamic, settings)
         _rounds += 1
         global_process_set.ranks = list(rt.all_ranks)
-        global_process_set._round = rt.round
+        global_process_set.registered_round = rt.round
         try:
             for ps in static:
                 register(rt, ps, "init(process_sets=...)")
@@ -360,17 +360,17 @@ def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
             f"use a non-empty list of ranks in 0..{rt.topo.size - 1}"
         )
     if tuple(ps.ranks) == rt.all_ranks:  # every rank: that is the global set (as in Horovod)
-        ps.process_set_id, ps._round = 0, rt.round
+        ps.process_set_id, ps.registered_round = 0, rt.round
         return ps
     existing = rt.engine.find_set(tuple(ps.ranks))
     if existing is not None and what.startswith("init"):  # the same ranks twice in init(): one set
-        ps.process_set_id, ps._round = existing, rt.round
+        ps.process_set_id, ps.registered_round = existing, rt.round
         return ps
     if existing is not None:  # every rank sees the same registry here: all raise alike
         raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
     req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks))
     ps.process_set_id = int(rt.submit(req, []).wait())
-    ps._round = rt.round
+    ps.registered_round = rt.round
     return ps
 
 
@@ -388,7 +388,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "or pass them to init(process_sets=[...])"
         )
     ps = as_process_set(process_set, "add_process_set")
-    if ps.process_set_id is not None and ps._round == rt.round and rt.engine.set_ranks(ps.process_set_id):
+    if ps.process_set_id is not None and ps.registered_round == rt.round and rt.engine.set_ranks(ps.process_set_id):
         raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
     return register(rt, ps, "add_process_set")
 
@@ -408,7 +408,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set is global_process_set or process_set.process_set_id == 0:
         return False
     pid = process_set.process_set_id
-    if pid is None or process_set._round != rt.round or rt.engine.set_ranks(pid) is None:
+    if pid is None or process_set.registered_round != rt.round or rt.engine.set_ranks(pid) is None:
         raise InvalidInputError(f"remove_process_set: {process_set!r} is not a registered process set")
     req = wire.Request(rt.auto_name(wire.REMOVE_PSET, None), wire.REMOVE_PSET, set_id=pid)
     rt.submit(req, []).wait()

@@ -294,7 +294,7 @@ def test_process_set_arguments_are_validated(monkeypatch) -> None:
         rc.init()
         try:
             stale = rc.ProcessSet([0])
-            stale.process_set_id, stale._round = 1, -5
+            stale.process_set_id, stale.registered_round = 1, -5
             rc.barrier(process_set=stale)
         finally:
             rc.shutdown()
