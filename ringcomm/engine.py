@@ -1,18 +1,21 @@
-"""The engine: one background thread per process that owns every socket.
+"""The engine: the loop that owns one process's thread, sockets and poll.
 
 User threads call :meth:`Engine.submit` (append to a queue, poke a pipe) and
-wait on the returned :class:`Handle`.  The engine thread
+wait on the returned :class:`Handle`.  The engine thread feeds events to the
+pure pieces and does what they return:
 
-1. drains the queue and announces the new ops to rank 0 (an id from the
-   response cache when the same request was seen before),
-2. on rank 0, feeds every rank's announcements to the :class:`Coordinator`
-   and sends the resulting ordered responses to all ranks,
-3. executes each response in that order (the data movement is
-   :class:`ringcomm.executor.Executor`'s: pack fused tensors, run the ring or
-   the shared-memory allreduce, unpack) and completes the handles.
+1. drained ops go to the :class:`~ringcomm.core.session.Session`, which returns
+   the frames that announce them to rank 0 (rank 0 hands its own to its service);
+2. on rank 0, every rank's frames go to the :class:`~ringcomm.core.service.Service`,
+   which returns the ordered responses: frames for each rank, and rank 0's own;
+3. each response, in that order, is begun by the session, its data moved by the
+   :class:`~ringcomm.executor.Executor` (pack, ring or shared memory, unpack),
+   and the handles completed with the results it returns.
 
-It sleeps in ``zmq.Poller.poll`` with no timeout when idle, so an idle job uses
-no CPU.
+While rank 0 waits for a peer's data inside step 3, the data plane runs the
+negotiation hook handed to it (:meth:`DataPlane.serve_while_waiting`), so sets
+without rank 0 are answered meanwhile.  The loop sleeps in ``zmq.Poller.poll``
+with no timeout when idle, so an idle job uses no CPU.
 """
 
 from __future__ import annotations
