@@ -62,9 +62,10 @@ from .errors import (
     ShutdownError,
     StallError,
 )
+from .config import Settings
 from .handles import GroupHandle, Handle
 from .run_fn import RunFunctionError, run
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 from . import logsetup as _logsetup
 
@@ -96,6 +97,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RingcommError",
     "RunFunctionError",
+    "Settings",
     "ShutdownError",
     "StallError",
     "Sum",

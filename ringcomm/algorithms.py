@@ -27,9 +27,9 @@ from typing import Protocol
 
 import numpy as np
 
-from . import ring
+from .core import ring
 from .errors import HorovodInternalError
-from .ops import ReduceOp, combine, reduce_into, scale_inplace
+from .core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
 
 class Link(Protocol):

@@ -16,157 +16,52 @@ Example, on every rank of ``ringcomm-run -np 2``::
 
 from __future__ import annotations
 
-import atexit
-import collections
-import dataclasses
 import functools
 import logging
-import os
 import pickle
-import sys
 
 try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use it when installed
     import cloudpickle as _pickler
 except ImportError:  # pragma: no cover - depends on the environment
     _pickler = pickle
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from . import config, horovod_env, logsetup, ops, topology, wire
-from .coordinator import JOIN_NAME
-from .engine import Engine
-from .errors import DuplicateNameError, ForkedProcessError, InvalidInputError, InvalidSplitsError, InvalidTypeError, NotInitializedError, RendezvousAbortedError
-from .handles import Entry, GroupHandle, Handle
-from .ops import Average, ReduceOp
-from .process_sets import (
-    ProcessSet,
-    add_process_set as add_process_set,  # re-exported: ringcomm.add_process_set
-    as_process_set,
-    global_process_set,
-    process_set_ids as process_set_ids,  # re-exported
-    register,
-    remove_process_set as remove_process_set,  # re-exported
-    resolve_process_set as resolve_process_set,  # re-exported: ringcomm_torch resolves through ringcomm.api
+from .core import ops, wire
+from .core.coordinator import JOIN_NAME
+from .core.ops import Average, ReduceOp
+from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError
+from .handles import GroupHandle, Handle
+from .process_sets import ProcessSet, global_process_set
+from .runtime import (  # re-exported: the public API is ringcomm.api's names
+    Runtime,
+    add_process_set as add_process_set,
+    checking,
+    cross_rank as cross_rank,
+    cross_size as cross_size,
+    current,
+    current_settings as current_settings,
+    init as init,
+    is_initialized as is_initialized,
+    local_rank as local_rank,
+    local_size as local_size,
+    process_set_ids as process_set_ids,
+    rank as rank,
+    remove_process_set as remove_process_set,
+    resolve_process_set as resolve_process_set,  # ringcomm_torch resolves through ringcomm.api
+    shutdown as shutdown,
+    size as size,
+    start_timeline as start_timeline,
+    stop_timeline as stop_timeline,
+    timeline_active as timeline_active,
+    timeline_span as timeline_span,
 )
 
 AnyHandle = Handle | GroupHandle
-log = logging.getLogger("ringcomm.api")
-
-
-class Runtime:
-    """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
-
-    def __init__(self, round_: int, dynamic_sets: bool = False) -> None:
-        self.settings = config.Settings.from_env()
-        logsetup.apply_level(self.settings.log_level)  # only when RINGCOMM_LOG_LEVEL is given
-        for name in horovod_env.without_meaning(os.environ):
-            log.warning(
-                "%s is set but has no meaning in ringcomm (ignored); see the environment variables page "
-                "for the HOROVOD_* settings ringcomm reads", name)
-        if log.isEnabledFor(logging.DEBUG):
-            changed = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
-                       if getattr(self.settings, f.name) != f.default}
-            log.debug("init(): settings other than the defaults: %s", changed or "none")
-        self.topo = topology.from_env()
-        _log_topology(self.topo)
-        self.round = round_
-        self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
-        self.dynamic_sets = dynamic_sets
-        self.all_ranks = tuple(range(self.topo.size))
-        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
-        # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
-        self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
-        log.debug("rank %d: placement: local rank %d of %d, cross rank %d of %d (%d host(s) in the job)",
-                  self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
-                  self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
-        self.engine.start()
-        self._lock = threading.Lock()
-        self._names: set[tuple[int, str]] = set()
-        self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
-
-    def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
-        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
-
-        Also notes the op as the one being checked on this thread: if its arguments are then
-        refused, :func:`_refusable` tells the other ranks (see :meth:`refuse`).
-        """
-        if name is not None:
-            if not isinstance(name, str) or not name:
-                raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
-        else:
-            with self._lock:
-                n = self._counters[(pset, kind)]
-                self._counters[(pset, kind)] += 1
-            name = f"{kind}.noname.{n}"
-        _checking.op = (self, name, pset)
-        return name
-
-    def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
-        """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
-        reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
-        req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
-        try:
-            self.engine.submit(Entry(req, [], Handle(name)))
-        except Exception as exc:  # the engine is gone: the caller's own error says enough
-            log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
-
-    def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
-        """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
-        if process_set is None or process_set is global_process_set:
-            return 0, self.all_ranks
-        if not isinstance(process_set, ProcessSet):
-            raise InvalidTypeError(f"{what}: process_set must be a ProcessSet, got {type(process_set).__name__}")
-        pid = process_set.process_set_id
-        if pid == 0:
-            return 0, self.all_ranks
-        ranks = self.engine.set_ranks(pid) if pid is not None and process_set._round == self.round else None
-        if pid is None or ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
-            raise InvalidInputError(
-                f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
-                "init(process_sets=[...]) or add_process_set() (on every rank) first"
-            )
-        if self.topo.rank not in ranks:
-            raise InvalidInputError(
-                f"{what}: rank {self.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
-                "only its members may run collectives on it (check ps.included() first)"
-            )
-        return pid, ranks
-
-    def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
-               grouped: bool = False) -> Handle:
-        name = req.name
-        key = (req.pset, name)
-        with self._lock:
-            if key in self._names:
-                raise DuplicateNameError(
-                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
-                    f"{' in process set %d' % req.pset if req.pset else ''}; "
-                    "wait for it (synchronize) or use another name"
-                )
-            self._names.add(key)
-
-        def release() -> None:
-            with self._lock:
-                self._names.discard(key)
-
-        handle = Handle(name, release)
-        try:
-            self.engine.submit(Entry(req, arrays, handle, outs or [], grouped))
-        except BaseException:
-            release()
-            raise
-        return handle
-
-    def shutdown(self) -> None:
-        self.engine.shutdown(timeout=0.0 if _dying.is_set() else 10.0)
-
-
 log = logging.getLogger("ringcomm")
 F = TypeVar("F", bound=Callable[..., Any])
-_checking = threading.local()  # .op: (runtime, name, set) of the op whose arguments are being checked
 
 
 def _refusable(kind: str) -> Callable[[F], F]:
@@ -181,226 +76,19 @@ def _refusable(kind: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            _checking.op = None
+            checking.op = None
             try:
                 return fn(*args, **kwargs)
             except (InvalidInputError, InvalidTypeError) as exc:
-                op = getattr(_checking, "op", None)
+                op = getattr(checking, "op", None)
                 if op is not None and not isinstance(exc, DuplicateNameError):
                     rt, name, pset = op
                     rt.refuse(kind, name, pset, str(exc))
                 raise
             finally:
-                _checking.op = None
+                checking.op = None
         return checked  # type: ignore[return-value]
     return wrap
-
-
-_runtime: Runtime | None = None
-_rounds = 0
-_init_lock = threading.Lock()
-_atexit_registered = False
-def _log_topology(topo: topology.Topology) -> None:
-    """DEBUG: where this rank's place in the job came from, and where it will meet the others."""
-    if not log.isEnabledFor(logging.DEBUG):
-        return
-    if topo.size == 1:
-        log.debug("rank 0 of 1 (topology: %s): a single process; no sockets, no rendezvous", topo.source)
-        return
-    derived = f"; {', '.join(topo.derive)} worked out at the rendezvous" if topo.derive else ""
-    hosting = f", hosted by this rank on {topo.rendezvous_bind}" if topo.host_rendezvous else ""
-    log.debug("rank %d of %d (topology: %s%s), host %s, job %s: binds and advertises %s; rendezvous %s%s",
-              topo.rank, topo.size, topo.source, derived, topo.hostname, topo.job_id, topo.addr,
-              topo.rendezvous, hosting)
-
-
-_dying = threading.Event()  # the main thread died of an uncaught exception
-
-
-def _install_excepthook() -> None:
-    """Note an uncaught exception, so the exit-time shutdown leaves at once instead of waiting for peers.
-
-    The peers then see this rank's connections close and fail with PeerLostError naming it.
-    """
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        _dying.set()
-        previous(exc_type, exc, tb)
-
-    sys.excepthook = hook
-
-
-#: Rounds an elastic worker's init() tries when the driver calls off the new world's rendezvous.
-_ABORTED_ROUNDS_TRIED = 20
-
-
-def _new_runtime(dynamic: bool) -> Runtime:
-    """A runtime for the next round; an elastic worker whose round the driver called off (a member died
-    before it arrived) goes back to the driver for the next world at once."""
-    global _rounds
-    for attempt in range(1, _ABORTED_ROUNDS_TRIED + 1):
-        try:
-            rt = Runtime(_rounds, dynamic)
-        except RendezvousAbortedError as exc:
-            _rounds += 1
-            if attempt == _ABORTED_ROUNDS_TRIED:
-                raise
-            log.warning("%s; joining the launcher's next membership", exc)
-            continue
-        _rounds += 1
-        return rt
-    raise AssertionError("unreachable")
-
-
-def init(process_sets: Sequence[ProcessSet] | str | None = None) -> None:
-    """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
-
-    Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
-    again while initialized does nothing (with ``process_sets`` it raises: they
-    could not be registered); after :func:`shutdown` it starts anew.
-
-    ``process_sets``: a list of :class:`ProcessSet` to register now (the same
-    list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
-    allow :func:`add_process_set` / :func:`remove_process_set` later.
-    """
-    global _runtime, _atexit_registered
-    dynamic = isinstance(process_sets, str)
-    if dynamic and process_sets != "dynamic":
-        raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
-    if process_sets is None and config.Settings.from_env().dynamic_process_sets:
-        dynamic = True  # RINGCOMM_DYNAMIC_PROCESS_SETS / HOROVOD_DYNAMIC_PROCESS_SETS
-    static = [] if dynamic or process_sets is None else [as_process_set(p, "init(process_sets=...)")
-                                                          for p in process_sets]
-    with _init_lock:
-        if _runtime is not None:
-            if process_sets is not None:  # silently dropping the sets would leave them unregistered
-                raise InvalidInputError(
-                    f"init(process_sets=...) on rank {_runtime.topo.rank}: ringcomm is already initialized, so "
-                    "these process sets would not be registered; pass them to the first init(), or use "
-                    "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
-            return
-        rt = _new_runtime(dynamic)
-        global_process_set.ranks = list(rt.all_ranks)
-        global_process_set._round = rt.round
-        try:
-            for ps in static:
-                register(rt, ps, "init(process_sets=...)")
-        except BaseException:
-            rt.shutdown()
-            raise
-        _runtime = rt
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _install_excepthook()
-            _atexit_registered = True
-
-
-def shutdown() -> None:
-    """Leave the job: waits (briefly) for the other ranks, then closes every socket."""
-    global _runtime
-    with _init_lock:
-        rt, _runtime = _runtime, None
-    if rt is not None and rt.pid == os.getpid():
-        rt.shutdown()
-    # in a child forked after init() the engine's sockets belong to the parent: leave them alone
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Write a Chrome-trace timeline of rank 0's ops to ``file_path`` until :func:`stop_timeline`."""
-    _rt("start_timeline").engine.start_timeline(file_path, mark_cycles)
-
-
-def stop_timeline() -> None:
-    """Finish and close the timeline file."""
-    _rt("stop_timeline").engine.stop_timeline()
-
-
-def current_settings() -> config.Settings:
-    """The settings in force: the running job's, or (before ``init()``) those the environment gives."""
-    rt = _runtime
-    return rt.settings if rt is not None else config.Settings.from_env()
-
-
-def timeline_active() -> bool:
-    """True while this rank is writing a timeline (so framework layers may add their own spans)."""
-    rt = _runtime
-    return rt is not None and rt.engine.timeline is not None
-
-
-def timeline_span(name: str, phase: str, start: float, end: float) -> None:
-    """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
-
-    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
-    no-op when no timeline is being written.  Safe from any thread.
-    """
-    rt = _runtime
-    tl = rt.engine.timeline if rt is not None else None
-    if tl is not None:
-        tl.span(name, phase, start, end)
-
-
-def is_initialized() -> bool:
-    return _runtime is not None
-
-
-def _topo_rt(what: str) -> Runtime:
-    """The runtime, for questions about the job's layout (answered in forked children too)."""
-    rt = _runtime
-    if rt is None:
-        raise NotInitializedError(f"ringcomm.{what}() needs ringcomm.init() first (or was called after shutdown())")
-    return rt
-
-
-def _rt(what: str) -> Runtime:
-    """The runtime, for anything that needs its engine: refused in a process forked after init()."""
-    rt = _topo_rt(what)
-    if rt.pid != os.getpid():
-        raise ForkedProcessError(
-            f"ringcomm.{what}() on rank {rt.topo.rank}: this process (pid {os.getpid()}) was forked from the "
-            f"rank's process (pid {rt.pid}) after init(), and the job's engine thread and sockets exist only "
-            "there. Call collectives from the process that called init(); for worker processes that need "
-            "them, start them with the 'spawn' or 'forkserver' method (multiprocessing.set_start_method, "
-            "DataLoader(multiprocessing_context='spawn')). rank(), size() and the other layout queries work "
-            "in forked children.")
-    return rt
-
-
-def _after_fork_in_child() -> None:
-    # a lock held by another thread at the moment of fork() stays held forever in the child
-    global _init_lock
-    _init_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def rank() -> int:
-    """This process's rank, 0..size()-1."""
-    return _topo_rt("rank").topo.rank
-
-
-def size() -> int:
-    """Number of processes in the job."""
-    return _topo_rt("size").topo.size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host (use it to pick a GPU)."""
-    return _topo_rt("local_rank").topo.local_rank
-
-
-def local_size() -> int:
-    return _topo_rt("local_size").topo.local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the job's hosts."""
-    return _topo_rt("cross_rank").topo.cross_rank
-
-
-def cross_size() -> int:
-    return _topo_rt("cross_size").topo.cross_size
 
 
 # ---------------------------------------------------------------------------
@@ -481,7 +169,7 @@ def allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an allreduce; ``synchronize(handle)`` returns the reduced array (``out`` if given)."""
-    rt = _rt("allreduce")
+    rt = current("allreduce")
     pset, _ = rt.resolve_set(process_set, "allreduce")
     name = rt.auto_name("allreduce", name, pset)
     what = f"allreduce {name!r}"
@@ -515,7 +203,7 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
                             outs: Sequence[np.ndarray | None] | None = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Reduce a list of arrays (one dtype) as one fused op; the result is a list (``outs`` if given)."""
-    rt = _rt("grouped_allreduce")
+    rt = current("grouped_allreduce")
     pset, _ = rt.resolve_set(process_set, "grouped_allreduce")
     name = rt.auto_name("grouped_allreduce", name, pset)
     what = f"grouped_allreduce {name!r}"
@@ -547,7 +235,7 @@ def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | N
 @_refusable(wire.ALLGATHER)
 def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
-    rt = _rt("allgather")
+    rt = current("allgather")
     pset, _ = rt.resolve_set(process_set, "allgather")
     name = rt.auto_name("allgather", name, pset)
     what = f"allgather {name!r}"
@@ -568,7 +256,7 @@ def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = globa
 
 def grouped_allgather_async(arrs: Sequence[Any], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> GroupHandle:
-    rt = _rt("grouped_allgather")
+    rt = current("grouped_allgather")
     pset, _ = rt.resolve_set(process_set, "grouped_allgather")
     name = rt.auto_name("grouped_allgather", name, pset)
     return GroupHandle(name, [allgather_async(a, f"{name}.{i}", process_set) for i, a in enumerate(arrs)])
@@ -596,7 +284,7 @@ def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int
 def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
     """Start a broadcast; ``synchronize(handle)`` returns the root's values (in ``out`` if given)."""
-    rt = _rt("broadcast")
+    rt = current("broadcast")
     pset, ranks = rt.resolve_set(process_set, "broadcast")
     name = rt.auto_name("broadcast", name, pset)
     what = f"broadcast {name!r}"
@@ -623,7 +311,7 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
 @_refusable(wire.ALLTOALL)
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
-    rt = _rt("alltoall")
+    rt = current("alltoall")
     pset, ranks = rt.resolve_set(process_set, "alltoall")
     name = rt.auto_name("alltoall", name, pset)
     what = f"alltoall {name!r}"
@@ -677,7 +365,7 @@ def alltoall(arr: Any, splits: Any = None, name: str | None = None,
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> Handle:
-    rt = _rt("reducescatter")
+    rt = current("reducescatter")
     pset, _ = rt.resolve_set(process_set, "reducescatter")
     name = rt.auto_name("reducescatter", name, pset)
     what = f"reducescatter {name!r}"
@@ -710,7 +398,7 @@ def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
 def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> GroupHandle:
-    rt = _rt("grouped_reducescatter")
+    rt = current("grouped_reducescatter")
     pset, _ = rt.resolve_set(process_set, "grouped_reducescatter")
     name = rt.auto_name("grouped_reducescatter", name, pset)
     return GroupHandle(name, [reducescatter_async(a, op, f"{name}.{i}", prescale_factor, postscale_factor, process_set)
@@ -725,7 +413,7 @@ def grouped_reducescatter(arrs: Sequence[Any], op: ReduceOp = Average, name: str
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank (of ``process_set``) has called barrier()."""
-    rt = _rt("barrier")
+    rt = current("barrier")
     pset, _ = rt.resolve_set(process_set, "barrier")
     rt.submit(wire.Request(rt.auto_name("barrier", None, pset), wire.BARRIER, pset=pset), []).wait()
 
@@ -735,7 +423,7 @@ def join() -> int:
 
     Returns the rank that joined last (the same on every rank).
     """
-    rt = _rt("join")
+    rt = current("join")
     return rt.submit(wire.Request(JOIN_NAME, wire.JOIN), []).wait()
 
 
@@ -768,7 +456,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     ``root_rank`` is a global rank that belongs to the set.
     """
-    rt = _rt("broadcast_object")
+    rt = current("broadcast_object")
     pset, ranks = rt.resolve_set(process_set, "broadcast_object")
     name = rt.auto_name("broadcast_object", name, pset)
     try:
@@ -788,7 +476,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """A list with the Python object of every rank (of ``process_set``), in rank order."""
-    rt = _rt("allgather_object")
+    rt = current("allgather_object")
     pset, _ = rt.resolve_set(process_set, "allgather_object")
     name = rt.auto_name("allgather_object", name, pset)
     try:

@@ -1,12 +1,13 @@
 """Execution: what every rank does with one response once rank 0 has ordered it.
 
-:class:`Executor` is the part of :class:`ringcomm.engine.Engine` that moves data:
-it picks the link of the op's process set, packs fused allreduces into the
-fusion buffer (or reduces a single array where it lies), runs the algorithm
-(the shared-memory allreduce on one host, else the ring; rank 0's result for a
-small allreduce), unpacks, and records the timeline phases.  It holds no
-sockets and runs only on the engine thread; the engine owns the state it
-reads (below) and negotiates, orders and completes the handles.
+An :class:`Executor` moves the data of one ordered response: it picks the link
+of the op's process set, packs fused allreduces into the fusion buffer (or
+reduces a single array where it lies), runs the algorithm (the shared-memory
+allreduce on one host, else the ring; rank 0's result for a small allreduce),
+unpacks, and measures the timeline phases.  It is built from what it needs
+(this rank's links, settings and peers), runs only on the engine thread and
+returns an :class:`Outcome`; it never reaches back into the engine, which
+negotiates, orders, keeps the process-set registry and completes the handles.
 
 What a rank sees, np = 2, one fused allreduce of ``a`` (3 floats) and ``b`` (2)::
 
@@ -19,47 +20,77 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import algorithms, hierarchical, ops, ring, shm_allreduce, wire
+from . import algorithms, hierarchical, shm_allreduce
+from .core import ops, ring, wire
 from .errors import HorovodInternalError
-from .ops import ReduceOp
+from .core.ops import ReduceOp
 from .transport import DataPlane
-from .wire import Response
+from .core.wire import Response
 
 if TYPE_CHECKING:
     from .config import Settings
     from .handles import Entry
-    from .serving_link import ServingLink
-    from .timeline import Timeline
 
 log = logging.getLogger("ringcomm.executor")
 
+#: Kinds that move data; the others (barrier, join, shutdown, set management) complete on their response.
+DATA_KINDS = (wire.ALLREDUCE, wire.ALLGATHER, wire.BROADCAST, wire.ALLTOALL, wire.REDUCESCATTER)
+
+Phase = tuple[str, float, float]
+
+
+class Outcome(NamedTuple):
+    """What executing one response gave: a result per entry, and the timeline phases it measured
+    (empty unless asked for; then the engine records one span of the whole op)."""
+
+    results: list[Any]
+    phases: list[Phase]
+
 
 class Executor:
-    """Mixin of :class:`ringcomm.engine.Engine`: turns an ordered response into data movement."""
+    """Turns an ordered response into data movement on this rank's links.
 
-    # state owned by the engine
-    rank: int
-    settings: Settings
-    timeline: Timeline | None
-    _link: Any
-    _serving: ServingLink | None
-    _links: dict[int, Any]
-    _sets: dict[int, tuple[int, ...]]
-    _fusion: np.ndarray
-    _phases: list[tuple[str, float, float]]
-    _star_spans: dict[tuple[Any, ...], tuple[float, float]]
-    _shm_ar: shm_allreduce.ShmAllreduce | None
-    _host_plans: dict[int, hierarchical.HostPlan | None]
-    size: int
-    peer_table: list[dict]
+    ``link`` is the job's data plane (or a single-process stand-in; on rank 0 it
+    keeps negotiating while it waits, see :meth:`DataPlane.serve_while_waiting`), ``shm_ar`` the shared-memory allreduce when every rank is on
+    this host, ``hosts`` each global rank's host name.
+    """
 
-    _register_set: Callable[[Response], int]
-    _unregister_set: Callable[[int], None]
+    def __init__(self, rank: int, size: int, settings: Settings, link: Any,
+                 shm_ar: shm_allreduce.ShmAllreduce | None = None, hosts: list[str] | None = None) -> None:
+        self.rank, self.size, self.settings = rank, size, settings
+        self._link = link
+        self._shm_ar = shm_ar
+        self._hosts = hosts if hosts is not None else [""] * size
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._links: dict[int, Any] = {}  # process set -> its SubLink
+        self._host_plans: dict[int, hierarchical.HostPlan | None] = {}
+        # the phases of the op being executed, and how to measure them (set by execute())
+        self._phases: list[Phase] = []
+        self._timed = False
+        self._reduced_at: float | None = None
+
+    def forget_set(self, pset: int) -> None:
+        """Drop what was cached for process set ``pset`` (it was removed)."""
+        self._links.pop(pset, None)
+        self._host_plans.pop(pset, None)
+
+    def execute(self, resp: Response, entries: list[Entry], seq: int, members: tuple[int, ...],
+                timed: bool = False, reduced_at: float | None = None) -> Outcome:
+        """Move the data of ``resp`` (a kind of :data:`DATA_KINDS`) for this rank's ``entries``.
+
+        ``members`` are the global ranks of the op's set; ``seq`` numbers its data-plane
+        messages.  ``timed``: measure the phases; ``reduced_at``: when rank 0 began the
+        reduction or gather it answered with (the start of that phase).
+        """
+        self._phases = []
+        self._timed, self._reduced_at = timed, reduced_at
+        results = self._dispatch(resp, entries, seq, members)
+        phases, self._phases = self._phases, []
+        return Outcome(results, phases)
 
     def _watch_peer(self, peer: int) -> None:
         """Raises if ``peer`` (awaited at a shared-memory barrier) or any other peer is known gone."""
@@ -75,41 +106,30 @@ class Executor:
             self._fusion = np.empty(need, dtype=np.uint8)
         return self._fusion[:need].view(dtype)
 
-    def _link_for(self, pset: int) -> Any:
+    def _link_for(self, pset: int, members: tuple[int, ...]) -> Any:
         """The link of a process set: the job's own for the global set, else a view with set ranks."""
-        base = self._serving if self._serving is not None else self._link
         if pset == 0:
-            return base
+            return self._link
         link = self._links.get(pset)
         if link is None:
-            link = self._links[pset] = algorithms.SubLink(base, self._sets[pset])
+            link = self._links[pset] = algorithms.SubLink(self._link, members)
         return link
 
-    def _host_plan(self, pset: int) -> hierarchical.HostPlan | None:
+    def _host_plan(self, pset: int, members: tuple[int, ...]) -> hierarchical.HostPlan | None:
         """This rank's hierarchical plan in process set ``pset`` (None: one host, or uneven hosts)."""
         if pset not in self._host_plans:
-            members = self._sets.get(pset) or tuple(range(self.size))
-            hosts = [str(self.peer_table[g]["host"]) if g < len(self.peer_table) else "" for g in members]
+            hosts = [self._hosts[g] if g < len(self._hosts) else "" for g in members]
             self._host_plans[pset] = hierarchical.plan(hosts, members.index(self.rank)) if self.rank in members else None
         return self._host_plans[pset]
 
-    def _dispatch(self, resp: Response, entries: list[Entry], seq: int) -> list[Any]:
+    def _dispatch(self, resp: Response, entries: list[Entry], seq: int, members: tuple[int, ...]) -> list[Any]:
         kind = resp.kind
-        if kind in (wire.BARRIER, wire.SHUTDOWN):
-            return [None] * len(entries)
-        if kind == wire.JOIN:
-            return [resp.last_joined] * len(entries)
-        if kind == wire.ADD_PSET:
-            return [self._register_set(resp)] * len(entries)
-        if kind == wire.REMOVE_PSET:
-            self._unregister_set(resp.root)
-            return [True] * len(entries)
-        link = self._link_for(resp.pset)
+        link = self._link_for(resp.pset, members)
         rank, size = link.rank, link.size
         dtype = np.dtype(resp.dtype)
         seg = self._seg_elems(dtype)
         if kind == wire.ALLREDUCE:
-            return self._allreduce(resp, entries, seq, dtype, seg, link)
+            return self._allreduce(resp, entries, seq, dtype, seg, link, members)
         (entry,) = entries
         arr = entry.arrays[0]
         if kind == wire.BROADCAST:
@@ -118,7 +138,7 @@ class Executor:
                 out = arr.copy() if self.rank == resp.root else np.empty_like(arr)
             elif self.rank == resp.root and out is not arr:
                 np.copyto(out, arr)
-            root = self._sets[resp.pset].index(resp.root)  # a global rank: its index in the set
+            root = members.index(resp.root)  # a global rank: its index in the set
             log.debug("rank %d: broadcast %s: %d B from rank %d, process set %d: %s", self.rank, resp.names,
                       out.nbytes, resp.root, resp.pset, "straight from the root" if
                       out.nbytes <= algorithms.DIRECT_BROADCAST_BYTES else "pipelined along the ring")
@@ -135,9 +155,9 @@ class Executor:
                                                f"expected {sum(counts)}")
                 log.debug("rank %d: allgather %s: %d B, process set %d: gathered at rank 0 (small)", self.rank,
                           resp.names, got.nbytes, resp.pset)
-                if self.timeline is not None:
-                    t = self._star_spans.pop((resp.pset, *resp.names), None)
-                    self._phases = [("RANK0_GATHER", t[0] if t else time.perf_counter(), time.perf_counter())]
+                if self._timed:
+                    now = time.perf_counter()
+                    self._phases = [("RANK0_GATHER", now if self._reduced_at is None else self._reduced_at, now)]
                 return [got.reshape(sum(resp.first_dims), *rest).copy()]
             out = np.empty((sum(resp.first_dims), *rest), dtype=dtype)
             flat = out.reshape(-1)
@@ -173,7 +193,7 @@ class Executor:
         raise HorovodInternalError(f"unknown collective {kind!r}")  # pragma: no cover
 
     def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int,
-                   link: Any) -> list[Any]:
+                   link: Any, members: tuple[int, ...]) -> list[Any]:
         op = ReduceOp(resp.op)
         post = ops.postscale(op, link.size, resp.postscale)
         total = sum(resp.numels)
@@ -208,7 +228,7 @@ class Executor:
                     buf[pos:pos + a.size] = a.reshape(-1)
                     pos += a.size
         t1 = time.perf_counter()
-        marks: list[float] | None = [] if self.timeline is not None else None
+        marks: list[float] | None = [] if self._timed else None
         hier = used_shm = False
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
@@ -217,7 +237,7 @@ class Executor:
                         and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
                                              watch=self._watch_peer))
             if not used_shm:
-                plan = self._host_plan(resp.pset)  # several hosts: reduce within each host first
+                plan = self._host_plan(resp.pset, members)  # several hosts: reduce within each host first
                 hier = hierarchical.choose(self.settings.hierarchical_allreduce, buf.nbytes, plan, op)
                 if hier and plan is not None:
                     hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src)
@@ -234,8 +254,7 @@ class Executor:
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
             if resp.data:
-                reduced_from = self._star_spans.pop((resp.pset, *resp.names), (t0, t2))[0]
-                phases.append(("RANK0_REDUCE", reduced_from, t2))
+                phases.append(("RANK0_REDUCE", t0 if self._reduced_at is None else self._reduced_at, t2))
             elif hier:
                 phases.append(("HIERARCHICAL_ALLREDUCE", t1, t2))
             elif marks:
@@ -257,6 +276,6 @@ class Executor:
                 pos += a.size
                 outs.append(dst)
             results.append(outs if e.grouped else outs[0])
-        if self.timeline is not None:
+        if self._timed:
             self._phases.append(("MEMCPY_OUT_FUSION_BUFFER", t2, time.perf_counter()))
         return results

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .errors import HorovodInternalError
-from .wire import Request
+from .core.wire import Request
 
 
 class Handle:

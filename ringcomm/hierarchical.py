@@ -30,8 +30,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import algorithms, ring
-from .ops import ReduceOp
+from . import algorithms
+from .core import ring
+from .core.ops import ReduceOp
 
 #: Phases of one op, each with a sequence number of its own: the engine numbers ops in steps of this.
 PHASES = 4

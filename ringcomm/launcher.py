@@ -158,9 +158,10 @@ def _say(text: str) -> None:
 def _remove_job_files(job_id: str) -> None:
     """Shared-memory rings and ipc sockets of a job whose workers died before cleaning up."""
     import glob
-    import tempfile
 
-    for pattern in (f"/dev/shm/ringcomm-{job_id}-*", os.path.join(tempfile.gettempdir(), f"ringcomm-{job_id}-*")):
+    from . import names
+
+    for pattern in names.job_globs(job_id):
         for path in glob.glob(pattern):
             try:
                 os.unlink(path)

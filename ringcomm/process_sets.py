@@ -20,16 +20,21 @@ What each rank sees (``ringcomm-run -np 4``)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-from . import wire
-from .errors import InvalidInputError, InvalidTypeError
+from .errors import InvalidInputError, InvalidTypeError, NotInitializedError
 
-if TYPE_CHECKING:
-    from .api import Runtime
+#: Where ProcessSet.rank() learns this process's global rank (the runtime installs it: see use_rank_source).
+_rank_source: Callable[[], int] | None = None
+
+
+def use_rank_source(source: Callable[[], int]) -> None:
+    """Install the function that gives this process's global rank (``ringcomm.runtime.rank``)."""
+    global _rank_source
+    _rank_source = source
 
 
 class ProcessSet:
@@ -48,12 +53,13 @@ class ProcessSet:
             raise InvalidInputError(f"ProcessSet(ranks): ranks must be >= 0, got {values!r}")
         self.ranks: list[int] | None = ints
         self.process_set_id: int | None = None
-        self._round = -1  # which init() registered it: a set from before shutdown() is not valid after
+        #: Which init() registered it: a set from before shutdown() is not valid after.
+        self.registered_round = -1
 
     def _this_rank(self) -> int:
-        from . import api
-
-        return api.rank()
+        if _rank_source is None:
+            raise NotInitializedError("ProcessSet.rank() needs ringcomm.init() first")
+        return _rank_source()
 
     def size(self) -> int | None:
         """Number of ranks in the set (None once removed)."""
@@ -94,91 +100,3 @@ def as_process_set(value: Any, what: str) -> ProcessSet:
         return ProcessSet(value)
     except InvalidTypeError as exc:
         raise InvalidTypeError(f"{what}: expected a ProcessSet or a list of ranks ({exc})") from None
-
-
-def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
-    """Register ``ps`` on every rank (a collective of the global set); sets its id."""
-    if ps.ranks is None:
-        raise InvalidInputError(f"{what}: {ps!r} was removed; create a new ProcessSet")
-    bad = [r for r in ps.ranks if r >= rt.topo.size]
-    if not ps.ranks or bad:
-        raise InvalidInputError(
-            f"{what}: ranks {ps.ranks} do not form a process set of this job of size {rt.topo.size}; "
-            f"use a non-empty list of ranks in 0..{rt.topo.size - 1}"
-        )
-    if tuple(ps.ranks) == rt.all_ranks:  # every rank: that is the global set (as in Horovod)
-        ps.process_set_id, ps._round = 0, rt.round
-        return ps
-    existing = rt.engine.find_set(tuple(ps.ranks))
-    if existing is not None and what.startswith("init"):  # the same ranks twice in init(): one set
-        ps.process_set_id, ps._round = existing, rt.round
-        return ps
-    if existing is not None:  # every rank sees the same registry here: all raise alike
-        raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
-    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, splits=tuple(ps.ranks))
-    ps.process_set_id = int(rt.submit(req, []).wait())
-    ps._round = rt.round
-    return ps
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a new process set at run time; every rank must call it, with the same ranks, in the same order.
-
-    Needs ``init(process_sets="dynamic")``.  Returns the registered set::
-
-        odd = rc.add_process_set([1, 3])   # every rank: ProcessSet(process_set_id=1, ranks=[1, 3])
-    """
-    from . import api
-
-    rt = api._rt("add_process_set")
-    if not rt.dynamic_sets:
-        raise InvalidInputError(
-            "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
-            "or pass them to init(process_sets=[...])"
-        )
-    ps = as_process_set(process_set, "add_process_set")
-    if ps.process_set_id is not None and ps._round == rt.round and rt.engine.set_ranks(ps.process_set_id):
-        raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
-    return register(rt, ps, "add_process_set")
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a set on every rank (every rank calls it, in the same order); returns True when removed.
-
-    The global set is never removed (returns False).  ``process_set`` is
-    invalidated: its id and ranks become None.  Ops of the set that were still
-    waiting for members fail.
-    """
-    from . import api
-
-    rt = api._rt("remove_process_set")
-    if not rt.dynamic_sets:
-        raise InvalidInputError("remove_process_set: needs init(process_sets='dynamic')")
-    if not isinstance(process_set, ProcessSet):
-        raise InvalidTypeError(f"remove_process_set: expected a ProcessSet, got {type(process_set).__name__}")
-    if process_set is global_process_set or process_set.process_set_id == 0:
-        return False
-    pid = process_set.process_set_id
-    if pid is None or process_set._round != rt.round or rt.engine.set_ranks(pid) is None:
-        raise InvalidInputError(f"remove_process_set: {process_set!r} is not a registered process set")
-    req = wire.Request(rt.auto_name(wire.REMOVE_PSET, None), wire.REMOVE_PSET, root=pid)
-    rt.submit(req, []).wait()
-    process_set.invalidate()
-    return True
-
-
-def resolve_process_set(process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
-    """``(set id, global ranks)`` of a registered set that includes this rank; raises otherwise.
-
-    For layers above the core (ringcomm_torch) that check ``process_set=`` before staging data.
-    """
-    from . import api
-
-    return api._rt(what).resolve_set(process_set, what)
-
-
-def process_set_ids() -> list[int]:
-    """Ids of the registered process sets (0 is the global set)."""
-    from . import api
-
-    return api._rt("process_set_ids").engine.set_ids()

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import re
 import select
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
+from . import names
 import threading
 import time
 from collections.abc import Sequence
@@ -94,14 +93,13 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
     shared-memory allreduce region ``ringcomm-JOB-ROUND-allreduce``.
     """
     removed = []
-    own = re.compile(rf"ringcomm-{re.escape(job_id)}-(\d+)-")
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"ringcomm-{job_id}-*")):
-        m = own.match(os.path.basename(path))
-        if m and not _pid_alive(int(m.group(1))):
+    shm_glob, tmp_glob = names.job_globs(job_id)
+    for path in glob.glob(tmp_glob):
+        owner = names.ipc_owner(job_id, os.path.basename(path))
+        if owner is not None and not _pid_alive(owner):
             removed.append(path)
     # rank 0 also creates the job-wide allreduce region ``ringcomm-JOB-ROUND-allreduce`` (shm_allreduce.py)
-    ring = re.compile(rf"ringcomm-{re.escape(job_id)}-\d+-({rank}-\d+{'|allreduce' if rank == 0 else ''})")
-    removed += [p for p in glob.glob(f"/dev/shm/ringcomm-{job_id}-*") if ring.fullmatch(os.path.basename(p))]
+    removed += [p for p in glob.glob(shm_glob) if names.is_rank_shm(job_id, os.path.basename(p), rank)]
     for path in removed:
         try:
             os.unlink(path)

@@ -29,15 +29,10 @@ import stat
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
-
+from . import names
 
 def available() -> bool:
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def ring_path(job_id: str, round_: int, src: int, dst: int) -> str:
-    return os.path.join(SHM_DIR, f"ringcomm-{job_id}-{round_}-{src}-{dst}")
+    return os.path.isdir(names.SHM_DIR) and os.access(names.SHM_DIR, os.W_OK)
 
 
 def unlink(path: str) -> None:

@@ -50,15 +50,15 @@ ranks agree to use the ring), never a SIGBUS later.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from . import ring, shm, shm_barrier
+from . import names, shm, shm_barrier
+from .core import ring
 from .algorithms import Link
-from .ops import ReduceOp, combine, reduce_into, scale_inplace
+from .core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
 log = logging.getLogger("ringcomm.shm_allreduce")
 
@@ -109,7 +109,7 @@ def slab_offset(set_: int, slab: int, size: int, slab_bytes: int) -> int:
 
 
 def region_path(job_id: str, round_: int) -> str:
-    return os.path.join(shm.SHM_DIR, f"ringcomm-{job_id}-{round_}-allreduce")
+    return names.shm_allreduce_region(job_id, round_)
 
 
 # -- the shared region -----------------------------------------------------------

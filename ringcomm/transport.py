@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import sys
-import tempfile
 import time
+from collections.abc import Callable
 from typing import cast
 
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import shm, wire
+from . import names, shm
+from .core import wire
 from .auth import Credentials
 from .errors import PeerLostError, ProtocolError
 
@@ -84,6 +83,8 @@ class DataPlane:
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
+        self._serving: tuple[zmq.Socket, Callable[[], None]] | None = None  # see serve_while_waiting()
+        self._serve_pollers: dict[int, zmq.Poller] = {}
         self._out_rings: dict[int, shm.SlotRing] = {}
         self._free: dict[int, collections.deque[int]] = {}
         self._in_rings: dict[int, shm.SlotRing] = {}
@@ -277,7 +278,7 @@ class DataPlane:
             for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
                 sock.bind(ep)
                 eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-                path = ipc_file(ep)
+                path = names.ipc_file(ep)
                 if path is not None:
                     self.ipc_paths.append(path)
             table[peer] = eps
@@ -303,7 +304,7 @@ class DataPlane:
         ring = self._out_rings.get(dst)
         if ring is None and dst in self._shm_peers:
             self._shm_peers.discard(dst)
-            path = shm.ring_path(self._job, self._round, self.rank, dst)
+            path = names.shm_ring(self._job, self._round, self.rank, dst)
             try:
                 ring = self._out_rings[dst] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
                 self._free[dst] = collections.deque(range(self._slots))
@@ -329,11 +330,11 @@ class DataPlane:
             ring.close()
         # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
         # remove it: this rank does (the name is unique to the pair, the round and the job).
-        remove_files([shm.ring_path(self._job, self._round, src, self.rank) for src in self._shm_sources])
+        names.remove_files([names.shm_ring(self._job, self._round, src, self.rank) for src in self._shm_sources])
         self._shm_sources.clear()
         self._out_rings.clear()
         self._in_rings.clear()
-        remove_files(self.ipc_paths)
+        names.remove_files(self.ipc_paths)
         self.ipc_paths.clear()
 
     # -- Link ----------------------------------------------------------------
@@ -485,7 +486,7 @@ class DataPlane:
         """The ring ``src`` writes to this rank, mapped (and its name unlinked) on first use."""
         ring = self._in_rings.get(src)
         if ring is None:
-            path = shm.ring_path(self._job, self._round, src, self.rank)
+            path = names.shm_ring(self._job, self._round, src, self.rank)
             try:
                 ring = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
             except (OSError, ValueError) as exc:
@@ -507,11 +508,46 @@ class DataPlane:
             self._op[src] = seq
             self._taken[src] = set()
 
+    def serve_while_waiting(self, sock: zmq.Socket, serve: Callable[[], None]) -> None:
+        """While a receive waits for a peer's data, also watch ``sock`` and call ``serve`` when it is readable.
+
+        Rank 0 hands its control socket and its negotiation step here: the ops of
+        process sets without rank 0 are then answered while rank 0 waits inside a
+        transfer of its own, instead of after it.
+        """
+        self._serving = (sock, serve)
+        self._serve_pollers.clear()
+
+    def _serve_until_data(self, src: int) -> None:
+        """Run the serving hook until ``src`` sends something (or a slice passes: the receive's own wait,
+        with its peer checks and timeout, takes over then)."""
+        if self._serving is None:
+            return
+        ctrl, serve = self._serving
+        poller = self._serve_pollers.get(src)
+        if poller is None:
+            poller = self._serve_pollers[src] = zmq.Poller()
+            poller.register(self._socks[src], zmq.POLLIN)
+            poller.register(ctrl, zmq.POLLIN)
+        data = self._socks[src]
+        deadline = time.monotonic() + 1.0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if ctrl in events:
+                serve()
+            if data in events or not events:
+                return
+
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
         self._enter(src, seq)
         key = (seq, tag)
         stash = self._stash[src]
+        if key not in stash:
+            self._serve_until_data(src)
         while key not in stash:
             self._pump(src, block=True)
         return self._open(src, key, stash.pop(key))
@@ -524,6 +560,7 @@ class DataPlane:
         for key in stash:
             if key[0] == seq:
                 return key[1], self._open(src, key, stash.pop(key))
+        self._serve_until_data(src)
         while True:
             got = self._pump(src, block=True)
             if got is not None and got[0] == seq:
@@ -554,35 +591,6 @@ class DataPlane:
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
 
-
-
-#: Linux has an abstract socket namespace: ipc endpoints there are names, not files, so a
-#: process killed by SIGKILL leaves nothing behind.  Elsewhere they are files in the temp dir.
-ABSTRACT_IPC = sys.platform.startswith("linux")
-
-
-def ipc_base(job_id: str, pid: int, round_: int) -> str:
-    """The prefix of this process's ipc endpoints (job id, pid and round make it unique on the host)."""
-    name = f"ringcomm-{job_id}-{pid}-{round_}"
-    if ABSTRACT_IPC:
-        return f"ipc://@{name}"
-    return f"ipc://{tempfile.gettempdir()}/{name}"
-
-
-def ipc_file(endpoint: str) -> str | None:
-    """The socket file behind an ipc endpoint, which its owner must remove; None if there is none."""
-    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-        return None
-    return endpoint[len("ipc://"):]
-
-
-def remove_files(paths: list[str]) -> None:
-    """Unlink files, ignoring ones already gone."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _process_alive(pid: int) -> bool:

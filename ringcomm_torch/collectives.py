@@ -25,7 +25,7 @@ import torch
 
 import ringcomm as _rc
 from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
-from ringcomm.ops import ReduceOp
+from ringcomm.core.ops import ReduceOp
 
 from .basics import check_process_set, global_process_set, rank, size
 from .handles import Handle, completed, poll, synchronize
@@ -41,7 +41,7 @@ __all__ = [
     "barrier", "join", "poll", "synchronize",
 ]
 
-from ringcomm.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: E402  (re-exported)
+from ringcomm.core.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: E402  (re-exported)
 
 
 def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Any:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ringcomm.ops import Sum
+from ringcomm.core.ops import Sum
 
 from .basics import global_process_set, set_size
 from .collectives import allgather_async, allreduce_async

@@ -1,7 +1,7 @@
 """Torch tensors <-> the NumPy arrays the ringcomm core reads and writes.
 
 The core moves C-contiguous NumPy arrays of a fixed set of dtypes
-(``ringcomm.ops.SUPPORTED_DTYPES``).  This module turns any tensor into such
+(``ringcomm.core.ops.SUPPORTED_DTYPES``).  This module turns any tensor into such
 an array (:func:`stage`) and puts results back (:meth:`Staged.write_back`,
 :func:`to_tensor`):
 
@@ -37,7 +37,7 @@ import torch
 
 from ringcomm import api as _core_api
 from ringcomm.errors import InvalidTypeError
-from ringcomm.ops import SUPPORTED_DTYPES
+from ringcomm.core.ops import SUPPORTED_DTYPES
 
 __all__ = ["Staged", "stage", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype"]
 

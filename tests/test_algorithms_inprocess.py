@@ -18,8 +18,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import algorithms, ring
-from ringcomm.ops import ReduceOp
+from ringcomm import algorithms
+from ringcomm.core import ring
+from ringcomm.core.ops import ReduceOp
 from ringcomm.auth import Credentials, ZapThread
 from ringcomm.transport import DataPlane
 
@@ -284,7 +285,7 @@ def test_malformed_data_messages_are_dropped_and_real_ones_still_arrive(zmq_link
     """Findings of the fuzzing: a bad slot number read outside the ring, a stray ack freed a slot in use,
     a short header raised struct.error in the engine thread, a repeated or stale message stayed in the
     stash for ever.  Each is now dropped and counted."""
-    from ringcomm import wire
+    from ringcomm.core import wire
 
     links = zmq_links(2, shm_slots=2)  # rank 1 counts rank 0 as same-host: it would map rank 0's ring
     raw = links[0]._socks[1]
@@ -330,10 +331,11 @@ def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
     is dropped like any malformed message; the file is not mapped."""
     import os
 
-    from ringcomm import shm, wire
+    from ringcomm import names
+    from ringcomm.core import wire
 
     links = zmq_links(2, shm_slots=2)
-    path = shm.ring_path(links[1]._job, links[1]._round, 0, 1)
+    path = names.shm_ring(links[1]._job, links[1]._round, 0, 1)
     with open(path, "wb") as f:
         f.write(b"\0" * 10)
     try:

@@ -116,7 +116,7 @@ def test_bad_input_raises_a_clear_error_and_the_job_keeps_working(job, call, exc
 
 def test_duplicate_in_flight_name(job, monkeypatch) -> None:
     # hold the engine so the first op stays in flight
-    engine = rc.api._runtime.engine
+    engine = rc.runtime.active().engine
     real = engine.submit
     held = []
     monkeypatch.setattr(engine, "submit", lambda e: held.append(e) or e.handle)
@@ -294,7 +294,7 @@ def test_process_set_arguments_are_validated(monkeypatch) -> None:
         rc.init()
         try:
             stale = rc.ProcessSet([0])
-            stale.process_set_id, stale._round = 1, -5
+            stale.process_set_id, stale.registered_round = 1, -5
             rc.barrier(process_set=stale)
         finally:
             rc.shutdown()
@@ -314,3 +314,22 @@ def test_a_second_init_with_process_sets_is_refused_not_ignored(monkeypatch) -> 
     finally:
         rc.shutdown()
 
+
+
+def test_init_takes_a_settings_object(monkeypatch) -> None:
+    import dataclasses
+
+    for key in list(__import__("os").environ):
+        if key.startswith("RINGCOMM_") or key in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    mine = dataclasses.replace(rc.Settings.from_env(), fusion_threshold=0, cache_capacity=3)
+    rc.init(settings=mine)
+    try:
+        assert rc.runtime.current_settings() is mine
+        assert rc.allreduce(np.ones(3), op=rc.Sum).tolist() == [1.0, 1.0, 1.0]
+    finally:
+        rc.shutdown()
+    assert rc.runtime.current_settings() == rc.Settings.from_env()  # after shutdown: the environment's again
+    with pytest.raises(rc.InvalidTypeError, match="expected a ringcomm.Settings"):
+        rc.init(settings={"fusion_threshold": 0})
+    assert not rc.is_initialized()

@@ -234,7 +234,7 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
     import zmq
 
     from conftest import job_env
-    from ringcomm import wire
+    from ringcomm.core import wire
 
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
            str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "1500"]

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcomm import hierarchical
-from ringcomm.ops import ReduceOp
+from ringcomm.core.ops import ReduceOp
 from test_algorithms_inprocess import queue_links, run_ranks
 
 

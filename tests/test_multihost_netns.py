@@ -145,9 +145,8 @@ def test_a_failing_remote_rank_stops_every_rank_on_both_hosts(hosts: TwoHosts) -
 SLEEPER = """
 import time
 import ringcomm as rc
-from ringcomm import api
 rc.init()
-print("ready", rc.rank(), api._runtime.topo.addr, flush=True)
+print("ready", rc.rank(), rc.runtime.active().topo.addr, flush=True)
 time.sleep(60)
 """
 

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import ProtocolError, wire
-from ringcomm.wire import Request, Response
+from ringcomm import ProtocolError
+from ringcomm.core import wire
+from ringcomm.core.wire import Request, Response
 
 SECRET = b"k" * 32
 
@@ -88,7 +89,7 @@ def test_one_field_of_the_wrong_type_or_range_is_a_protocol_error(which: str, da
 
 def test_the_decoders_tables_match_the_ops_module() -> None:
     """wire.py keeps its own copy of the op and dtype names (it imports no NumPy): they must agree."""
-    from ringcomm import ops
+    from ringcomm.core import ops
 
     assert wire._OPS == {int(op) for op in ops.ReduceOp if op is not ops.ReduceOp.ADASUM}
     assert wire._DTYPES == set(ops.SUPPORTED_DTYPES) | {""}
@@ -108,7 +109,7 @@ def test_valid_messages_still_decode() -> None:
 
 def test_every_response_the_coordinator_makes_passes_the_strict_decoder() -> None:
     """The strict decoder must accept all the coordinator emits: fused, error, stall, join, alltoall."""
-    from ringcomm.coordinator import Coordinator
+    from ringcomm.core.coordinator import Coordinator
 
     coord = Coordinator(2, 1 << 20, small_bytes=1024)
     reqs = [
@@ -128,8 +129,72 @@ def test_every_response_the_coordinator_makes_passes_the_strict_decoder() -> Non
     coord.submit(1, Request("j", wire.JOIN))
     resps = coord.take_responses()
     assert {r.error_kind for r in resps} == {"", "mismatch", "stall"}
-    frame = wire.pack_control(SECRET, ["resp", [list(r) for r in resps]])
+    (frame,) = wire.encode_responses(SECRET, resps)
     assert wire.parse_response_batch(wire.unpack_control(SECRET, frame)) == resps
+
+
+requests = st.builds(
+    Request, name=st.text(max_size=6), kind=st.sampled_from(wire.KINDS),
+    dtype=st.sampled_from(sorted(wire._DTYPES)), shapes=st.lists(st.lists(st.integers(0, 2**40), max_size=3)
+                                                                 .map(tuple), max_size=3).map(tuple),
+    op=st.sampled_from(sorted(wire._OPS)), root=st.integers(-1, 64), prescale=st.floats(allow_nan=False),
+    postscale=st.floats(allow_nan=False),
+    splits=st.none() | st.lists(st.integers(0, 99), max_size=4).map(tuple), pset=st.integers(0, 9),
+    refused=st.text(max_size=4), set_ranks=st.lists(st.integers(0, 64), max_size=4).map(tuple),
+    set_id=st.integers(-1, 9),
+)
+items = st.lists(st.tuples(requests | st.integers(0, 2**40), st.integers(0, 9), st.none() | st.binary(max_size=16)),
+                 max_size=8)
+
+
+@settings(max_examples=200)
+@given(items, st.integers(1, 7))
+def test_encoded_request_batches_decode_to_what_was_sent(sent, rank: int) -> None:
+    """Both halves of the codec agree: a rank's announcements come back item by item, in order."""
+    got = []
+    for frame in wire.encode_requests(SECRET, rank, sent):
+        src, part = wire.parse_request_batch(wire.unpack_control(SECRET, frame), 8)
+        assert src == rank
+        got += part
+    want = [(it if isinstance(it, Request) else (pset, it), data) for it, pset, data in sent]
+    assert got == want
+
+
+def test_request_batches_split_before_the_payload_bound(monkeypatch) -> None:
+    monkeypatch.setattr(wire, "CONTROL_DATA_BYTES", 10)
+    sent = [(Request(f"n{i}", wire.ALLREDUCE), 0, b"x" * 4) for i in range(5)] + [(3, 0, None)]
+    frames = wire.encode_requests(SECRET, 1, sent)
+    sizes = [len(wire.parse_request_batch(wire.unpack_control(SECRET, f), 2)[1]) for f in frames]
+    assert sizes == [2, 2, 2]  # two payloads of 4 fit in 10; the cache id carries no data
+
+
+@settings(max_examples=200)
+@given(st.lists(st.binary(max_size=12), max_size=12))
+def test_response_batches_keep_the_data_of_a_frame_within_the_bound(monkeypatch_data) -> None:
+    bound = 16
+    resps = [Response(wire.ALLREDUCE, (f"n{i}",), data=d) for i, d in enumerate(monkeypatch_data)]
+    old, wire.CONTROL_DATA_BYTES = wire.CONTROL_DATA_BYTES, bound
+    try:
+        batches = wire.response_batches(resps)
+    finally:
+        wire.CONTROL_DATA_BYTES = old
+    assert [r for b in batches for r in b] == resps  # same order, nothing lost
+    for b in batches:
+        assert len(b) == 1 or sum(len(r.data) for r in b) <= bound
+
+
+def test_set_management_messages_carry_their_own_fields() -> None:
+    add = Request("a", wire.ADD_PSET, set_ranks=(0, 2))
+    rm = Request("r", wire.REMOVE_PSET, set_id=3)
+    assert wire.request_from_wire(list(add)).set_ranks == (0, 2)
+    assert wire.request_from_wire(list(rm)).set_id == 3
+    resp = Response(wire.ADD_PSET, ("a",), set_id=1, set_ranks=(0, 2))
+    assert wire.response_from_wire(list(resp)) == resp
+    for bad in (-2, "1", 2**63):
+        with pytest.raises(ProtocolError):
+            wire.request_from_wire(list(rm._replace(set_id=bad)))
+    with pytest.raises(ProtocolError):
+        wire.response_from_wire(list(resp._replace(set_ranks=(0, -1))))
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_algorithms_inprocess import queue_links, run_ranks
 
-from ringcomm import algorithms, wire
-from ringcomm.controller import Controller
-from ringcomm.ops import ReduceOp
-from ringcomm.wire import Request, Response
+from ringcomm import algorithms
+from ringcomm.core import wire
+from ringcomm.core.controller import Controller
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.wire import Request, Response
 
 
 def ar(name: str, pset: int = 0, shape=(4,), dtype="float32") -> Request:
@@ -25,7 +26,7 @@ def ar(name: str, pset: int = 0, shape=(4,), dtype="float32") -> Request:
 def add(ctl: Controller, ranks: tuple[int, ...], name: str = "add") -> Response:
     """Every rank asks to add ``ranks``; returns the (single) ADD response."""
     for r in range(ctl.size):
-        ctl.submit(r, Request(name, wire.ADD_PSET, splits=ranks))
+        ctl.submit(r, Request(name, wire.ADD_PSET, set_ranks=ranks))
     (resp, members), = ctl.take_responses()
     assert members == tuple(range(ctl.size))
     return resp
@@ -33,8 +34,8 @@ def add(ctl: Controller, ranks: tuple[int, ...], name: str = "add") -> Response:
 
 def test_adding_sets_numbers_them_in_order_and_rejects_bad_ranks() -> None:
     ctl = Controller(4, 10**9)
-    assert add(ctl, (0, 2), "a1").root == 1
-    assert add(ctl, (1, 3), "a2").root == 2
+    assert add(ctl, (0, 2), "a1").set_id == 1
+    assert add(ctl, (1, 3), "a2").set_id == 2
     assert ctl.members(1) == (0, 2) and ctl.members(2) == (1, 3)
     dup = add(ctl, (0, 2), "a3")
     assert "already exists (id 1)" in dup.error
@@ -42,14 +43,14 @@ def test_adding_sets_numbers_them_in_order_and_rejects_bad_ranks() -> None:
     assert "out of range" in add(ctl, (2, 4), "a5").error
     assert "sorted and distinct" in add(ctl, (2, 1), "a6").error
     # the failed adds consumed no id
-    assert add(ctl, (3,), "a7").root == 3
+    assert add(ctl, (3,), "a7").set_id == 3
 
 
 def test_ranks_must_agree_on_the_set_to_add() -> None:
     ctl = Controller(3, 10**9)
-    ctl.submit(0, Request("a", wire.ADD_PSET, splits=(0, 1)))
-    ctl.submit(1, Request("a", wire.ADD_PSET, splits=(0, 1)))
-    ctl.submit(2, Request("a", wire.ADD_PSET, splits=(0, 2)))
+    ctl.submit(0, Request("a", wire.ADD_PSET, set_ranks=(0, 1)))
+    ctl.submit(1, Request("a", wire.ADD_PSET, set_ranks=(0, 1)))
+    ctl.submit(2, Request("a", wire.ADD_PSET, set_ranks=(0, 2)))
     (resp, _), = ctl.take_responses()
     assert "disagree on the ranks" in resp.error and "rank 2 has [0, 2]" in resp.error
     assert list(ctl.sets) == [0]
@@ -95,7 +96,7 @@ def test_overlapping_sets_each_op_reaches_exactly_its_members_once(sets: list[se
         if resp.error:  # the same ranks twice, or every rank: use the set registered first
             assert "already exists" in resp.error
             continue
-        ids[resp.root] = ranks
+        ids[resp.set_id] = ranks
     ids[0] = tuple(range(5))
     events = [(r, f"op{j}", pset) for pset, ranks in ids.items() for r in ranks for j in range(2)]
     rnd.shuffle(events)
@@ -194,7 +195,7 @@ def test_removing_a_set_runs_agreed_ops_fails_waiting_ones_and_forgets_the_set()
     ctl.submit(2, ar("done", 1))
     ctl.submit(1, ar("waiting", 1))
     for r in range(3):
-        ctl.submit(r, Request("rm", wire.REMOVE_PSET, root=1))
+        ctl.submit(r, Request("rm", wire.REMOVE_PSET, set_id=1))
     out = ctl.take_responses()
     kinds = [(resp.names, resp.kind, bool(resp.error), members) for resp, members in out]
     assert kinds == [
@@ -208,7 +209,7 @@ def test_removing_a_set_runs_agreed_ops_fails_waiting_ones_and_forgets_the_set()
     ((late, to),) = ctl.take_responses()
     assert to == (2,) and "process set 1 was removed" in late.error
     for r in range(3):
-        ctl.submit(r, Request("rm0", wire.REMOVE_PSET, root=0))
+        ctl.submit(r, Request("rm0", wire.REMOVE_PSET, set_id=0))
     ((resp, _),) = ctl.take_responses()
     assert "cannot be removed" in resp.error
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm import ring
-from ringcomm.fusion import FusionItem, element_offsets, plan_fusion
+from ringcomm.core import ring
+from ringcomm.core.fusion import FusionItem, element_offsets, plan_fusion
 
 
 @given(st.integers(0, 10_000), st.integers(1, 16))

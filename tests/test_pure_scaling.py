@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm import wire
+from ringcomm.core import wire
 from ringcomm.bench import coordination
 from ringcomm.config import SMALL_ALLREDUCE_RANK0_BYTES, Settings
-from ringcomm.controller import Controller
-from ringcomm.wire import Request
+from ringcomm.core.controller import Controller
+from ringcomm.core.wire import Request
 
 
 @given(st.integers(min_value=1, max_value=100_000))

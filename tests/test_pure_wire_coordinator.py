@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import wire
-from ringcomm.cache import ResponseCache
-from ringcomm.coordinator import JOIN_NAME, Coordinator
-from ringcomm.ops import ReduceOp
-from ringcomm.wire import Request
+from ringcomm.core import wire
+from ringcomm.core.cache import ResponseCache
+from ringcomm.core.coordinator import JOIN_NAME, Coordinator
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.wire import Request
 
 SECRET = b"s" * 32
 shapes = st.lists(st.lists(st.integers(0, 5), max_size=3).map(tuple), min_size=1, max_size=3).map(tuple)
@@ -26,12 +26,15 @@ requests = st.builds(
     postscale=st.floats(allow_nan=False, allow_infinity=False),
     splits=st.none() | st.lists(st.integers(0, 9), max_size=4).map(tuple),
     pset=st.integers(0, 2**20),
+    refused=st.text(max_size=8),
+    set_ranks=st.lists(st.integers(0, 9), max_size=4).map(tuple),
+    set_id=st.integers(-1, 2**20),
 )
 
 
 @given(requests)
 def test_request_round_trips_through_the_control_envelope(req: Request) -> None:
-    frame = wire.pack_control(SECRET, ["req", 3, [list(req)]])
+    (frame,) = wire.encode_requests(SECRET, 3, [(req, req.pset, None)])
     kind, rank, items = wire.unpack_control(SECRET, frame)
     assert (kind, rank) == ("req", 3)
     assert wire.request_from_wire(items[0]) == req
@@ -39,7 +42,8 @@ def test_request_round_trips_through_the_control_envelope(req: Request) -> None:
 
 def test_response_round_trip() -> None:
     resp = wire.Response(wire.ALLTOALL, ("x",), dtype="int8", splits=((1, 2), (3, 4)), first_dims=(1, 2))
-    (_, items) = wire.unpack_control(SECRET, wire.pack_control(SECRET, ["resp", [list(resp)]]))
+    (frame,) = wire.encode_responses(SECRET, [resp])
+    (_, items) = wire.unpack_control(SECRET, frame)
     assert wire.response_from_wire(items[0]) == resp
 
 

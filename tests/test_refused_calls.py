@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import WORKERS, launch
-from ringcomm import wire
-from ringcomm.coordinator import Coordinator
+from ringcomm.core import wire
+from ringcomm.core.coordinator import Coordinator
 
 
 def test_a_refusal_fails_the_op_on_every_rank_with_its_reason() -> None:

@@ -28,7 +28,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import WORKERS, job_env, launch, remove_files_of
-from ringcomm import auth, shm, wire
+from ringcomm import auth, names, shm
+from ringcomm.core import wire
 from ringcomm.config import Settings
 from ringcomm.errors import InvalidInputError
 from ringcomm.rendezvous import RendezvousServer
@@ -289,7 +290,7 @@ def test_shared_memory_segments_are_private_to_the_user(tmp_path) -> None:
     """Ranks on one host share slots through /dev/shm files only their user can open, whatever the umask."""
     if not shm.available():
         pytest.skip("no writable /dev/shm")
-    path = shm.ring_path(f"test{os.getpid()}", 0, 0, 1)
+    path = names.shm_ring(f"test{os.getpid()}", 0, 0, 1)
     old = os.umask(0)
     try:
         ring = shm.SlotRing(path, 2, 4096, create=True)

@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import WORKERS, launch
-from ringcomm import shm, shm_allreduce, shm_barrier
+from ringcomm import names, shm, shm_allreduce, shm_barrier
 from ringcomm.config import Settings
 from ringcomm.errors import InvalidInputError
-from ringcomm.ops import ReduceOp, reduce_into, scale_inplace
+from ringcomm.core.ops import ReduceOp, reduce_into, scale_inplace
 from ringcomm.shm_allreduce import ShmAllreduce
 from test_algorithms_inprocess import queue_links, run_ranks
 
@@ -114,7 +114,7 @@ def new_job() -> str:
 
 
 def leftovers(job: str) -> list[str]:
-    return glob.glob(os.path.join(shm.SHM_DIR, f"ringcomm-{job}-*"))
+    return glob.glob(names.job_globs(job)[0])
 
 
 @needs_shm

@@ -204,9 +204,10 @@ def test_timeline_records_ops(tmp_path):
 def test_bucket_bytes_zero_gives_one_op_per_parameter_named_as_horovod_does(tmp_path, monkeypatch):
     import dataclasses
 
-    from ringcomm import api
+    from ringcomm import runtime
 
-    monkeypatch.setattr(api._runtime, "settings", dataclasses.replace(api._runtime.settings, bucket_bytes=0))
+    rt = runtime.active()
+    monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, bucket_bytes=0))
     path = tmp_path / "tl.json"
     hvd.start_timeline(str(path))
     model = _model()

@@ -17,11 +17,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import wire
-from ..cache import ResponseCache
+from ..core import wire
+from ..core.cache import ResponseCache
 from ..config import Settings
-from ..controller import Controller
-from ..wire import Request
+from ..core.controller import Controller
+from ..core.wire import Request
 
 
 def _step(ctrl: Controller, cache: ResponseCache, size: int, reqs: list[Request], ids: list[int] | None) -> int:

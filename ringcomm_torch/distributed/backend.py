@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm as rc
-from ringcomm import ops as _ops
+from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
 from ..tensors import Staged, stage

@@ -16,7 +16,7 @@ import ringcomm as rc
 
 logging.basicConfig(format="%(name)s %(levelname)s %(message)s")  # RINGCOMM_LOG_LEVEL=DEBUG shows refusals
 rc.init()
-engine = rc.api._runtime.engine
+engine = rc.runtime.active().engine
 table = engine.peer_table[rc.rank()]
 tcp = [eps[1] for eps in table["data"] if eps] + [table["ctrl"][1]] if rc.rank() == 0 else \
       [eps[1] for eps in table["data"] if eps]

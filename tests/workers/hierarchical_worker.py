@@ -66,9 +66,9 @@ if spread is not None and R in (0, 2):
     got = rc.allreduce(x[R], op=rc.Sum, name="in.spread", process_set=spread)
     np.testing.assert_allclose(got, x[0] + x[2])
 
-import ringcomm.api as api  # noqa: E402  (the test reads the data plane's counters)
+import ringcomm.runtime as runtime  # noqa: E402  (the test reads the data plane's counters)
 
-count = api._rt("stats").engine._link.stats.get("hierarchical_allreduce", 0)
+count = runtime.current("stats").engine._link.stats.get("hierarchical_allreduce", 0)
 rc.barrier()
 print(f"HIER OK {R} {count}", flush=True)
 rc.shutdown()

@@ -13,11 +13,11 @@ import numpy as np
 import zmq
 
 import ringcomm as rc
-from ringcomm import wire
+from ringcomm.core import wire
 
 rc.init()
 r, n = rc.rank(), rc.size()
-secret = rc.api._runtime.engine.topo.secret
+secret = rc.runtime.active().engine.topo.secret
 if r == 1:
     deep: list = ["leaf"]
     for _ in range(1000):
@@ -26,7 +26,7 @@ if r == 1:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, b"intruder")
-    sock.connect(rc.api._runtime.engine.peer_table[0]["ctrl"][1])
+    sock.connect(rc.runtime.active().engine.peer_table[0]["ctrl"][1])
     for msg in (
         ["req", 1, [["x", "allreduce", "float32", deep]]],
         ["req", 1, deep],

@@ -15,7 +15,7 @@ import zmq
 
 import ringcomm as rc
 from collectives_worker import run_case
-from ringcomm import api
+from ringcomm import runtime
 
 CASES = [
     {"kind": "allreduce", "op": "sum", "dtype": "float32", "shape": [7], "seed": 1},
@@ -32,7 +32,7 @@ rc.init()
 for i, case in enumerate(CASES):
     run_case(i, case)
     print(f"CASE {i} OK", flush=True)
-rt = api._runtime
+rt = runtime.active()
 topo = rt.topo
 print("PLACE " + json.dumps({
     "rank": topo.rank, "size": topo.size, "local_rank": topo.local_rank, "local_size": topo.local_size,

@@ -22,8 +22,8 @@ import sys
 import numpy as np
 
 import ringcomm as rc
-from ringcomm import api
-from ringcomm.ops import ReduceOp, reduce_into, scale_inplace
+from ringcomm import runtime
+from ringcomm.core.ops import ReduceOp, reduce_into, scale_inplace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives_worker import OPS, close, data  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> None:
     expect_ring = "--expect-ring" in sys.argv[2:]
     rc.init()
     r, n = rc.rank(), rc.size()
-    engine = api._runtime.engine  # type: ignore[union-attr]
+    engine = runtime.active().engine  # type: ignore[union-attr]
     if expect_ring:
         assert engine._shm_ar is None, "shared-memory allreduce is on although it was disabled"
     else:

@@ -38,7 +38,7 @@ class Stall(NamedTuple):
     waited: float
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize_of(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype else 1
 
 
@@ -73,11 +73,11 @@ _MUST_AGREE = {
     wire.BARRIER: (),
     wire.JOIN: (),
     wire.SHUTDOWN: (),
-    wire.ADD_PSET: ("splits",),
-    wire.REMOVE_PSET: ("root",),
+    wire.ADD_PSET: ("set_ranks",),
+    wire.REMOVE_PSET: ("set_id",),
 }
 
-_KIND_FIELD_LABEL = {(wire.ADD_PSET, "splits"): "the ranks", (wire.REMOVE_PSET, "root"): "the process set id"}
+_KIND_FIELD_LABEL = {(wire.ADD_PSET, "set_ranks"): "the ranks", (wire.REMOVE_PSET, "set_id"): "the process set id"}
 
 
 def set_label(pset: int, ranks: tuple[int, ...]) -> str:
@@ -114,7 +114,7 @@ def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str
             values = {r: (v[0] if len(v) == 1 else list(v)) for r, v in values.items()}
         if field == "op":
             values = {r: _op_name(v) for r, v in values.items()}
-        if field == "splits":
+        if field in ("splits", "set_ranks"):
             values = {r: list(v or ()) for r, v in values.items()}
         if len({repr(v) for v in values.values()}) > 1:
             label = _KIND_FIELD_LABEL.get((kind, field), _FIELD_LABEL.get(field, field))
@@ -154,7 +154,7 @@ class Coordinator:
     ``first_dims``/``splits`` in responses are in the order of ``ranks``.
     """
 
-    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = _itemsize,
+    def __init__(self, size: int, fusion_threshold: int, itemsize: Callable[[str], int] = itemsize_of,
                  small_bytes: int = 0, ranks: tuple[int, ...] | None = None, pset: int = 0) -> None:
         self.size = size
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
@@ -292,7 +292,9 @@ class Coordinator:
             splits = tuple(tuple(reqs[r].splits or ()) for r in self.ranks)
             return Response(kind, (name,), dtype=q.dtype, splits=splits, pset=self.pset)
         if kind == wire.ADD_PSET:
-            return Response(kind, (name,), splits=(tuple(q.splits or ()),), pset=self.pset)
+            return Response(kind, (name,), set_ranks=q.set_ranks, pset=self.pset)
+        if kind == wire.REMOVE_PSET:
+            return Response(kind, (name,), set_id=q.set_id, pset=self.pset)
         return Response(
             kind, (name,), dtype=q.dtype, op=q.op, root=q.root, prescale=q.prescale,
             postscale=q.postscale, numels=(q.numel(),), joined=joined, pset=self.pset,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from . import wire
-from .coordinator import Coordinator, Stall, _itemsize, set_label
+from .coordinator import Coordinator, Stall, itemsize_of, set_label
 from .wire import Request, Response
 
 #: Kinds that only the global set runs.
@@ -36,7 +36,7 @@ class Controller:
     """Every process set's coordinator, the set registry, and requests that cannot be placed."""
 
     def __init__(self, size: int, fusion_threshold: int, small_bytes: int = 0,
-                 itemsize: Callable[[str], int] = _itemsize) -> None:
+                 itemsize: Callable[[str], int] = itemsize_of) -> None:
         self.size = size
         self._fusion_threshold = fusion_threshold
         self._small = small_bytes
@@ -100,7 +100,7 @@ class Controller:
         return out
 
     def _add(self, resp: Response) -> Response:
-        ranks = tuple(resp.splits[0]) if resp.splits else ()
+        ranks = resp.set_ranks
         error = self.check_ranks(ranks)
         if not error:
             for pset, coord in self.sets.items():
@@ -112,7 +112,7 @@ class Controller:
         pset = self._next_id
         self._next_id += 1
         self.sets[pset] = self._coordinator(pset, ranks)
-        return resp._replace(root=pset)
+        return resp._replace(set_id=pset)
 
     def check_ranks(self, ranks: tuple[int, ...]) -> str:
         """'' if ``ranks`` can form a process set of this job, else why not."""
@@ -127,7 +127,7 @@ class Controller:
         return ""
 
     def _remove(self, resp: Response, out: list[tuple[Response, tuple[int, ...]]]) -> Response:
-        pset = resp.root
+        pset = resp.set_id
         if pset == 0:
             return resp._replace(error="remove_process_set: the global process set cannot be removed")
         coord = self.sets.get(pset)

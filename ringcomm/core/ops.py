@@ -11,7 +11,7 @@ import enum
 
 import numpy as np
 
-from .errors import InvalidTypeError
+from ..errors import InvalidTypeError
 
 
 class ReduceOp(enum.IntEnum):

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 # ---------------------------------------------------------------------------
 # kinds of collective
@@ -35,8 +35,8 @@ REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
 JOIN = "join"
 SHUTDOWN = "shutdown"
-ADD_PSET = "add_process_set"  # global set: register ranks ``splits`` as a new process set
-REMOVE_PSET = "remove_process_set"  # global set: forget process set ``root``
+ADD_PSET = "add_process_set"  # global set: register ranks ``set_ranks`` as a new process set
+REMOVE_PSET = "remove_process_set"  # global set: forget process set ``set_id``
 KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET)
 _KIND_SET = frozenset(KINDS)
 
@@ -61,6 +61,10 @@ class Request(NamedTuple):
     #: Set when this rank refused the call (bad arguments): why.  The op then fails on every member
     #: with that reason instead of leaving the others waiting for this rank.
     refused: str = ""
+    #: ``ADD_PSET``: the global ranks of the set to create.
+    set_ranks: tuple[int, ...] = ()
+    #: ``REMOVE_PSET``: the id of the set to forget.
+    set_id: int = -1
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -87,8 +91,9 @@ class Response(NamedTuple):
     already reduced the (small) payloads the ranks sent with their requests:
     every rank just unpacks it, no ring.  ``pset`` is the op's process set:
     only its members receive the response, and ``first_dims``/``splits`` are
-    indexed by rank within the set.  For ``ADD_PSET``, ``root`` is the new
-    set's id and ``splits[0]`` its ranks.
+    indexed by rank within the set.  ``set_id`` and ``set_ranks`` name the
+    set that an ``ADD_PSET`` creates (its id, given by rank 0, and its global
+    ranks) or that a ``REMOVE_PSET`` forgets (its id).
     """
 
     kind: str
@@ -107,6 +112,8 @@ class Response(NamedTuple):
     data: bytes = b""  # the finished result, when rank 0 reduced a small allreduce itself
     error_kind: str = ""  # "stall" for a stall turned into an error; otherwise a mismatch
     pset: int = 0
+    set_id: int = -1
+    set_ranks: tuple[int, ...] = ()
 
 
 #: Largest integer a field may hold: shapes, counts and ranks are int64 on every rank.
@@ -193,6 +200,8 @@ def request_from_wire(obj: Any) -> Request:
         splits=None if splits is None else _ints(w, "splits", splits),
         pset=_int(w, "pset", d["pset"]),
         refused=_str(w, "refused", d["refused"]),
+        set_ranks=_ints(w, "set_ranks", d["set_ranks"]),
+        set_id=_int(w, "set_id", d["set_id"], lo=-1),
     )
 
 
@@ -222,6 +231,8 @@ def response_from_wire(obj: Any) -> Response:
         data=data,
         error_kind=_str(w, "error_kind", d["error_kind"], _ERROR_KINDS),
         pset=_int(w, "pset", d["pset"]),
+        set_id=_int(w, "set_id", d["set_id"], lo=-1),
+        set_ranks=_ints(w, "set_ranks", d["set_ranks"]),
     )
 
 
@@ -317,6 +328,58 @@ def unpack_control(secret: bytes, frame: bytes) -> Any:
         return msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises several types
         raise ProtocolError(f"undecodable control body: {exc}") from None
+
+
+# ---------------------------------------------------------------------------
+# encoders: what the decoders above read back
+
+
+def encode_requests(secret: bytes, rank: int, items: list[tuple[Request | int, int, bytes | None]]) -> list[bytes]:
+    """Rank ``rank``'s announcements as signed ``["req", rank, items]`` frames.
+
+    Each item is ``(request or response-cache id, process set, payload or None)``: a
+    cached op travels as its id (an int for the global set, ``{"s": set, "c": id}``
+    for another), a small op's data rides along as ``{"q": item, "d": bytes}``.  A
+    new frame starts before the payloads in one would pass :data:`CONTROL_DATA_BYTES`.
+    """
+    frames: list[bytes] = []
+    batch: list[Any] = []
+    carried = 0
+    for it, pset, data in items:
+        obj: Any = list(it) if isinstance(it, Request) else it if pset == 0 else {"s": pset, "c": it}
+        if data is not None:
+            if batch and carried + len(data) > CONTROL_DATA_BYTES:
+                frames.append(pack_control(secret, ["req", rank, batch]))
+                batch, carried = [], 0
+            obj = {"q": obj, "d": data}
+            carried += len(data)
+        batch.append(obj)
+    if batch:
+        frames.append(pack_control(secret, ["req", rank, batch]))
+    return frames
+
+
+def response_batches(resps: list[Response]) -> list[list[Response]]:
+    """Split responses into batches whose result data stays within :data:`CONTROL_DATA_BYTES`.
+
+    Without this, many small allreduces reduced at rank 0 in one cycle made one
+    control frame larger than :data:`MAX_CONTROL_BYTES`; the other ranks dropped
+    it and waited forever for their results.
+    """
+    batches: list[list[Response]] = [[]]
+    carried = 0
+    for resp in resps:
+        if batches[-1] and carried + len(resp.data) > CONTROL_DATA_BYTES:
+            batches.append([])
+            carried = 0
+        batches[-1].append(resp)
+        carried += len(resp.data)
+    return batches
+
+
+def encode_responses(secret: bytes, resps: list[Response]) -> list[bytes]:
+    """Responses as signed ``["resp", [response, ...]]`` frames, each within the control bound."""
+    return [pack_control(secret, ["resp", [list(r) for r in batch]]) for batch in response_batches(resps)]
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""Rank 0's service: negotiation for every rank, with no I/O.
+
+The service takes every rank's announcements (rank 0's own, and the signed
+control frames of the others) and gives back, for each cycle, the ordered
+responses: the frames to send to each other rank and the responses rank 0
+executes itself.  On the way it
+
+- expands response-cache ids with its own copy of each set's cache, and
+  records every emitted response so that its caches stay identical to the members';
+- finishes small allreduces and allgathers from the payloads sent with the
+  requests (the response then carries the result: 2 hops, no ring);
+- holds ops back until the cycle time has passed, and reports stalls.
+
+It never sends, sleeps or calls back: the loop that owns the sockets feeds it
+and sends what it returns.  The clock is handed in (``clock``: seconds, used
+only to time rank 0's reductions for the timeline).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import ops, wire
+from .cache import ResponseCache
+from .controller import Controller
+from ..errors import ProtocolError
+from .ops import ReduceOp
+from .session import CACHED_KINDS
+from .wire import Request, Response
+
+log = logging.getLogger("ringcomm.service")
+
+Pair = tuple[Response, tuple[int, ...]]
+
+
+class Emission(NamedTuple):
+    """One cycle's output: every response with its recipients, in execution order; the frames
+    for each other rank; the responses rank 0 executes itself; and when rank 0 began each small
+    reduction or gather it finished (keyed ``(set, *names)``, for the timeline)."""
+
+    pairs: list[Pair]
+    frames: dict[int, list[bytes]]
+    local: list[Response]
+    reduced_at: dict[tuple[Any, ...], float]
+
+
+class Service:
+    """Rank 0's negotiation state: the controller, the caches, the small ops' payloads."""
+
+    def __init__(self, size: int, secret: bytes, fusion_threshold: int, small_bytes: int, cache_capacity: int,
+                 cycle_time_ms: float = 0.0, clock: Callable[[], float] | None = None) -> None:
+        self.size, self._secret = size, secret
+        self._small = small_bytes
+        self._capacity = cache_capacity
+        self._cycle = cycle_time_ms
+        self._clock = clock
+        self.controller = Controller(size, fusion_threshold, small_bytes=small_bytes)
+        self._caches: dict[int, ResponseCache] = {0: ResponseCache(cache_capacity)}
+        self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # small ops' data sent with requests
+        self._local: dict[tuple[int, str], list[np.ndarray]] = {}  # rank 0's own arrays
+        self._canon: dict[tuple[int, str], Request] = {}  # the first request seen per op, for the caches
+        self._last_emit = 0.0
+
+    # -- input ---------------------------------------------------------------
+
+    def submit_local(self, req: Request, arrays: list[np.ndarray], now: float) -> None:
+        """Rank 0's own op (its arrays stay rank 0's: they are read if the op is finished here)."""
+        key = (req.pset, req.name)
+        self._canon.setdefault(key, req)
+        if arrays:
+            self._local[key] = arrays
+        self.controller.submit(0, req, now)
+
+    def receive(self, frame: bytes, now: float) -> None:
+        """Another rank's signed control frame: its announcements (a bad frame is dropped and logged)."""
+        try:
+            rank, items = wire.parse_request_batch(wire.unpack_control(self._secret, frame), self.size)
+            reqs = []
+            for it, data in items:
+                if not isinstance(it, wire.Request):  # a response-cache id: (set id, id)
+                    pset, cid = it
+                    try:
+                        it = self._caches[pset].get(cid)
+                    except KeyError:
+                        raise ProtocolError(f"unknown response-cache id {cid} of process set {pset} "
+                                            f"from rank {rank}") from None
+                reqs.append((it, data))
+        except ProtocolError as exc:
+            log.debug("coordinator: dropping control message: %s", exc)
+            return
+        for req, data in reqs:
+            if data is not None:
+                self._payloads.setdefault((req.pset, req.name), {})[rank] = data
+            self._canon.setdefault((req.pset, req.name), req)
+            self.controller.submit(rank, req, now)
+
+    # -- output --------------------------------------------------------------
+
+    def has_ready(self) -> bool:
+        return self.controller.has_ready()
+
+    def has_pending(self) -> bool:
+        return self.controller.has_pending()
+
+    def wait_ms(self) -> int | None:
+        """How long the loop may sleep before the service needs another turn (None: until an event)."""
+        if self._cycle > 0 and self.controller.has_ready():
+            return max(1, int(self._cycle))
+        if self.controller.has_pending():
+            return 1000  # stall checks
+        return None
+
+    def take(self, now: float, nested: bool = False) -> Emission | None:
+        """The responses ready now, or None (none ready, or the cycle time has not passed).
+
+        ``nested``: rank 0 is inside a transfer of its own: answer only the sets without it (a set
+        with rank 0 cannot run its next op before rank 0 is done, and a shutdown must not reach the
+        other ranks while rank 0 still needs their data).
+        """
+        coord = self.controller
+        if self._cycle > 0 and coord.has_ready() and (now - self._last_emit) * 1000 < self._cycle:
+            return None
+        pairs = coord.take_responses(skip_member=0 if nested else None)
+        if not pairs:
+            return None
+        self._last_emit = now
+        reduced_at: dict[tuple[Any, ...], float] = {}
+        if self._payloads:
+            pairs = [(self._finish_small(r, members, reduced_at), members) for r, members in pairs]
+        self._record(pairs)
+        for resp, _ in pairs:
+            for name in resp.names:
+                self._local.pop((resp.pset, name), None)
+        frames = self._frames(pairs) if self.size > 1 else {}
+        local = [resp for resp, members in pairs if 0 in members]
+        return Emission(pairs, frames, local, reduced_at)
+
+    def _record(self, pairs: list[Pair]) -> None:
+        """Rank 0 caches every set's requests as it emits them, members cache theirs as they execute.
+
+        The order is the same, so the caches agree; rank 0 must know an id before a member can
+        send it, and it may not be a member of the set at all.
+        """
+        for resp, _ in pairs:
+            if resp.kind == wire.ADD_PSET and not resp.error:
+                self._caches[resp.set_id] = ResponseCache(self._capacity)
+            if resp.kind == wire.REMOVE_PSET and not resp.error:
+                self._caches.pop(resp.set_id, None)
+            if resp.error or resp.joined or resp.kind not in CACHED_KINDS:
+                continue
+            cache = self._caches.get(resp.pset)
+            for name in resp.names:
+                req = self._canon.get((resp.pset, name))
+                if cache is not None and req is not None:
+                    cache.record(req)
+        for resp, _ in pairs:
+            for name in resp.names:
+                self._canon.pop((resp.pset, name), None)
+
+    def _frames(self, pairs: list[Pair]) -> dict[int, list[bytes]]:
+        """Each other rank's frames: the responses of its sets, in emission order (ranks that get the
+        same list share its frames)."""
+        per_rank: dict[int, list[int]] = {}
+        for i, (_, members) in enumerate(pairs):
+            for r in members:
+                if r != 0:
+                    per_rank.setdefault(r, []).append(i)
+        encoded: dict[tuple[int, ...], list[bytes]] = {}
+        out: dict[int, list[bytes]] = {}
+        for r, idx in per_rank.items():
+            key = tuple(idx)
+            if key not in encoded:
+                encoded[key] = wire.encode_responses(self._secret, [pairs[i][0] for i in idx])
+            out[r] = encoded[key]
+        return out
+
+    # -- small ops finished at rank 0 ----------------------------------------
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else 0.0
+
+    def _finish_small(self, resp: Response, members: tuple[int, ...],
+                      reduced_at: dict[tuple[Any, ...], float]) -> Response:
+        """A small allreduce or allgather finished from the payloads sent with the requests (the
+        response carries the result).  Anything else comes back unchanged."""
+        payloads = [self._payloads.pop((resp.pset, n), {}) for n in resp.names]
+        if resp.error or not resp.names:
+            return resp
+        started = self._now()
+        if resp.kind == wire.ALLREDUCE and resp.numels:
+            done = self._reduce(resp, members, payloads)
+        elif resp.kind == wire.ALLGATHER:
+            done = self._gather(resp, members, payloads[0])
+        else:
+            return resp
+        if done is not resp:
+            reduced_at[(resp.pset, *resp.names)] = started
+        return done
+
+    def _gather(self, resp: Response, members: tuple[int, ...], payloads: dict[int, bytes]) -> Response:
+        """The members' parts, concatenated in set order; unchanged (the ring runs) if one is missing."""
+        (name,) = resp.names
+        req = self._canon.get((resp.pset, name))
+        if req is None or len(resp.first_dims) != len(members):
+            return resp
+        row_bytes = int(np.prod(req.shapes[0][1:], dtype=np.int64)) * np.dtype(resp.dtype).itemsize
+        if sum(resp.first_dims) * row_bytes > wire.CONTROL_DATA_BYTES:
+            return resp
+        parts: list[bytes] = []
+        for rank, dim in zip(members, resp.first_dims):
+            if rank == 0:
+                local = self._local.get((resp.pset, name))
+                part = local[0].tobytes() if local else None
+            else:
+                part = payloads.get(rank)
+            if part is None or len(part) != dim * row_bytes:
+                return resp
+            parts.append(part)
+        return resp._replace(data=b"".join(parts))
+
+    def _reduce(self, resp: Response, members: tuple[int, ...], payloads: list[dict[int, bytes]]) -> Response:
+        """A small allreduce reduced from the payloads sent with the requests."""
+        dtype = np.dtype(resp.dtype)
+        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
+            return resp  # too much to carry in one control frame (many small ones fused): run the ring
+        op = ReduceOp(resp.op)
+        joined = set(resp.joined)
+        acc: np.ndarray | None = None
+        total = sum(resp.numels)
+        for rank in members:
+            if rank in joined:
+                continue
+            if rank == 0:
+                arrays = []
+                for n in resp.names:
+                    local = self._local.get((resp.pset, n))
+                    if local is None:
+                        return resp
+                    arrays.extend(local)
+                contrib = arrays[0].reshape(-1) if len(arrays) == 1 else np.concatenate([a.reshape(-1) for a in arrays])
+            else:
+                parts = [p.get(rank) for p in payloads]
+                if any(p is None for p in parts):
+                    return resp  # some rank sent no payload: run the ring
+                raw = parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[arg-type]
+                contrib = np.frombuffer(raw, dtype=dtype)  # type: ignore[arg-type]
+            if contrib.size != total:
+                return resp
+            if resp.prescale != 1.0:
+                contrib = contrib.copy()
+                ops.scale_inplace(contrib, resp.prescale)
+            if acc is None:
+                acc = contrib.copy()
+            else:
+                ops.reduce_into(op, acc, contrib)
+        if acc is None:
+            return resp
+        ops.scale_inplace(acc, ops.postscale(op, len(members), resp.postscale))
+        return resp._replace(data=acc.tobytes())
+
+    # -- diagnostics ---------------------------------------------------------
+
+    def stalls(self, now: float, check_seconds: float, shutdown_seconds: float) -> list[tuple[tuple[int, str], str]]:
+        """``((set, name), text)`` for ops that wait longer than ``check_seconds`` for some ranks;
+        those waiting ``shutdown_seconds`` (if set) are failed on every member instead."""
+        coord = self.controller
+        after = min(check_seconds, shutdown_seconds or check_seconds)
+        out = []
+        for pset, stall in coord.stalled(now, after):
+            text = (f"{stall.kind} '{stall.name}'{coord.where(pset)} was submitted by ranks "
+                    f"{list(stall.submitted)} {stall.waited:.0f} s ago but ranks {list(stall.missing)} "
+                    "have not submitted it")
+            if shutdown_seconds and stall.waited >= shutdown_seconds:
+                coord.fail(pset, stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
+                                             f"{shutdown_seconds:g})")
+                continue
+            if stall.waited >= check_seconds:
+                out.append(((pset, stall.name), text))
+        return out

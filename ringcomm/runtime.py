@@ -1,0 +1,457 @@
+"""The runtime of one process: ``init()``, ``shutdown()``, the job's layout and its process sets.
+
+:func:`init` builds one :class:`Runtime` (settings, topology, the engine and its
+thread); every call that needs it asks :func:`current` (refused in a process
+forked after ``init()``) or :func:`layout` (rank and size: answered there too).
+The collectives themselves are in :mod:`ringcomm.api`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import config, horovod_env, logsetup, topology
+from .core import wire
+from .engine import Engine
+from .errors import (
+    DuplicateNameError,
+    ForkedProcessError,
+    InvalidInputError,
+    InvalidTypeError,
+    NotInitializedError,
+    RendezvousAbortedError,
+)
+from .handles import Entry, Handle
+from .process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
+
+log = logging.getLogger("ringcomm")
+#: ``.op``: (runtime, name, set) of the op whose arguments are being checked on this thread (see
+#: :meth:`Runtime.auto_name`); ``ringcomm.api`` reports a refused call with it.
+checking = threading.local()
+
+
+class Runtime:
+    """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
+
+    def __init__(self, round_: int, dynamic_sets: bool = False, settings: config.Settings | None = None) -> None:
+        self.settings = settings if settings is not None else config.Settings.from_env()
+        logsetup.apply_level(self.settings.log_level)  # only when RINGCOMM_LOG_LEVEL is given
+        for name in horovod_env.without_meaning(os.environ):
+            log.warning(
+                "%s is set but has no meaning in ringcomm (ignored); see the environment variables page "
+                "for the HOROVOD_* settings ringcomm reads", name)
+        if log.isEnabledFor(logging.DEBUG):
+            changed = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
+                       if getattr(self.settings, f.name) != f.default}
+            log.debug("init(): settings other than the defaults: %s", changed or "none")
+        self.topo = topology.from_env()
+        _log_topology(self.topo)
+        self.round = round_
+        self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
+        self.dynamic_sets = dynamic_sets
+        self.all_ranks = tuple(range(self.topo.size))
+        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
+        # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
+        self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
+        log.debug("rank %d: placement: local rank %d of %d, cross rank %d of %d (%d host(s) in the job)",
+                  self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
+                  self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
+        self.engine.start()
+        self._lock = threading.Lock()
+        self._names: set[tuple[int, str]] = set()
+        self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
+
+    def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
+        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
+
+        Also notes the op as the one being checked on this thread: if its arguments are then
+        refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
+        """
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
+        else:
+            with self._lock:
+                n = self._counters[(pset, kind)]
+                self._counters[(pset, kind)] += 1
+            name = f"{kind}.noname.{n}"
+        checking.op = (self, name, pset)
+        return name
+
+    def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
+        """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
+        reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
+        req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
+        try:
+            self.engine.submit(Entry(req, [], Handle(name)))
+        except Exception as exc:  # the engine is gone: the caller's own error says enough
+            log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
+
+    def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
+        """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
+        if process_set is None or process_set is global_process_set:
+            return 0, self.all_ranks
+        if not isinstance(process_set, ProcessSet):
+            raise InvalidTypeError(f"{what}: process_set must be a ProcessSet, got {type(process_set).__name__}")
+        pid = process_set.process_set_id
+        if pid == 0:
+            return 0, self.all_ranks
+        ranks = self.engine.set_ranks(pid) if pid is not None and process_set.registered_round == self.round else None
+        if pid is None or ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
+            raise InvalidInputError(
+                f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
+                "init(process_sets=[...]) or add_process_set() (on every rank) first"
+            )
+        if self.topo.rank not in ranks:
+            raise InvalidInputError(
+                f"{what}: rank {self.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
+                "only its members may run collectives on it (check ps.included() first)"
+            )
+        return pid, ranks
+
+    def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
+               grouped: bool = False) -> Handle:
+        name = req.name
+        key = (req.pset, name)
+        with self._lock:
+            if key in self._names:
+                raise DuplicateNameError(
+                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
+                    f"{' in process set %d' % req.pset if req.pset else ''}; "
+                    "wait for it (synchronize) or use another name"
+                )
+            self._names.add(key)
+
+        def release() -> None:
+            with self._lock:
+                self._names.discard(key)
+
+        handle = Handle(name, release)
+        try:
+            self.engine.submit(Entry(req, arrays, handle, outs or [], grouped))
+        except BaseException:
+            release()
+            raise
+        return handle
+
+    def shutdown(self) -> None:
+        self.engine.shutdown(timeout=0.0 if _dying.is_set() else 10.0)
+
+
+
+_runtime: Runtime | None = None
+_rounds = 0
+_init_lock = threading.Lock()
+_atexit_registered = False
+def _log_topology(topo: topology.Topology) -> None:
+    """DEBUG: where this rank's place in the job came from, and where it will meet the others."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    if topo.size == 1:
+        log.debug("rank 0 of 1 (topology: %s): a single process; no sockets, no rendezvous", topo.source)
+        return
+    derived = f"; {', '.join(topo.derive)} worked out at the rendezvous" if topo.derive else ""
+    hosting = f", hosted by this rank on {topo.rendezvous_bind}" if topo.host_rendezvous else ""
+    log.debug("rank %d of %d (topology: %s%s), host %s, job %s: binds and advertises %s; rendezvous %s%s",
+              topo.rank, topo.size, topo.source, derived, topo.hostname, topo.job_id, topo.addr,
+              topo.rendezvous, hosting)
+
+
+_dying = threading.Event()  # the main thread died of an uncaught exception
+
+
+def _install_excepthook() -> None:
+    """Note an uncaught exception, so the exit-time shutdown leaves at once instead of waiting for peers.
+
+    The peers then see this rank's connections close and fail with PeerLostError naming it.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        _dying.set()
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+
+
+#: Rounds an elastic worker's init() tries when the driver calls off the new world's rendezvous.
+_ABORTED_ROUNDS_TRIED = 20
+
+
+def _new_runtime(dynamic: bool, settings: config.Settings | None) -> Runtime:
+    """A runtime for the next round; an elastic worker whose round the driver called off (a member died
+    before it arrived) goes back to the driver for the next world at once."""
+    global _rounds
+    for attempt in range(1, _ABORTED_ROUNDS_TRIED + 1):
+        try:
+            rt = Runtime(_rounds, dynamic, settings)
+        except RendezvousAbortedError as exc:
+            _rounds += 1
+            if attempt == _ABORTED_ROUNDS_TRIED:
+                raise
+            log.warning("%s; joining the launcher's next membership", exc)
+            continue
+        _rounds += 1
+        return rt
+    raise AssertionError("unreachable")
+
+
+def init(process_sets: Sequence[ProcessSet] | str | None = None, *, settings: config.Settings | None = None) -> None:
+    """Join the job described by the environment (``ringcomm-run``, torchrun, or none: size 1).
+
+    Blocks until every rank has arrived (RINGCOMM_START_TIMEOUT).  Calling it
+    again while initialized does nothing (with ``process_sets`` it raises: they
+    could not be registered); after :func:`shutdown` it starts anew.
+
+    ``process_sets``: a list of :class:`ProcessSet` to register now (the same
+    list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
+    allow :func:`add_process_set` / :func:`remove_process_set` later.
+
+    ``settings``: the :class:`~ringcomm.config.Settings` to run with instead of those the
+    ``RINGCOMM_*`` / ``HOROVOD_*`` variables give (e.g. ``Settings.from_env()`` with changes)::
+
+        rc.init(settings=dataclasses.replace(rc.Settings.from_env(), fusion_threshold=0))
+
+    The job's layout (rank, size, rendezvous) always comes from the environment.
+    """
+    global _runtime, _atexit_registered
+    if settings is not None and not isinstance(settings, config.Settings):
+        raise InvalidTypeError(f"init(settings=...): expected a ringcomm.Settings, got {type(settings).__name__}")
+    dynamic = isinstance(process_sets, str)
+    if dynamic and process_sets != "dynamic":
+        raise InvalidInputError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
+    if process_sets is None and (settings or config.Settings.from_env()).dynamic_process_sets:
+        dynamic = True  # RINGCOMM_DYNAMIC_PROCESS_SETS / HOROVOD_DYNAMIC_PROCESS_SETS
+    static = [] if dynamic or process_sets is None else [as_process_set(p, "init(process_sets=...)")
+                                                          for p in process_sets]
+    with _init_lock:
+        if _runtime is not None:
+            if process_sets is not None:  # silently dropping the sets would leave them unregistered
+                raise InvalidInputError(
+                    f"init(process_sets=...) on rank {_runtime.topo.rank}: ringcomm is already initialized, so "
+                    "these process sets would not be registered; pass them to the first init(), or use "
+                    "add_process_set() after init(process_sets='dynamic') (or shutdown() first)")
+            return
+        rt = _new_runtime(dynamic, settings)
+        global_process_set.ranks = list(rt.all_ranks)
+        global_process_set.registered_round = rt.round
+        try:
+            for ps in static:
+                register(rt, ps, "init(process_sets=...)")
+        except BaseException:
+            rt.shutdown()
+            raise
+        _runtime = rt
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _install_excepthook()
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Leave the job: waits (briefly) for the other ranks, then closes every socket."""
+    global _runtime
+    with _init_lock:
+        rt, _runtime = _runtime, None
+    if rt is not None and rt.pid == os.getpid():
+        rt.shutdown()
+    # in a child forked after init() the engine's sockets belong to the parent: leave them alone
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome-trace timeline of rank 0's ops to ``file_path`` until :func:`stop_timeline`."""
+    current("start_timeline").engine.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Finish and close the timeline file."""
+    current("stop_timeline").engine.stop_timeline()
+
+
+def current_settings() -> config.Settings:
+    """The settings in force: the running job's, or (before ``init()``) those the environment gives."""
+    rt = _runtime
+    return rt.settings if rt is not None else config.Settings.from_env()
+
+
+def timeline_active() -> bool:
+    """True while this rank is writing a timeline (so framework layers may add their own spans)."""
+    rt = _runtime
+    return rt is not None and rt.engine.timeline is not None
+
+
+def timeline_span(name: str, phase: str, start: float, end: float) -> None:
+    """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
+
+    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
+    no-op when no timeline is being written.  Safe from any thread.
+    """
+    rt = _runtime
+    tl = rt.engine.timeline if rt is not None else None
+    if tl is not None:
+        tl.span(name, phase, start, end)
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def active() -> Runtime | None:
+    """The runtime of this process, or None before ``init()`` and after ``shutdown()``."""
+    return _runtime
+
+
+def layout(what: str) -> Runtime:
+    """The runtime, for questions about the job's layout (answered in forked children too)."""
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError(f"ringcomm.{what}() needs ringcomm.init() first (or was called after shutdown())")
+    return rt
+
+
+def current(what: str) -> Runtime:
+    """The runtime, for anything that needs its engine: refused in a process forked after init()."""
+    rt = layout(what)
+    if rt.pid != os.getpid():
+        raise ForkedProcessError(
+            f"ringcomm.{what}() on rank {rt.topo.rank}: this process (pid {os.getpid()}) was forked from the "
+            f"rank's process (pid {rt.pid}) after init(), and the job's engine thread and sockets exist only "
+            "there. Call collectives from the process that called init(); for worker processes that need "
+            "them, start them with the 'spawn' or 'forkserver' method (multiprocessing.set_start_method, "
+            "DataLoader(multiprocessing_context='spawn')). rank(), size() and the other layout queries work "
+            "in forked children.")
+    return rt
+
+
+def _after_fork_in_child() -> None:
+    # a lock held by another thread at the moment of fork() stays held forever in the child
+    global _init_lock
+    _init_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def rank() -> int:
+    """This process's rank, 0..size()-1."""
+    return layout("rank").topo.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return layout("size").topo.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (use it to pick a GPU)."""
+    return layout("local_rank").topo.local_rank
+
+
+def local_size() -> int:
+    return layout("local_size").topo.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the job's hosts."""
+    return layout("cross_rank").topo.cross_rank
+
+
+def cross_size() -> int:
+    return layout("cross_size").topo.cross_size
+
+
+use_rank_source(rank)
+
+
+# ---------------------------------------------------------------------------
+# process sets
+
+
+def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
+    """Register ``ps`` on every rank (a collective of the global set); sets its id."""
+    if ps.ranks is None:
+        raise InvalidInputError(f"{what}: {ps!r} was removed; create a new ProcessSet")
+    bad = [r for r in ps.ranks if r >= rt.topo.size]
+    if not ps.ranks or bad:
+        raise InvalidInputError(
+            f"{what}: ranks {ps.ranks} do not form a process set of this job of size {rt.topo.size}; "
+            f"use a non-empty list of ranks in 0..{rt.topo.size - 1}"
+        )
+    if tuple(ps.ranks) == rt.all_ranks:  # every rank: that is the global set (as in Horovod)
+        ps.process_set_id, ps.registered_round = 0, rt.round
+        return ps
+    existing = rt.engine.find_set(tuple(ps.ranks))
+    if existing is not None and what.startswith("init"):  # the same ranks twice in init(): one set
+        ps.process_set_id, ps.registered_round = existing, rt.round
+        return ps
+    if existing is not None:  # every rank sees the same registry here: all raise alike
+        raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
+    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks))
+    ps.process_set_id = int(rt.submit(req, []).wait())
+    ps.registered_round = rt.round
+    return ps
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set at run time; every rank must call it, with the same ranks, in the same order.
+
+    Needs ``init(process_sets="dynamic")``.  Returns the registered set::
+
+        odd = rc.add_process_set([1, 3])   # every rank: ProcessSet(process_set_id=1, ranks=[1, 3])
+    """
+    rt = current("add_process_set")
+    if not rt.dynamic_sets:
+        raise InvalidInputError(
+            "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
+            "or pass them to init(process_sets=[...])"
+        )
+    ps = as_process_set(process_set, "add_process_set")
+    if ps.process_set_id is not None and ps.registered_round == rt.round and rt.engine.set_ranks(ps.process_set_id):
+        raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
+    return register(rt, ps, "add_process_set")
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a set on every rank (every rank calls it, in the same order); returns True when removed.
+
+    The global set is never removed (returns False).  ``process_set`` is
+    invalidated: its id and ranks become None.  Ops of the set that were still
+    waiting for members fail.
+    """
+    rt = current("remove_process_set")
+    if not rt.dynamic_sets:
+        raise InvalidInputError("remove_process_set: needs init(process_sets='dynamic')")
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidTypeError(f"remove_process_set: expected a ProcessSet, got {type(process_set).__name__}")
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return False
+    pid = process_set.process_set_id
+    if pid is None or process_set.registered_round != rt.round or rt.engine.set_ranks(pid) is None:
+        raise InvalidInputError(f"remove_process_set: {process_set!r} is not a registered process set")
+    req = wire.Request(rt.auto_name(wire.REMOVE_PSET, None), wire.REMOVE_PSET, set_id=pid)
+    rt.submit(req, []).wait()
+    process_set.invalidate()
+    return True
+
+
+def resolve_process_set(process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
+    """``(set id, global ranks)`` of a registered set that includes this rank; raises otherwise.
+
+    For layers above the core (ringcomm_torch) that check ``process_set=`` before staging data.
+    """
+    return current(what).resolve_set(process_set, what)
+
+
+def process_set_ids() -> list[int]:
+    """Ids of the registered process sets (0 is the global set)."""
+    return current("process_set_ids").engine.set_ids()
