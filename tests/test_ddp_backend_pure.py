@@ -4,6 +4,7 @@ torch's variables under ringcomm-run, monitored_barrier's verdict, registration 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -103,10 +104,22 @@ def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
         pytest.skip("the installed ringcomm has no torch.backends entry point (reinstall: pip install -e .)")
     code = ("import sys, torch.distributed as dist; "
             "print('RINGCOMM' in dist.Backend._plugins, 'ringcomm_torch.distributed' in sys.modules)")
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    env = {k: v for k, v in os.environ.items()
+           if k != "TORCH_DEVICE_BACKEND_AUTOLOAD" and not k.startswith("RINGCOMM_")}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+    # registered, but ringcomm itself is imported only when a group is created on it
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = ("import sys, torch, torch.distributed as dist; dist.init_process_group('ringcomm'); "
+           "t = torch.ones(3); dist.all_reduce(t); "
+           "print(t.tolist(), 'ringcomm_torch.distributed' in sys.modules); dist.destroy_process_group()")
+    single = dict(env, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ran = subprocess.run([sys.executable, "-c", job], cwd=tmp_path, env=single, capture_output=True, text=True,
+                         timeout=60)
+    assert ran.stdout.split("\n")[0] == "[1.0, 1.0, 1.0] True", ran.stdout + ran.stderr
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     off = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=60)
