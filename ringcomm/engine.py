@@ -326,7 +326,7 @@ class Engine(Executor):
                     self._drain_control()
                 if self._coord is not None:
                     self._coordinate()
-                if monitors and (any(m in events for m in monitors) or self._link.suspects):
+                if monitors and (any(m in events for m in monitors) or self._link.suspects or self._link.unconnected):
                     self._on_connection_events()
         except BaseException as exc:  # the engine must never die silently
             if isinstance(exc, PeerLostError):
@@ -357,8 +357,8 @@ class Engine(Executor):
         raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
     def _poll_timeout(self) -> int | None:
-        if isinstance(self._link, DataPlane) and self._link.suspects:
-            return 200  # re-check a peer whose connection closed while its process ran
+        if isinstance(self._link, DataPlane) and (self._link.suspects or self._link.unconnected):
+            return 200  # re-check a peer whose connection closed while its process ran, or not yet made
         if self._coord is None:
             return None
         if self.settings.cycle_time > 0 and self._coord.has_ready():
