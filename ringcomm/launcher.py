@@ -22,8 +22,10 @@ its exit code and its last lines; the launcher exits with that rank's status.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import queue
+import re
 import secrets
 import shlex
 import signal
@@ -430,14 +432,39 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
     for worker in failed:
         if not any("PeerLostError" in line for line in worker.last_lines()):
             return worker
+    # Every failed rank only lost a peer: the cause is the rank they lost (stopped, or ended its
+    # program early with code 0), which may not have failed in the launcher's eyes at all.
+    by_rank = {w.rank: w for w in workers}
+    named = collections.Counter(r for w in failed if (r := lost_rank(w)) is not None and r in by_rank)
+    if named:
+        return by_rank[named.most_common(1)[0][0]]
     return first
+
+
+_LOST = re.compile(r"PeerLostError: rank \d+: lost rank (\d+)")
+
+
+def lost_rank(worker: Worker) -> int | None:
+    """The rank a worker's last lines say it lost (its PeerLostError), if any."""
+    for line in reversed(worker.last_lines()):
+        if m := _LOST.search(line):
+            return int(m[1])
+    return None
 
 
 def _report_failure(root: Worker, workers: list[Worker]) -> None:
     """Print the torchrun-style root-cause block to stderr."""
+    reporters = [str(w.rank) for w in workers if w is not root and lost_rank(w) == root.rank]
+    lost_by = f"lost by rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} (PeerLostError)"
+    if reporters and root.stopped_by_launcher:
+        cause = f"stopped answering: {lost_by}; {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
+    elif reporters:
+        cause = f"{describe_exit(root.returncode or 0)}; {lost_by}"
+    else:
+        cause = describe_exit(root.returncode or 0)
     lines = [
         f"{_PROG}: job failed",
-        f"  root cause: {root.describe()} {describe_exit(root.returncode or 0)}",
+        f"  root cause: {root.describe()} {cause}",
         f"  last lines of rank {root.rank}:",
     ]
     tail = root.last_lines()
