@@ -219,13 +219,21 @@ def test_elastic_survivors_re_form_within_ten_seconds_of_a_kill(tmp_path) -> Non
         assert result.returncode == 0, f"{where}: {out[-4000:]}"
         _check_gone(result.stderr)
         killed_at = float(re.search(r"KILLED rank=\d+ at=([\d.]+)", out)[1])
-        first3 = {}
-        for m in re.finditer(r"STEP rank=(\d+) size=3 step=\d+ at=([\d.]+)", result.stdout):
-            first3.setdefault(int(m[1]), float(m[2]))
-        assert sorted(first3) == [0, 1, 2], f"{where}: {out[-4000:]}"
-        took = max(first3.values()) - killed_at
+        # the survivors' ranks in the next generation (the launcher may start a new worker beside them)
+        gen1 = re.search(r"generation 1: \d+ workers \((.*)\)", result.stderr)
+        assert gen1, f"{where}: {out[-4000:]}"
+        survivors = {int(r) for w, r in re.findall(r"worker (\d+)@\S+ -> rank (\d+)", gen1[1])
+                     if int(w) < 4 and int(w) != victim}
+        assert len(survivors) == 3, f"{where}: {gen1[0]}"
+        first = {}  # no step completes between the kill and the re-formation: the victim's is missing
+        for m in re.finditer(r"STEP rank=(\d+) size=\d+ step=\d+ at=([\d.]+)", result.stdout):
+            if float(m[2]) > killed_at and int(m[1]) in survivors:
+                first.setdefault(int(m[1]), float(m[2]))
+        assert sorted(first) == sorted(survivors), f"{where}: {out[-4000:]}"
+        took = max(first.values()) - killed_at
+        print(f"{where}: the survivors stepped again {took:.2f} s after the kill")
         assert took < 10, f"{where}: the survivors took {took:.1f} s to re-form"
-        assert len(re.findall(r"DONE rank=\d+ size=3", result.stdout)) == 3, f"{where}: {out[-4000:]}"
+        assert len(re.findall(r"DONE rank=\d+", result.stdout)) >= 3, f"{where}: {out[-4000:]}"
 
 
 @pytest.mark.timeout(60 + 60 * REPEATS)
