@@ -96,8 +96,28 @@ def as_process_set(value: Any, what: str) -> ProcessSet:
         raise InvalidTypeError(f"{what}: expected a ProcessSet or a list of ranks ({exc})") from None
 
 
-def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
-    """Register ``ps`` on every rank (a collective of the global set); sets its id."""
+def register(rt: Runtime, ps: ProcessSet, what: str, name: str | None = None) -> ProcessSet:
+    """Register ``ps`` on every rank (a collective of the global set); sets its id.
+
+    ``name``: the op's name, taken before the arguments were checked: when this rank refuses them,
+    rank 0 hears of it and the call fails on every rank instead of leaving the others waiting.
+    """
+    try:
+        done = _check_new_set(rt, ps, what)
+    except (InvalidInputError, InvalidTypeError) as exc:
+        if name is not None:
+            rt.refuse(wire.ADD_PSET, name, 0, str(exc))
+        raise
+    if done is not None:
+        return done
+    req = wire.Request(name or rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, splits=tuple(ps.ranks or ()))
+    ps.process_set_id = int(rt.submit(req, []).wait())
+    ps._round = rt.round
+    return ps
+
+
+def _check_new_set(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet | None:
+    """Raise if ``ps`` cannot be registered; ``ps`` when it needs no new set; None when it must be added."""
     if ps.ranks is None:
         raise InvalidInputError(f"{what}: {ps!r} was removed; create a new ProcessSet")
     bad = [r for r in ps.ranks if r >= rt.topo.size]
@@ -115,10 +135,7 @@ def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
         return ps
     if existing is not None:  # every rank sees the same registry here: all raise alike
         raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
-    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, splits=tuple(ps.ranks))
-    ps.process_set_id = int(rt.submit(req, []).wait())
-    ps._round = rt.round
-    return ps
+    return None
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -136,10 +153,15 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
             "or pass them to init(process_sets=[...])"
         )
-    ps = as_process_set(process_set, "add_process_set")
-    if ps.process_set_id is not None and ps._round == rt.round and rt.engine.set_ranks(ps.process_set_id):
-        raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
-    return register(rt, ps, "add_process_set")
+    name = rt.auto_name(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
+    try:
+        ps = as_process_set(process_set, "add_process_set")
+        if ps.process_set_id is not None and ps._round == rt.round and rt.engine.set_ranks(ps.process_set_id):
+            raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
+    except (InvalidInputError, InvalidTypeError) as exc:
+        rt.refuse(wire.ADD_PSET, name, 0, str(exc))
+        raise
+    return register(rt, ps, "add_process_set", name)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

@@ -61,6 +61,7 @@ def _finish_survivors(procs, victim: int, since: float, timeout: float = 60) -> 
 
 
 def _check_named(procs, outs: dict, took: dict, victim: int, where: str, limit: float) -> None:
+    print(f"{where}: survivors raised after " + ", ".join(f"{t:.2f}" for t in took.values()) + " s")
     for r, out in outs.items():
         at = f"{where}, survivor {r}"
         assert procs[r].returncode == 3, f"{at}: {out}"
@@ -155,6 +156,7 @@ def test_under_the_launcher_the_killed_rank_is_the_root_cause(op: str) -> None:
         os.kill(pids[victim], signal.SIGKILL)
         named, took = _root_cause(job, pids, 137, since)
         where = f"{op}, attempt {attempt + 1}, victim {victim}"
+        print(f"{where}: root cause rank {named}, the launcher ended {took:.2f} s after the kill")
         assert named == str(victim), f"{where}: {''.join(job.stderr)[-4000:]}"
         assert f"root cause: rank {victim} (pid {pids[victim]}) was killed by signal SIGKILL" in "".join(job.stderr)
         assert took < 15, f"{where}: took {took:.1f} s"
@@ -169,6 +171,7 @@ def test_under_the_launcher_a_stopped_or_finished_rank_is_the_root_cause(how: st
         os.kill(pids[victim], signal.SIGSTOP if how == "SIGSTOP" else signal.SIGUSR1)
         named, took = _root_cause(job, pids, None, since)
         err = "".join(job.stderr)
+        print(f"{how}, attempt {attempt + 1}, victim {victim}: root cause rank {named}, launcher ended after {took:.2f} s")
         assert named == str(victim), f"{how}, attempt {attempt + 1}, victim {victim}: {err[-4000:]}"
         assert "lost by rank" in err.split("root cause:")[1].splitlines()[0], err[-4000:]
         assert took < 20, f"{how}, attempt {attempt + 1}: took {took:.1f} s"
@@ -181,6 +184,7 @@ def test_under_the_launcher_a_rank_dead_before_connecting_is_the_root_cause() ->
                            DEAD_PEER_DIE_AFTER_REGISTER=str(victim))
         pids = {int(m[1]): int(m[2]) for m in job.wait_for(r"rank (\d+): pid (\d+)", 4, timeout=30)}
         named, took = _root_cause(job, pids, 137, time.monotonic())
+        print(f"dead before connecting, attempt {attempt + 1}, victim {victim}: root cause rank {named}")
         assert named == str(victim), f"attempt {attempt + 1}: {''.join(job.stderr)[-4000:]}"
 
 
@@ -244,6 +248,7 @@ def test_elastic_a_programs_own_error_ends_the_job_without_re_forming(tmp_path, 
         result, took = _elastic(tmp_path, fault, str(bad), timeout=60)
         out = result.stdout + result.stderr
         where = f"{fault} {bad}, attempt {attempt + 1}"
+        print(f"{where}: the job ended after {took:.2f} s")
         assert result.returncode != 0, f"{where}: {out[-4000:]}"
         _check_gone(result.stderr)
         assert "generation 1" not in result.stderr, f"{where}: re-formed: {out[-4000:]}"
