@@ -108,10 +108,19 @@ class Runtime:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
         reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
         req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
+        handle = Handle(name)
         try:
-            self.engine.submit(Entry(req, [], Handle(name)))
+            self.engine.submit(Entry(req, [], handle))
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
+            return
+        # Wait (briefly) until rank 0 has answered the refusal on every rank: a program that ends on
+        # this rank's error must not leave before that answer, or the others would see only a lost
+        # peer (and an elastic job would re-form instead of ending with the error).
+        try:
+            handle.wait(_REFUSAL_ANSWER_SECONDS)
+        except Exception as exc:  # the answer is the refusal's own error (expected), or none came in time
+            log.debug("rank %d: the refused op %r: %s", self.topo.rank, name, exc)
 
     def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
         """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
@@ -165,6 +174,9 @@ class Runtime:
 
 
 log = logging.getLogger("ringcomm")
+#: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
+#: (the others have submitted the op by then in a program in step; no longer than that)
+_REFUSAL_ANSWER_SECONDS = 2.0
 F = TypeVar("F", bound=Callable[..., Any])
 _checking = threading.local()  # .op: (runtime, name, set) of the op whose arguments are being checked
 

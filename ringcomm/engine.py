@@ -81,6 +81,11 @@ def _check_same_security(table: list[dict], rank: int) -> None:
 #: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
 #: set count that set's ops alike, and messages of different sets never share a number.
 _PSET_SHIFT = 40
+#: When a peer is lost while ops are pending, how long a rank other than 0 waits for rank 0's answer
+#: that may already be on its way (the error that made the peer leave)
+_LATE_ANSWER_MS = 200
+#: How long rank 0's control socket keeps unsent answers when it closes (to ranks still connected)
+_FINAL_ANSWERS_LINGER_MS = 500
 
 
 class Engine(Executor):
@@ -283,7 +288,8 @@ class Engine(Executor):
         if isinstance(self._link, DataPlane):
             self._link.close()
         if self._ctrl is not None:
-            self._ctrl.close(0)
+            # rank 0's last answers (an error that ends the program) still reach the other ranks
+            self._ctrl.close(_FINAL_ANSWERS_LINGER_MS if self.rank == 0 else 0)
         remove_files(self._ipc_paths)
         if self._server is not None:
             self._server.close()
@@ -350,6 +356,15 @@ class Engine(Executor):
             self._stopping = True
             leaving.handle.set_result(None)
             return
+        if self._ctrl is not None and (self._inflight or self._queue):
+            # The peer may have left because of an error rank 0 already answered (a mismatch, a refused
+            # call): take that answer first, so the ops it covers fail with their cause, not as lost.
+            if self._coord is None:
+                self._ctrl.poll(_LATE_ANSWER_MS)
+            while self._drain_control():
+                pass
+            if self._coord is not None:
+                self._coordinate()
         peer = link.culprit()
         pending = [e.req.name + set_label(e.req.pset, self._sets.get(e.req.pset, ()))
                    for e in list(self._inflight.values()) + list(self._queue)]
