@@ -430,36 +430,38 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
         key=lambda w: w.exited_at or 0.0,
     )
     for worker in failed:
-        if not any("PeerLostError" in line for line in worker.last_lines()):
+        if blamed_rank(worker) is None and not any("PeerLostError" in line for line in worker.last_lines()):
             return worker
-    # Every failed rank only lost a peer: the cause is the rank they lost (stopped, or ended its
-    # program early with code 0), which may not have failed in the launcher's eyes at all.
+    # Every failed rank only failed because of another one: the cause is the rank they name (one
+    # stopped, or one that ended its program early with code 0: not a failure in the launcher's eyes).
     by_rank = {w.rank: w for w in workers}
-    named = collections.Counter(r for w in failed if (r := lost_rank(w)) is not None and r in by_rank)
+    named = collections.Counter(r for w in failed if (r := blamed_rank(w)) is not None and r in by_rank)
     if named:
         return by_rank[named.most_common(1)[0][0]]
     return first
 
 
-_LOST = re.compile(r"PeerLostError: rank \d+: lost rank (\d+)")
+#: The errors by which a rank names another as the cause: it lost it, or it shut down or refused the
+#: call the others waited in
+_BLAMES = re.compile(r"PeerLostError: rank \d+: lost rank (\d+)|MismatchError: rank (\d+) (?:shut down|refused the call)")
 
 
-def lost_rank(worker: Worker) -> int | None:
-    """The rank a worker's last lines say it lost (its PeerLostError), if any."""
+def blamed_rank(worker: Worker) -> int | None:
+    """The rank a worker's last lines name as the cause of its failure, if any."""
     for line in reversed(worker.last_lines()):
-        if m := _LOST.search(line):
-            return int(m[1])
+        if m := _BLAMES.search(line):
+            return int(m[1] or m[2])
     return None
 
 
 def _report_failure(root: Worker, workers: list[Worker]) -> None:
     """Print the torchrun-style root-cause block to stderr."""
-    reporters = [str(w.rank) for w in workers if w is not root and lost_rank(w) == root.rank]
-    lost_by = f"lost by rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} (PeerLostError)"
+    reporters = [str(w.rank) for w in workers if w is not root and blamed_rank(w) == root.rank]
+    because = f"rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} failed because of it"
     if reporters and root.stopped_by_launcher:
-        cause = f"stopped answering: {lost_by}; {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
+        cause = f"stopped answering ({because}); {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
     elif reporters:
-        cause = f"{describe_exit(root.returncode or 0)}; {lost_by}"
+        cause = f"{describe_exit(root.returncode or 0)}; {because}"
     else:
         cause = describe_exit(root.returncode or 0)
     lines = [
