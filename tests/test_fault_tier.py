@@ -10,7 +10,8 @@ The job must never hang and must name the rank that failed:
   need it: survivors and the launcher name it;
 - a rank refusing a call (bad arguments): tests/test_refused_calls.py and the job without a launcher
   below; in an elastic job such an error (and a mismatch) ends the job at once instead of re-forming;
-- the launcher of an elastic job killed: no worker outlives it.
+- the launcher of an elastic job killed: no worker outlives it (tests/test_launcher.py for a plain job);
+- a job started without a launcher that listens beyond loopback refuses to start without RINGCOMM_SECRET.
 
 RINGCOMM_FAULT_REPEATS sets the repetitions per case (default 1; run with 5 or more before a release,
 to catch races that strike one run in a few).
@@ -276,3 +277,58 @@ def test_elastic_no_worker_outlives_a_killed_launcher(tmp_path) -> None:
         finally:
             kill_leftovers(pids)
         assert not left, f"attempt {attempt + 1}: workers outlived the launcher: {left}"
+
+
+# -- the job's secret, without a launcher ----------------------------------------------------------
+
+TINY_JOB = ("import numpy as np, ringcomm as rc; rc.init(); "
+            "print('SUM', rc.allreduce(np.ones(2), op=rc.Sum, name='s').tolist(), flush=True); rc.shutdown()")
+
+
+def _network_address() -> str | None:
+    """An address of this machine beyond loopback, if it has one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [{}, {"RINGCOMM_SECRET": "5ec4e7" * 4}, {"RINGCOMM_INSECURE": "1"}],
+                         ids=["no secret", "secret", "insecure"])
+def test_without_a_launcher_a_job_reachable_from_the_network_needs_a_secret(extra: dict[str, str]) -> None:
+    import socket
+    import subprocess
+
+    from conftest import job_env
+
+    addr = _network_address()
+    if addr is None:
+        pytest.skip("this machine has no address beyond loopback")
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(3):  # as torchrun starts them on two nodes: ranks 0-1 on this one, rank 2 on "another"
+        env = job_env(RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r % 2), LOCAL_WORLD_SIZE="2",
+                      GROUP_RANK=str(r // 2), MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
+        procs.append(subprocess.Popen([sys.executable, "-c", TINY_JOB], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        if not extra:  # every rank refuses to start, at once, saying how to set a secret
+            assert p.returncode != 0 and "has no RINGCOMM_SECRET" in out and "RINGCOMM_INSECURE=1" in out, out
+        else:
+            assert p.returncode == 0 and "SUM [3.0, 3.0]" in out, f"rank {r}: {out}"
+            if "RINGCOMM_INSECURE" in extra:
+                assert "RINGCOMM_INSECURE=1: the job's secret is derived" in out, out
