@@ -221,7 +221,7 @@ class DataPlane:
 
         A rank that fails because its neighbour died leaves the job too, and this rank may see
         that departure first; the notice it sent on its way out names the rank it lost.  Without
-        notices: the awaited peer if it is lost, else the lowest lost rank.
+        notices: a lost peer that never connected, the awaited peer if it is lost, else the lowest lost rank.
         """
         for peer in list(self.lost):
             self._read_notices(peer)
@@ -234,6 +234,11 @@ class DataPlane:
                     break
                 root = nxt
             return root
+        # a peer that never connected failed before any op could run: it comes first (its notice of
+        # the loss may not have reached this rank, whose connection to the notifier was not yet made)
+        never = sorted(p for p in self.lost if p in self._never_connected)
+        if never:
+            return never[0]
         return awaited if awaited in self.lost else min(self.lost)
 
     def _read_notices(self, peer: int) -> None:
