@@ -44,13 +44,16 @@ def _victims(n: int, start: int = 1) -> list[int]:
     return [(start + i) % 4 for i in range(n)]
 
 
-def _finish_survivors(procs, victim: int, since: float, timeout: float = 60) -> tuple[dict, dict]:
+def _finish_survivors(procs, victim: int, since: float, timeout: float = 60,
+                      wait_victim: bool = False) -> tuple[dict, dict]:
     outs, took = {}, {}
     try:
         for r, p in enumerate(procs):
             if r != victim:
                 outs[r] = p.communicate(timeout=timeout)[0]
                 took[r] = time.monotonic() - since
+        if wait_victim:
+            procs[victim].wait(timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -75,13 +78,25 @@ def _check_named(procs, outs: dict, took: dict, victim: int, where: str, limit: 
 
 @pytest.mark.timeout(90 + 60 * REPEATS)
 def test_without_a_launcher_a_rank_dead_before_connecting_is_named() -> None:
-    """It registered (the others have its address) but never connected: there is no connection to lose."""
+    """It registered (the others have its address) but never connected: there is no connection to lose.
+
+    Rank 0 also serves the rendezvous here (no launcher): when it dies the ranks still waiting for
+    the rendezvous' answer time out there (RINGCOMM_START_TIMEOUT), saying it did not answer.
+    """
     for attempt, victim in enumerate(_victims(REPEATS, start=2)):
-        procs = start_torchrun_job([LOOP], 4, DEAD_PEER_OP=OPS[attempt % 3],
-                                   DEAD_PEER_DIE_AFTER_REGISTER=str(victim), RINGCOMM_PEER_TIMEOUT="30")
+        procs = start_torchrun_job([LOOP], 4, DEAD_PEER_OP=OPS[attempt % 3], DEAD_PEER_DIE_AFTER_REGISTER=str(victim),
+                                   RINGCOMM_PEER_TIMEOUT="30", RINGCOMM_START_TIMEOUT="8")
         started = time.monotonic()
         outs, took = _finish_survivors(procs, victim, started)
-        _check_named(procs, outs, took, victim, f"attempt {attempt + 1}, victim {victim}", 20)
+        where = f"attempt {attempt + 1}, victim {victim}"
+        if victim == 0:
+            print(f"{where}: survivors ended after " + ", ".join(f"{t:.2f}" for t in took.values()) + " s")
+            for r, out in outs.items():
+                named = procs[r].returncode == 3 and "PeerLostError" in out and "lost rank 0 " in out
+                timed_out = procs[r].returncode == 1 and "RendezvousTimeoutError" in out and "did not answer" in out
+                assert (named or timed_out) and took[r] < 20, f"{where}, survivor {r} ({took[r]:.1f} s): {out}"
+            continue
+        _check_named(procs, outs, took, victim, where, 20)
 
 
 @pytest.mark.timeout(90 + 60 * REPEATS)
@@ -98,7 +113,7 @@ def test_without_a_launcher_a_stopped_or_finished_rank_is_named(how: str) -> Non
             raise
         since = time.monotonic()
         procs[victim].send_signal(signal.SIGSTOP if how == "SIGSTOP" else signal.SIGUSR1)
-        outs, took = _finish_survivors(procs, victim, since)
+        outs, took = _finish_survivors(procs, victim, since, wait_victim=how == "exit 0")
         where = f"{how}, attempt {attempt + 1}, victim {victim}"
         if how == "SIGSTOP":  # found by its heartbeats: RINGCOMM_PEER_TIMEOUT (3 s) plus a slice
             _check_named(procs, outs, took, victim, where, 10)
