@@ -83,6 +83,13 @@ def _check_same_security(table: list[dict], rank: int) -> None:
 
 
 
+#: When a peer is lost while ops are pending, how long a rank other than 0 waits for rank 0's answer
+#: that may already be on its way (the error that made the peer leave)
+_LATE_ANSWER_MS = 200
+#: How long rank 0's control socket keeps unsent answers when it closes (to ranks still connected)
+_FINAL_ANSWERS_LINGER_MS = 500
+
+
 class Engine:
     """Owns the sockets of one rank and executes collectives in rank 0's order."""
 
@@ -276,7 +283,8 @@ class Engine:
         if isinstance(self._link, DataPlane):
             self._link.close()
         if self._ctrl is not None:
-            self._ctrl.close(0)
+            # rank 0's last answers (an error that ends the program) still reach the other ranks
+            self._ctrl.close(_FINAL_ANSWERS_LINGER_MS if self.rank == 0 else 0)
         remove_files(self._ipc_paths)
         if self._server is not None:
             self._server.close()
@@ -319,7 +327,8 @@ class Engine:
                     self._drain_control()
                 if self._service is not None:
                     self._coordinate()
-                if monitors and (any(m in events for m in monitors) or self._link.suspects):
+                if monitors and (any(m in events for m in monitors) or self._link.suspects
+                                 or self._link.unconnected):
                     self._on_connection_events()
         except BaseException as exc:  # the engine must never die silently
             if isinstance(exc, PeerLostError):
@@ -343,6 +352,15 @@ class Engine:
             self._stopping = True
             leaving.handle.set_result(None)
             return
+        if self._ctrl is not None and (self._session.inflight or self._queue):
+            # The peer may have left because of an error rank 0 already answered (a mismatch, a refused
+            # call): take that answer first, so the ops it covers fail with their cause, not as lost.
+            if self._service is None:
+                self._ctrl.poll(_LATE_ANSWER_MS)
+            while self._drain_control():
+                pass
+            if self._service is not None:
+                self._coordinate()
         peer = link.culprit()
         pending = [e.req.name + set_label(e.req.pset, self._session.set_ranks(e.req.pset) or ())
                    for e in self._session.pending() + list(self._queue)]
@@ -350,8 +368,8 @@ class Engine:
         raise link.lost_error(peer, f"; pending ops on rank {self.rank}: {shown or 'none'}")
 
     def _poll_timeout(self) -> int | None:
-        if isinstance(self._link, DataPlane) and self._link.suspects:
-            return 200  # re-check a peer whose connection closed while its process ran
+        if isinstance(self._link, DataPlane) and (self._link.suspects or self._link.unconnected):
+            return 200  # re-check a peer whose connection closed while its process ran, or not yet made
         return self._service.wait_ms() if self._service is not None else None
 
     def _fail_all(self, exc: BaseException) -> None:

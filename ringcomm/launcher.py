@@ -22,8 +22,10 @@ its exit code and its last lines; the launcher exits with that rank's status.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import queue
+import re
 import secrets
 import shlex
 import signal
@@ -355,16 +357,43 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
         key=lambda w: w.exited_at or 0.0,
     )
     for worker in failed:
-        if not any("PeerLostError" in line for line in worker.last_lines()):
+        if blamed_rank(worker) is None and not any("PeerLostError" in line for line in worker.last_lines()):
             return worker
+    # Every failed rank only failed because of another one: the cause is the rank they name (one
+    # stopped, or one that ended its program early with code 0: not a failure in the launcher's eyes).
+    by_rank = {w.rank: w for w in workers}
+    named = collections.Counter(r for w in failed if (r := blamed_rank(w)) is not None and r in by_rank)
+    if named:
+        return by_rank[named.most_common(1)[0][0]]
     return first
+
+
+#: The errors by which a rank names another as the cause: it lost it, or it shut down or refused the
+#: call the others waited in
+_BLAMES = re.compile(r"PeerLostError: rank \d+: lost rank (\d+)|MismatchError: rank (\d+) (?:shut down|refused the call)")
+
+
+def blamed_rank(worker: Worker) -> int | None:
+    """The rank a worker's last lines name as the cause of its failure, if any."""
+    for line in reversed(worker.last_lines()):
+        if m := _BLAMES.search(line):
+            return int(m[1] or m[2])
+    return None
 
 
 def _report_failure(root: Worker, workers: list[Worker]) -> None:
     """Print the torchrun-style root-cause block to stderr."""
+    reporters = [str(w.rank) for w in workers if w is not root and blamed_rank(w) == root.rank]
+    because = f"rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} failed because of it"
+    if reporters and root.stopped_by_launcher:
+        cause = f"stopped answering ({because}); {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
+    elif reporters:
+        cause = f"{describe_exit(root.returncode or 0)}; {because}"
+    else:
+        cause = describe_exit(root.returncode or 0)
     lines = [
         f"{_PROG}: job failed",
-        f"  root cause: {root.describe()} {describe_exit(root.returncode or 0)}",
+        f"  root cause: {root.describe()} {cause}",
         f"  last lines of rank {root.rank}:",
     ]
     tail = root.last_lines()

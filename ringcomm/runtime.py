@@ -35,6 +35,9 @@ from .handles import Entry, Handle
 from .process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
 
 log = logging.getLogger("ringcomm")
+#: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
+#: (the others have submitted the op by then in a program in step; no longer than that)
+_REFUSAL_ANSWER_SECONDS = 2.0
 #: ``.op``: (runtime, name, set) of the op whose arguments are being checked on this thread (see
 #: :meth:`Runtime.auto_name`); ``ringcomm.api`` reports a refused call with it.
 checking = threading.local()
@@ -92,10 +95,19 @@ class Runtime:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
         reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
         req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
+        handle = Handle(name)
         try:
-            self.engine.submit(Entry(req, [], Handle(name)))
+            self.engine.submit(Entry(req, [], handle))
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
+            return
+        # Wait (briefly) until rank 0 has answered the refusal on every rank: a program that ends on
+        # this rank's error must not leave before that answer, or the others would see only a lost
+        # peer (and an elastic job would re-form instead of ending with the error).
+        try:
+            handle.wait(_REFUSAL_ANSWER_SECONDS)
+        except Exception as exc:  # the answer is the refusal's own error (expected), or none came in time
+            log.debug("rank %d: the refused op %r: %s", self.topo.rank, name, exc)
 
     def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
         """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
@@ -377,8 +389,28 @@ use_rank_source(rank)
 # process sets
 
 
-def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
-    """Register ``ps`` on every rank (a collective of the global set); sets its id."""
+def register(rt: Runtime, ps: ProcessSet, what: str, name: str | None = None) -> ProcessSet:
+    """Register ``ps`` on every rank (a collective of the global set); sets its id.
+
+    ``name``: the op's name, taken before the arguments were checked: when this rank refuses them,
+    rank 0 hears of it and the call fails on every rank instead of leaving the others waiting.
+    """
+    try:
+        done = _check_new_set(rt, ps, what)
+    except (InvalidInputError, InvalidTypeError) as exc:
+        if name is not None:
+            rt.refuse(wire.ADD_PSET, name, 0, str(exc))
+        raise
+    if done is not None:
+        return done
+    req = wire.Request(name or rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks or ()))
+    ps.process_set_id = int(rt.submit(req, []).wait())
+    ps.registered_round = rt.round
+    return ps
+
+
+def _check_new_set(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet | None:
+    """Raise if ``ps`` cannot be registered; ``ps`` when it needs no new set; None when it must be added."""
     if ps.ranks is None:
         raise InvalidInputError(f"{what}: {ps!r} was removed; create a new ProcessSet")
     bad = [r for r in ps.ranks if r >= rt.topo.size]
@@ -396,10 +428,7 @@ def register(rt: Runtime, ps: ProcessSet, what: str) -> ProcessSet:
         return ps
     if existing is not None:  # every rank sees the same registry here: all raise alike
         raise InvalidInputError(f"{what}: a process set with ranks {ps.ranks} already exists (id {existing})")
-    req = wire.Request(rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks))
-    ps.process_set_id = int(rt.submit(req, []).wait())
-    ps.registered_round = rt.round
-    return ps
+    return None
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -415,10 +444,16 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
             "or pass them to init(process_sets=[...])"
         )
-    ps = as_process_set(process_set, "add_process_set")
-    if ps.process_set_id is not None and ps.registered_round == rt.round and rt.engine.set_ranks(ps.process_set_id):
-        raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
-    return register(rt, ps, "add_process_set")
+    name = rt.auto_name(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
+    try:
+        ps = as_process_set(process_set, "add_process_set")
+        if (ps.process_set_id is not None and ps.registered_round == rt.round
+                and rt.engine.set_ranks(ps.process_set_id)):
+            raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
+    except (InvalidInputError, InvalidTypeError) as exc:
+        rt.refuse(wire.ADD_PSET, name, 0, str(exc))
+        raise
+    return register(rt, ps, "add_process_set", name)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

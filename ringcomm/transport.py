@@ -57,6 +57,10 @@ _SUSPECT_SECONDS = 1.0
 #: A bound socket found without its peer this long after a connection closed has lost the peer
 #: (not sooner: ZeroMQ attaches a newly authenticated connection a moment after reporting it)
 _DETACHED_SECONDS = 0.1
+#: Seconds past RINGCOMM_PEER_TIMEOUT before a rank waiting on one peer gives up on it: a stopped or
+#: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
+#: name it), not by a rank that only waits behind it in a ring and would blame its innocent neighbour
+_HEARTBEAT_GRACE = 2 * _SLICE
 
 
 class DataPlane:
@@ -99,6 +103,11 @@ class DataPlane:
         self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
         self._local_pids: dict[int, int] = {}  # same-host peers' process ids
         self._authenticated: set[int] = set()  # peers whose connection completed its handshake
+        #: peers whose connection has not completed its handshake yet: peer -> since when this rank
+        #: waits for it.  A peer that died after the rendezvous but before connecting leaves no
+        #: connection to lose: it is lost once its process is gone (same host) or after the peer timeout.
+        self.unconnected: dict[int, float] = {}
+        self._never_connected: set[int] = set()
         #: peers whose bound socket saw a connection close (the peer's, or a stranger's): peer ->
         #: when; re-checked until the peer is found gone or still attached after _SUSPECT_SECONDS
         self.suspects: dict[int, float] = {}
@@ -156,6 +165,7 @@ class DataPlane:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     # only the peer holds the credentials, so only its connection gets this far
                     self._authenticated.add(peer)
+                    self.unconnected.pop(peer, None)
                 elif event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
                     self.suspects.setdefault(peer, time.monotonic())
         now = time.monotonic()
@@ -167,6 +177,12 @@ class DataPlane:
                 del self.suspects[peer]
                 log.debug("rank %d: a connection to the socket for rank %d closed, but rank %d is still "
                           "attached: a stranger (refused at the handshake, or a port scan)", self.rank, peer, peer)
+        for peer, since in sorted(self.unconnected.items()):
+            pid = self._local_pids.get(peer)
+            if (pid is not None and not _process_alive(pid)) or now - since > self._timeout:
+                del self.unconnected[peer]
+                self._never_connected.add(peer)
+                self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
         return found
 
     def _is_gone(self, peer: int, suspected_for: float) -> bool:
@@ -206,7 +222,7 @@ class DataPlane:
 
         A rank that fails because its neighbour died leaves the job too, and this rank may see
         that departure first; the notice it sent on its way out names the rank it lost.  Without
-        notices: the awaited peer if it is lost, else the lowest lost rank.
+        notices: a lost peer that never connected, the awaited peer if it is lost, else the lowest lost rank.
         """
         for peer in list(self.lost):
             self._read_notices(peer)
@@ -219,6 +235,11 @@ class DataPlane:
                     break
                 root = nxt
             return root
+        # a peer that never connected failed before any op could run: it comes first (its notice of
+        # the loss may not have reached this rank, whose connection to the notifier was not yet made)
+        never = sorted(p for p in self.lost if p in self._never_connected)
+        if never:
+            return never[0]
         return awaited if awaited in self.lost else min(self.lost)
 
     def _read_notices(self, peer: int) -> None:
@@ -244,6 +265,10 @@ class DataPlane:
         if peer not in self.lost and reporters:
             how = (f"rank {reporters[0]} reported losing it and left the job (rank {peer}'s own connection to "
                    "this rank had not closed yet)")
+        elif peer in self._never_connected:
+            how = ("it never connected to this rank after the rendezvous: "
+                   + (f"its process (pid {pid}) ended" if pid is not None and not _process_alive(pid)
+                      else f"nothing for {self._timeout:g} s (RINGCOMM_PEER_TIMEOUT)"))
         elif pid is not None and not _process_alive(pid):
             how = f"its process (pid {pid}) ended"
         else:
@@ -288,6 +313,8 @@ class DataPlane:
                 pid: int | None = None) -> None:
         """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
         self.peer_names[peer] = description
+        if peer not in self._authenticated:
+            self.unconnected.setdefault(peer, time.monotonic())
         if same_host and pid:
             self._local_pids[peer] = int(pid)
         if peer < self.rank:
@@ -419,8 +446,9 @@ class DataPlane:
         timeout (``timeout_message``, after the rank); returns the time waited so far."""
         waited += _SLICE
         self.raise_if_lost(peer, what, sending=sending)
-        if waited >= self._timeout:
-            raise PeerLostError(f"rank {self.rank}: {timeout_message}")
+        if waited >= self._timeout + _HEARTBEAT_GRACE:
+            self._notify_lost(peer)  # so that the peers waiting on this rank name ``peer`` too
+            raise PeerLostError(f"rank {self.rank}: lost rank {peer}: {timeout_message}")
         return waited
 
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:

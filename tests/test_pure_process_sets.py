@@ -274,3 +274,34 @@ def test_sublink_refuses_a_rank_outside_the_set() -> None:
     links = queue_links(3)
     with pytest.raises(ValueError):
         algorithms.SubLink(links[1], (0, 2))
+
+
+def test_a_rank_that_shut_down_fails_the_ops_it_never_submitted_in_its_sets_only() -> None:
+    from ringcomm.core.coordinator import SHUTDOWN_NAME
+
+    ctl = Controller(3, 10**9)
+    assert add(ctl, (0, 2), "a1").set_id == 1  # a set without rank 1
+    x = Request("x", wire.ALLREDUCE, "float32", ((4,),), 1)
+    done = Request("done", wire.ALLREDUCE, "float32", ((4,),), 1)
+    for r in (0, 1):
+        ctl.submit(r, done)  # rank 1 submitted this one before it left: it runs once rank 2 comes
+    ctl.submit(0, x)
+    ctl.submit(2, x)
+    ctl.submit(0, Request("y", wire.ALLREDUCE, "float32", ((4,),), 1, pset=1))
+    ctl.submit(1, Request(SHUTDOWN_NAME, wire.SHUTDOWN))
+    (resp, ranks), = ctl.take_responses()
+    assert resp.names == ("x",) and ranks == (0, 1, 2) and resp.error_kind == "mismatch"
+    assert resp.error.startswith("rank 1 shut down (its program ended, or it called shutdown()) while rank(s) "
+                                 "[0, 2] waited for it in allreduce 'x'")
+    # later ops that need rank 1 fail at once; the set without it goes on
+    ctl.submit(2, Request("z", wire.ALLREDUCE, "float32", ((4,),), 1))
+    ctl.submit(2, Request("y", wire.ALLREDUCE, "float32", ((4,),), 1, pset=1))
+    ctl.submit(2, done)
+    got = {(r.names, r.pset): r.error for r, _ in ctl.take_responses()}
+    assert got[(("y",), 1)] == "" and got[(("done",), 0)] == ""
+    assert got[(("z",), 0)].startswith("rank 1 shut down")
+    # the shutdown itself completes once every rank submitted it
+    for r in (0, 2):
+        ctl.submit(r, Request(SHUTDOWN_NAME, wire.SHUTDOWN))
+    (resp, _), = ctl.take_responses()
+    assert resp.kind == wire.SHUTDOWN and not resp.error

@@ -33,4 +33,4 @@ def test_every_rank_fails_the_refused_call_and_the_next_one_works(np_: int) -> N
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert proc.stdout.count("REFUSALS OK") == np_, out[-4000:]
-    assert proc.stdout.count("CASE ") == 7 * np_
+    assert proc.stdout.count("CASE ") == 9 * np_

@@ -45,6 +45,8 @@ class Controller:
         self._next_id = 1
         self._removed: set[int] = set()
         self._out: list[tuple[Response, tuple[int, ...]]] = []  # errors for requests that fit no set
+        #: ranks that submitted the collective shutdown: they will never submit another op
+        self._left: list[int] = []
 
     def _coordinator(self, pset: int, ranks: tuple[int, ...]) -> Coordinator:
         return Coordinator(len(ranks), self._fusion_threshold, self._itemsize, self._small, ranks, pset)
@@ -72,6 +74,25 @@ class Controller:
             self._reject(rank, req, f"{what}: {req.kind} runs on the global process set only")
         else:
             coord.submit(rank, req, now)
+            if req.kind == wire.SHUTDOWN:
+                if rank not in self._left:
+                    self._left.append(rank)
+                for c in self.sets.values():
+                    if c.is_member(rank):
+                        self._fail_waiting_for(c, rank)
+            elif self._left and req.kind != wire.JOIN:
+                for gone in self._left:
+                    if coord.is_member(gone):
+                        self._fail_waiting_for(coord, gone)
+                        break
+
+    def _fail_waiting_for(self, coord: Coordinator, rank: int) -> None:
+        """Ops of ``coord`` that ``rank`` never submitted and never will (it shut down) fail at once."""
+        for name, kind, ranks in coord.waiting_for(rank):
+            if kind not in (wire.SHUTDOWN, wire.JOIN):
+                coord.fail(name, f"rank {rank} shut down (its program ended, or it called shutdown()) while "
+                                 f"rank(s) {list(ranks)} waited for it in {kind} '{name}'{coord.where}; every "
+                                 "rank must run the same collectives before it ends", stall=False)
 
     def _reject(self, rank: int, req: Request, message: str) -> None:
         self._out.append((Response(req.kind, (req.name,), error=message, pset=req.pset), (rank,)))

@@ -314,12 +314,22 @@ class Coordinator:
             stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
         return stalls
 
-    def fail(self, name: str, message: str) -> None:
-        """Release ``name`` now as an error on every rank (a stall that lasted too long)."""
+    def fail(self, name: str, message: str, stall: bool = True) -> None:
+        """Release ``name`` now as an error on every rank (a stall that lasted too long, or with
+        ``stall=False`` a mismatch: ranks that will never submit it)."""
         if name in self._pending and name not in self._ready_set:
             self._errors[name] = message
-            self._stalled.add(name)
+            if stall:
+                self._stalled.add(name)
             self._mark_ready(name)
+
+    def waiting_for(self, rank: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """``(name, kind, ranks that submitted it)`` of every pending op that ``rank`` has not submitted."""
+        out = []
+        for name, slot in self._pending.items():
+            if rank not in slot and name not in self._ready_set and rank not in self._joined:
+                out.append((name, next(iter(slot.values())).kind, tuple(sorted(slot))))
+        return out
 
     def pending_names(self) -> list[str]:
         return list(self._pending)

@@ -16,7 +16,7 @@ import numpy as np
 
 import ringcomm as rc
 
-rc.init()
+rc.init(process_sets="dynamic")
 R, N = rc.rank(), rc.size()
 BAD = 1
 counter = 0
@@ -65,6 +65,25 @@ case("unpicklable allgather_object", lambda: rc.allgather_object(R, name="objs")
      lambda: rc.allgather_object(Unpicklable(), name="objs"), "pickle")
 case("object dtype", lambda: rc.allgather(np.ones(2), name="od"),
      lambda: rc.allgather(np.array([object()] * 2), name="od"), "object arrays")
+FIRST = list(range(N - 1))  # a set of all ranks but the last (all ranks would be the global set)
+case("add_process_set ranks", lambda: rc.add_process_set(FIRST), lambda: rc.add_process_set([0, N + 5]),
+     "do not form a process set")
+# the refused registration left no set behind anywhere: the same ranks register now, with one id everywhere
+pair = rc.add_process_set(FIRST)
+ids = rc.allgather_object(pair.process_set_id, name="pair.ids")
+assert len(set(ids)) == 1 and rc.process_set_ids() == [0, ids[0]], (ids, rc.process_set_ids())
+# a barrier on a set: a rank outside it is refused at once; its members meet without it
+if pair.included():
+    rc.barrier(process_set=pair)
+else:
+    try:
+        rc.barrier(process_set=pair)
+    except rc.InvalidInputError as exc:
+        assert "is not in process set" in str(exc), exc
+    else:
+        raise AssertionError("a barrier on a set without this rank did not fail")
+after()
+print("CASE subset barrier OK", flush=True)
 assert threading.active_count() >= 1
 rc.shutdown()
 print("REFUSALS OK", flush=True)
