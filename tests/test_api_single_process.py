@@ -180,6 +180,18 @@ def test_reinit_many_times_in_one_process(job) -> None:
         assert rc.allreduce(np.ones(1), op=rc.Sum).tolist() == [1.0]
 
 
+def test_timeline_uses_horovods_names_and_is_readable_while_running(job, tmp_path) -> None:
+    path = tmp_path / "live.json"
+    rc.start_timeline(str(path), mark_cycles=True)
+    rc.allreduce(np.ones(3), op=rc.Sum)  # unnamed: allreduce.noname.N
+    rc.allgather(np.ones(2), name="allgather.x")
+    rc.allreduce(np.ones(3), name="grad.w")  # a name that does not tell the kind
+    text = path.read_text()  # before stop_timeline: every event is already on disk
+    rc.stop_timeline()
+    assert "allreduce.noname." in text and "NEGOTIATE_ALLREDUCE" in text and "NEGOTIATE_ALLGATHER" in text
+    assert '"CYCLE_START"' in text and '"NEGOTIATE"' in text
+
+
 def test_timeline_records_the_phases_of_an_allreduce_in_order(job, tmp_path) -> None:
     import json
 
@@ -200,7 +212,7 @@ def test_timeline_records_the_phases_of_an_allreduce_in_order(job, tmp_path) -> 
         assert [e["name"] for e in phases] == expected
         starts = [e["ts"] for e in phases]
         assert starts == sorted(starts) and all(e["dur"] >= 0 for e in phases)
-    assert any(e["name"] == "CYCLE" for e in events)
+    assert any(e["name"] == "CYCLE_START" for e in events)
     assert any(e.get("name") == "BROADCAST" for e in events)
 
 
