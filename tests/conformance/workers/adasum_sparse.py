@@ -188,6 +188,14 @@ def check_sparse_optimizer() -> None:
         with opt.skip_synchronize():
             opt.step()
         ranks_agree(emb.detach(), f"embedding after a sparse step {kwargs}")
+    # SparseAdam takes only sparse gradients: the reduced gradient must stay sparse
+    emb_model = torch.nn.Embedding(10, 3, sparse=True)
+    hvd.broadcast_parameters(emb_model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb_model.parameters()), lr=0.1),
+                                   named_parameters=emb_model.named_parameters())
+    emb_model((torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]]) + R) % 10).sum().backward()
+    opt.step()
+    ranks_agree(emb_model.weight.detach(), "embedding after a SparseAdam step")
 
 
 if POW2:
