@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .core import ops, wire
+from .core import adasum, ops, wire
 from .core.coordinator import JOIN_NAME
 from .core.ops import Average, ReduceOp
-from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError
-from .handles import GroupHandle, Handle
+from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
+from .handles import GroupHandle, Handle, MappedHandle
 from .process_sets import ProcessSet, global_process_set
 from .runtime import (  # re-exported: the public API is ringcomm.api's names
     Runtime,
@@ -59,7 +59,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
     timeline_span as timeline_span,
 )
 
-AnyHandle = Handle | GroupHandle
+AnyHandle = Handle | GroupHandle | MappedHandle
 log = logging.getLogger("ringcomm")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -167,18 +167,20 @@ def allreduce_async(
     postscale_factor: float = 1.0,
     out: np.ndarray | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Handle:
+) -> Handle | MappedHandle:
     """Start an allreduce; ``synchronize(handle)`` returns the reduced array (``out`` if given)."""
     rt = current("allreduce")
-    pset, _ = rt.resolve_set(process_set, "allreduce")
+    pset, members = rt.resolve_set(process_set, "allreduce")
     name = rt.auto_name("allreduce", name, pset)
     what = f"allreduce {name!r}"
     a = as_array(arr, what)
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
-    req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
-                       pset=pset)
+    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
+    if rop is ReduceOp.ADASUM:
+        return _adasum_async(rt, pset, len(members), name, [a], pre, post, [_check_out(out, a, what)], what,
+                             grouped=False)
+    req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1, pre, post, pset=pset)
     return rt.submit(req, [a], [_check_out(out, a, what)])
 
 
@@ -201,10 +203,10 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
 def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             outs: Sequence[np.ndarray | None] | None = None,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+                            process_set: ProcessSet = global_process_set) -> Handle | MappedHandle:
     """Reduce a list of arrays (one dtype) as one fused op; the result is a list (``outs`` if given)."""
     rt = current("grouped_allreduce")
-    pset, _ = rt.resolve_set(process_set, "grouped_allreduce")
+    pset, members = rt.resolve_set(process_set, "grouped_allreduce")
     name = rt.auto_name("grouped_allreduce", name, pset)
     what = f"grouped_allreduce {name!r}"
     if isinstance(arrs, np.ndarray) or not isinstance(arrs, Sequence) or len(arrs) == 0:
@@ -215,13 +217,47 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
         raise InvalidTypeError(f"{what}: all arrays of a group must share a dtype, got {sorted(dtypes)}")
     dt = ops.check_dtype(arrays[0].dtype, what)
     rop = ops.check_op(op, dt, what)
-    req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
-                       pset=pset)
+    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
     if outs is not None and len(outs) != len(arrays):
         raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
     checked = [_check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
+    if rop is ReduceOp.ADASUM:
+        return _adasum_async(rt, pset, len(members), name, arrays, pre, post, checked, what, grouped=True)
+    req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1, pre, post, pset=pset)
     return rt.submit(req, arrays, checked, grouped=True)
+
+
+def _adasum_async(rt: Runtime, pset: int, members: int, name: str, arrays: list[np.ndarray], pre: float, post: float,
+                  outs: list[np.ndarray | None], what: str, grouped: bool) -> MappedHandle:
+    """Adasum over an allgather: every rank reduces all ranks' buffers in VHDD order (:mod:`ringcomm.core.adasum`),
+    so every rank holds bitwise the same result."""
+    if not adasum.is_power_of_two(members):
+        raise UnsupportedError(
+            f"{what} on rank {rt.topo.rank}: op=Adasum needs a power-of-two number of ranks "
+            f"(as Horovod's), this {'process set' if pset else 'job'} has {members}; "
+            "run on 1, 2, 4, 8... ranks, reduce over a process set of such a size, or use op=Average"
+        )
+    flat = np.concatenate([a.reshape(-1) for a in arrays])  # a copy: the inputs stay as they are
+    ops.scale_inplace(flat, pre)
+    counts = [a.size for a in arrays]
+    shapes = [a.shape for a in arrays]
+    gathered = rt.submit(wire.Request(name, wire.ALLGATHER, ops.check_dtype(flat.dtype, what), ((1, flat.size),),
+                                      pset=pset), [flat.reshape(1, -1)])
+
+    def finish(rows: np.ndarray) -> Any:
+        result = adasum.tree_reduce(list(rows), counts)
+        ops.scale_inplace(result, post)
+        parts, start = [], 0
+        for shape, count, out in zip(shapes, counts, outs):
+            part = result[start:start + count].reshape(shape)
+            start += count
+            if out is not None:
+                out[...] = part
+                part = out
+            parts.append(part)
+        return parts if grouped else parts[0]
+
+    return MappedHandle(name, gathered, finish)
 
 
 def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,

@@ -80,3 +80,8 @@ class HostsUpdatedInterrupt(RingcommError, RuntimeError):
 
 class ForkedProcessError(RingcommError, RuntimeError):
     """A collective was called in a process forked after ``init()``: the job's engine lives in the parent."""
+
+
+class UnsupportedError(InvalidInputError, NotImplementedError):
+    """A valid request this build does not carry out (e.g. Adasum over a number of ranks that is not a
+    power of two): a NotImplementedError, as Horovod raises."""

@@ -91,6 +91,41 @@ class GroupHandle:
         return [h.wait(timeout) for h in self._handles]
 
 
+class MappedHandle:
+    """Another handle's result passed through ``fn`` (once, on the first ``wait``).
+
+    Adasum is an allgather whose rows every rank then reduces the same way: its handle
+    is the allgather's, mapped by the reduction.
+    """
+
+    def __init__(self, name: str, inner: Handle, fn: Callable[[Any], Any]) -> None:
+        self.name = name
+        self._inner = inner
+        self._fn: Callable[[Any], Any] | None = fn
+        self._lock = _thread.allocate_lock()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<ringcomm.MappedHandle {self.name!r} {'done' if self.done() else 'pending'}>"
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        raw = self._inner.wait(timeout)
+        with self._lock:
+            if self._fn is not None:
+                fn, self._fn = self._fn, None
+                try:
+                    self._result = fn(raw)
+                except BaseException as exc:
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 @dataclasses.dataclass
 class Entry:
     """One op submitted on this rank: its request, its arrays and its handle."""

@@ -5,8 +5,10 @@ phases of one op, back to back:
 
 - ``QUEUE``: from the user thread's submit until the engine thread took it and
   sent its request to rank 0,
-- ``NEGOTIATE``: until rank 0's response arrived (waiting for the other ranks to
-  submit it, and the round trip),
+- ``NEGOTIATE_<KIND>`` (Horovod's name, e.g. ``NEGOTIATE_ALLREDUCE``) where the op's
+  name starts with its kind, as every ``ringcomm_torch`` op's (``allreduce.<name>``)
+  and every unnamed op's (``allreduce.noname.3``) does, else ``NEGOTIATE``: until
+  rank 0's response arrived (waiting for the other ranks to submit it, and the round trip),
 - allreduce: ``MEMCPY_IN_FUSION_BUFFER`` (several tensors fused; a single
   tensor is reduced where it lies), ``RING_REDUCE_SCATTER`` (until this rank's
   own chunk is fully reduced), ``RING_ALLGATHER``, ``MEMCPY_OUT_FUSION_BUFFER``;
@@ -17,7 +19,9 @@ phases of one op, back to back:
 - ``<KIND>`` (other collectives): the data movement,
 - ``MEMCPY_D2H`` / ``MEMCPY_H2D`` (``ringcomm_torch``, CUDA tensors): staging
   through pinned host memory, before ``QUEUE`` and after the result arrives,
-- ``CYCLE`` markers (``mark_cycles=True``) for each batch of responses.
+- ``CYCLE_START`` markers (``mark_cycles=True``) for each batch of responses.
+
+Every event is flushed as it is written, so the file can be read while the job runs.
 
 Written by the engine thread (and framework layers through
 :func:`ringcomm.api.timeline_span`); ``close()`` may come from any thread.
@@ -30,6 +34,16 @@ import os
 import threading
 import time
 from typing import Any, TextIO
+
+
+_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+_MARKERS = {"CYCLE": "CYCLE_START"}  # the engine's marker names -> Horovod's
+
+
+def negotiate_phase(tensor: str) -> str:
+    """``NEGOTIATE_ALLREDUCE`` for ``allreduce.x`` (the kind its name starts with), else ``NEGOTIATE``."""
+    kind = tensor.split(".", 1)[0]
+    return f"NEGOTIATE_{kind.upper()}" if kind in _KINDS and "." in tensor else "NEGOTIATE"
 
 
 class Timeline:
@@ -52,6 +66,7 @@ class Timeline:
         if f is None:
             return
         f.write(("" if self._first else ",\n") + json.dumps(event, separators=(",", ":")))
+        f.flush()
         self._first = False
 
     def _pid(self, tensor: str) -> int:
@@ -67,6 +82,8 @@ class Timeline:
         with self._lock:
             if self._file is None:
                 return
+            if phase == "NEGOTIATE":
+                phase = negotiate_phase(tensor)
             event = {"name": phase, "ph": "X", "pid": self._pid(tensor), "tid": self.rank,
                      "ts": self._us(start), "dur": round(max(0.0, end - start) * 1e6, 1)}
             if args:
@@ -76,7 +93,7 @@ class Timeline:
     def marker(self, name: str, t: float) -> None:
         with self._lock:
             if self._file is not None:
-                self._write({"name": name, "ph": "i", "s": "g", "pid": 0, "tid": self.rank, "ts": self._us(t)})
+                self._write({"name": _MARKERS.get(name, name), "ph": "i", "s": "g", "pid": 0, "tid": self.rank, "ts": self._us(t)})
 
     def close(self) -> None:
         with self._lock:

@@ -105,6 +105,7 @@ from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .handles import Handle
 from .optimizer import DistributedOptimizer, GradientsPendingError
+from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline
 
@@ -191,15 +192,14 @@ __all__ = [
     "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
 ]
 
 # Horovod names that exist there but not (yet) here: a clear error instead of a bare AttributeError.
-_NOT_YET = {
-    "sparse_allreduce_async": "sparse allreduce is not supported yet; use DistributedOptimizer(sparse_as_dense=True)",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:

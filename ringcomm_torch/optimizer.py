@@ -40,9 +40,11 @@ import torch
 from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
-from .basics import check_process_set, global_process_set
-from .collectives import Adasum, Average, allreduce_async_, grouped_allreduce_async_, synchronize
+from .basics import check_process_set, global_process_set, size
+from .collectives import Adasum, Average, _Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
+from .handles import Handle
+from .sparse import sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer", "GradientsPendingError"]
 
@@ -54,6 +56,7 @@ _TOO_MANY_PASSES_MSG = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
     "Increase backward_passes_per_step to accumulate gradients locally."
 )
+_ADASUM_SKIP_MSG = "Skipping synchronization is not supported when using Adasum optimizer."
 _STEP_AFTER_SYNC_MSG = (
     "optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
     "This can cause training slowdown. You may want to consider using optimizer.skip_synchronize() "
@@ -108,10 +111,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         key the reductions, so every rank must use the same ones.
     compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
     backward_passes_per_step: reduce every k-th backward, after accumulating k locally.
-    op: ``hvd.Average`` (default) or ``hvd.Sum`` (and Min/Max/Product).
+    op: ``hvd.Average`` (default) or ``hvd.Sum`` (and Min/Max/Product).  ``hvd.Adasum`` (on more
+        than one rank, a power of two) works as Horovod's: during backward each parameter is
+        stepped by the wrapped optimizer alone, the change is reduced with Adasum, and ``step()``
+        applies the reduced change to the starting value (``synchronize()`` does nothing then).
     gradient_predivide_factor: with Average, scale by ``1/f`` before the sum and ``f/size`` after.
     groups: an int (that many fused groups) or a list of lists of parameters to reduce together.
-    sparse_as_dense: densify sparse gradients before reducing (else they raise).
+    sparse_as_dense: densify sparse gradients before reducing; otherwise a sparse gradient
+        (``nn.Embedding(sparse=True)``) is reduced by allgathering its indices and values
+        (``hvd.sparse_allreduce_async``) and ``p.grad`` becomes the coalesced sparse result.
     process_set: reduce over the ranks of this ``hvd.ProcessSet`` only (default: every rank);
         only its members may create the optimizer (others get a ``ValueError``), e.g. with
         ``ps = hvd.ProcessSet([0, 2])`` ranks 0 and 2 average their gradients between themselves.
@@ -128,8 +136,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise InvalidInputError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
         check_process_set(process_set, "DistributedOptimizer")
-        if op == Adasum:
-            raise InvalidTypeError("DistributedOptimizer: op=Adasum is not supported by ringcomm; use Average or Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise InvalidInputError("gradient_predivide_factor not supported with op != Average")
         if int(backward_passes_per_step) < 1:
@@ -146,6 +152,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        members = size() if process_set is None or process_set is global_process_set else process_set.size()
+        # Adasum over more than one rank reduces the optimizer's steps (deltas), not the gradients
+        self._adasum = op == Adasum and (members or 1) > 1
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._lock = threading.RLock()
         self._names = self._name_parameters(named_parameters)
@@ -282,6 +291,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _form_groups(self, params: list[torch.Tensor]) -> None:
         spec = self._groups_spec
+        if self._adasum:
+            return  # each parameter steps and reduces its delta on its own
         if spec is None:
             cap = _core_api.current_settings().bucket_bytes
             if cap <= 0:
@@ -323,16 +334,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # no gradient this step (unused parameter): reduce zeros so that no rank waits for it
             p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
         grad = p.grad
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise InvalidTypeError(
-                    f"DistributedOptimizer: parameter '{self._names.get(p)}' has a sparse gradient; sparse "
-                    "allreduce is not supported yet. Pass sparse_as_dense=True to DistributedOptimizer (or use "
-                    "a dense embedding).")
-            return grad.to_dense()
-        return grad
+        return grad.to_dense() if grad.is_sparse else grad
+
+    def _sparse(self, p: torch.Tensor) -> bool:
+        """Reduced as a sparse tensor (indices and values allgathered), as Horovod does without sparse_as_dense."""
+        return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense
 
     def _submit(self, p: torch.Tensor) -> tuple[Any, Any]:
+        if self._adasum:
+            return self._submit_delta(p)
+        if self._sparse(p):
+            assert p.grad is not None
+            return sparse_allreduce_async(p.grad, name=self._names[p], op=self.op, process_set=self.process_set), None
         tensor = self._dense_grad(p)
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._scales()
@@ -340,7 +353,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
         return handle, (ctx, compressed)
 
+    def _submit_delta(self, p: torch.Tensor) -> tuple[Any, Any]:
+        """Adasum: step the wrapped optimizer on ``p`` alone, reduce the change it made (Adasum), and
+        keep the starting value; ``step()`` sets ``p`` to the start plus the reduced change."""
+        start = p.detach().clone()
+        stashed = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = [q for q in group["params"] if q is p]
+            self._optimizer.step()
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        with torch.no_grad():
+            p.sub_(start)  # p holds the delta until step()
+        compressed, cctx = self._compression.compress(p.detach())
+        handle = allreduce_async_(compressed, name=self._names[p], op=Adasum, process_set=self.process_set)
+        return handle, (start, cctx)
+
     def _submit_group(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        if any(self._sparse(p) for p in group):
+            # a sparse gradient cannot share a fused buffer: each member is reduced on its own
+            parts = [self._submit(p) for p in group]
+            handle = Handle("allreduce", self._names[group[0]], _Several([h for h, _ in parts]), lambda raw: raw)
+            return handle, [c for _, c in parts]
         tensors = [self._dense_grad(p) for p in group]
         pairs = [self._compression.compress(t) for t in tensors]
         pre, post = self._scales()
@@ -373,6 +409,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.setdefault(group, (None, None))
 
     def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        if ctx is None:  # a sparse reduction: every rank's entries, summed per index
+            p.grad = output.coalesce()
+            return
         cctx, sent = ctx
         value = self._compression.decompress(output, cctx)
         assert p.grad is not None  # only parameters with a gradient are written back
@@ -386,8 +425,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Finish every gradient reduction of this step; ``p.grad`` then holds the reduced values.
 
         Parameters that received no gradient are reduced as zeros, so ranks whose
-        forward pass skipped a layer do not leave the others waiting.
+        forward pass skipped a layer do not leave the others waiting.  With ``op=Adasum``
+        (more than one rank) there is nothing to do here: ``step()`` finishes the reductions.
         """
+        if self._adasum:
+            return
         with self._lock:
             # start whatever has not been started: parameters without gradients and delayed passes
             for group in list(self._group_counts):
@@ -441,6 +483,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with optimizer.skip_synchronize():
                 optimizer.step()
         """
+        if self._adasum:
+            raise GradientsPendingError(_ADASUM_SKIP_MSG)
         self._should_synchronize = False
         try:
             yield
@@ -449,12 +493,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """``synchronize()`` (unless inside ``skip_synchronize()``), then the wrapped optimizer's step."""
+        if self._adasum:
+            return self._adasum_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(_STEP_AFTER_SYNC_MSG, stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return self._optimizer.step() if closure is None else self._optimizer.step(closure)
+
+    def _adasum_step(self, closure: Any) -> Any:
+        """Adasum: every parameter's delta (stepped during backward, or now if it had no gradient) is
+        reduced with Adasum, and the parameter becomes its starting value plus the reduced delta."""
+        loss = closure() if closure is not None else None
+        with self._lock:
+            for p in self._requires_update:
+                entry = self._handles.get(p)
+                if entry is None or entry[0] is None:
+                    self._handles[p] = self._submit_delta(p)
+            handles, self._handles = self._handles, {}
+            self._reset_delays()
+        error: BaseException | None = None
+        for p, (handle, (start, cctx)) in handles.items():
+            try:
+                delta = self._compression.decompress(synchronize(handle), cctx)
+            except BaseException as exc:  # finish the others, then raise the first failure
+                error = error or exc
+                continue
+            with torch.no_grad():
+                p.copy_(start.add_(delta))
+        if error is not None:
+            raise error
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; refused while reductions are pending."""

@@ -88,4 +88,4 @@ def test_timeline_shows_device_host_copies(tmp_path):
     phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
                                         key=lambda e: e["ts"])]
     assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases
-    assert "NEGOTIATE" in phases
+    assert "NEGOTIATE_ALLREDUCE" in phases

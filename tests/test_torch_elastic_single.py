@@ -29,30 +29,68 @@ def test_partition_covers_remaining_indices_evenly(n, replicas, data):
 
 @given(st.integers(1, 80), st.integers(1, 5), st.integers(1, 5), st.integers(0, 6), st.integers(1, 4),
        st.booleans(), st.integers(0, 3))
-def test_sampler_repartitions_only_unprocessed_indices_after_a_reset(n, before, after, batches, batch_size,
-                                                                       shuffle, epoch):
-    """`before` ranks process some batches and commit; the world becomes `after` ranks; what they are
-    handed is exactly what nobody processed, split evenly."""
+def test_sampler_repartitions_only_unprocessed_samples_after_a_reset(n, before, after, batches, batch_size,
+                                                                    shuffle, epoch):
+    """`before` ranks step through some batches together and commit; the world becomes `after` ranks;
+    what they are handed is exactly what nobody was handed in those batches, split evenly."""
     dataset = list(range(n))
     samplers = [ElasticSampler(dataset, shuffle=shuffle, seed=7) for _ in range(before)]
+    handed_before: set[int] = set()
     for r, s in enumerate(samplers):
         s.set_epoch(epoch)
         s.reset(rank=r, num_replicas=before)
         for b in range(batches):
+            handed_before.update(s.get_indices(b, batch_size))
             s.record_batch(b, batch_size)
-    processed = set().union(*(s.processed_indices for s in samplers))  # what the commit gathers
-    saved = {"epoch": epoch, "processed_indices": processed}
+    assert len({s.processed_num for s in samplers}) == 1
+    assert samplers[0].processed_num == batches * batch_size * before
+    saved = samplers[0].state_dict()
     fresh = [ElasticSampler(dataset, shuffle=shuffle, seed=7) for _ in range(after)]
     for r, s in enumerate(fresh):
         s.load_state_dict(saved)
         s.reset(rank=r, num_replicas=after)
     handed = [list(s) for s in fresh]
-    remaining = set(dataset) - processed
-    assert set(i for h in handed for i in h) == remaining
-    assert not processed & set(i for h in handed for i in h)
+    order = _epoch_order(n, shuffle, epoch)
+    remaining = order[saved["processed_num"]:]
+    assert set(i for h in handed for i in h) == set(remaining)
+    if len(handed_before) == min(n, saved["processed_num"]):  # no padding was handed out: exactly the rest
+        assert set(remaining) == set(dataset) - handed_before
     assert len({len(h) for h in handed}) == 1 and len(fresh[0]) == len(handed[0])
-    # the same epoch gives the same order on every rank and after every reset
-    assert fresh[0].remaining_indices == [i for i in _epoch_order(n, shuffle, epoch) if i not in processed]
+    assert fresh[0].remaining_indices == remaining  # the same order on every rank and after every reset
+
+
+def test_recorded_indices_are_left_out_after_a_reset_too():
+    s = ElasticSampler(list(range(10)), shuffle=False)
+    s.reset(rank=0, num_replicas=2)
+    s.record_batch(0, 2)  # samples 0..3 done on both ranks
+    s.record_indices([7, 9])  # and a rank that ran ahead did these
+    saved = s.state_dict()
+    assert saved == {"epoch": 0, "processed_num": 4, "processed_indices": {7, 9}}
+    t = ElasticSampler(list(range(10)), shuffle=False)
+    t.load_state_dict(saved)
+    t.reset(rank=1, num_replicas=2)
+    assert t.remaining_indices == [4, 5, 6, 8] and list(t) == [5, 8]
+    t.load_state_dict({"epoch": 0, "processed_num": 6})  # a state without indices (as Horovod's)
+    assert t.remaining_indices == [6, 7, 8, 9]
+
+
+def test_horovod_style_epochs_repeat_until_set_epoch_and_count_on_one_rank():
+    s = ElasticSampler(list(range(8)), shuffle=True)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=s)
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            s.record_batch(i, 2)
+            assert s.processed_num == 2 * (i + 1)
+    assert sum(1 for _ in loader) == 4  # no set_epoch: the same samples again, progress kept
+    assert s.processed_num == len(s) == 8
+    s.set_epoch(2)
+    s.record_batch(0, 2)
+    s.record_batch(1, 2)
+    s.load_state_dict(s.state_dict())
+    assert len(s) == 4 and sum(1 for _ in loader) == 2
+    s.set_epoch(3)
+    assert s.processed_num == 0 and len(s) == 8
 
 
 def _epoch_order(n: int, shuffle: bool, epoch: int) -> list[int]:
@@ -65,11 +103,11 @@ def test_set_epoch_clears_progress_and_changes_the_shuffle():
     s = ElasticSampler(list(range(20)), shuffle=True, seed=1)
     first = list(s)
     s.record_batch(0, 5)
-    assert len(s.processed_indices) == 5 and len(s) == 20
+    assert s.processed_num == 5 and len(s) == 20
     s.reset()
     assert len(s) == 15
     s.set_epoch(1)
-    assert not s.processed_indices and len(s) == 20 and list(s) != first
+    assert s.processed_num == 0 and not s.processed_indices and len(s) == 20 and list(s) != first
 
 
 @pytest.fixture
@@ -109,7 +147,7 @@ def test_torch_state_restore_returns_to_the_commit(single):
     state.restore()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in committed.items())
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
-    assert state.epoch == 1 and sampler.processed_indices == {0, 1} and list(sampler) == list(range(2, 10))
+    assert state.epoch == 1 and sampler.processed_num == 2 and list(sampler) == list(range(2, 10))
     state.sync()  # size 1: rank 0's own state
     assert all(torch.equal(model.state_dict()[k], v) for k, v in committed.items())
 

@@ -46,9 +46,18 @@ def test_every_horovod_name_exists():
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
 
 
-def test_out_of_scope_names_explain_themselves():
-    with pytest.raises(AttributeError, match="not supported yet"):
-        hvd.sparse_allreduce_async  # noqa: B018
+def test_sparse_allreduce_on_one_rank_returns_the_entries_and_refuses_dense_tensors():
+    t = torch.sparse_coo_tensor(torch.tensor([[0, 2, 2]]), torch.tensor([1.0, 5.0, 1.0]), (4,),
+                                check_invariants=False)
+    h = hvd.sparse_allreduce_async(t, name="single.sparse", op=hvd.Sum)
+    assert torch.equal(h().coalesce().to_dense(), torch.tensor([1.0, 0.0, 6.0, 0.0]))
+    assert torch.equal(hvd.synchronize(h).to_dense(), t.to_dense())
+    with pytest.raises(TypeError, match="sparse COO tensor"):
+        hvd.sparse_allreduce_async(torch.ones(2), name="single.dense", op=hvd.Sum)
+    with pytest.raises(TypeError, match="op="):
+        hvd.sparse_allreduce_async(t, name="single.max", op=hvd.Max)
+    with pytest.raises(AttributeError, match="no attribute"):
+        hvd.no_such_name  # noqa: B018
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -347,8 +356,12 @@ def test_sparse_gradients():
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
                                    named_parameters=emb.named_parameters())
-    with pytest.raises(TypeError, match="'weight' has a sparse gradient"):
-        emb(torch.tensor([1, 2])).sum().backward()
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    opt.synchronize()  # reduced sparse (indices and values allgathered), coalesced
+    assert emb.weight.grad.is_sparse and emb.weight.grad.is_coalesced()
+    assert emb.weight.grad.to_dense()[:3].tolist() == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+    with opt.skip_synchronize():
+        opt.step()
     emb2 = torch.nn.Embedding(10, 3, sparse=True)
     before = emb2.weight.detach().clone()
     opt2 = hvd.DistributedOptimizer(torch.optim.SGD(emb2.parameters(), lr=0.1),

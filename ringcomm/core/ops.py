@@ -66,9 +66,10 @@ def check_op(op: object, dtype_name: str, what: str) -> ReduceOp:
         raise InvalidTypeError(
             f"{what}: op={op!r} is not a reduce op; use ringcomm.Sum, Average, Min, Max or Product"
         ) from None
-    if rop is ReduceOp.ADASUM:
+    if rop is ReduceOp.ADASUM and dtype_name not in ("float16", "float32", "float64"):
         raise InvalidTypeError(
-            f"{what}: op=Adasum is not supported by ringcomm; use Average or Sum"
+            f"{what}: op=Adasum reduces float16, float32 and float64 tensors, got {dtype_name}; "
+            "convert with arr.astype(np.float32), or use Sum or Average"
         )
     if dtype_name == "bool" and rop is ReduceOp.AVERAGE:
         raise InvalidTypeError(

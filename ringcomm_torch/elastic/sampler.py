@@ -1,16 +1,20 @@
 """``ElasticSampler``: a ``DistributedSampler`` that re-partitions what is left of the epoch after a reset.
 
-What each rank sees (10 samples, ``shuffle=False``)::
+Progress is counted as Horovod's sampler counts it: ``processed_num`` samples of the
+epoch's order are done, and ``record_batch(i, batch_size)`` adds one batch on every rank
+(``batch_size * num_replicas``), as ranks step together.  What each rank sees
+(10 samples, ``shuffle=False``)::
 
     sampler = ElasticSampler(dataset)             # size 2:  rank 0: [0, 2, 4, 6, 8]   rank 1: [1, 3, 5, 7, 9]
-    sampler.record_batch(0, batch_size=2)         # rank 0 did [0, 2], rank 1 did [1, 3]
-    state.commit()                                # every rank: processed = {0, 1, 2, 3}
-    # a worker joins; after the reset (size 3), the 6 unprocessed samples are split anew:
+    sampler.record_batch(0, batch_size=2)         # processed_num == 4: samples 0..3 are done
+    state.commit()
+    # a worker joins; after the reset (size 3), the 6 remaining samples are split anew:
     #                                               rank 0: [4, 7]   rank 1: [5, 8]   rank 2: [6, 9]
 
-Put the sampler in a ``TorchState`` (it then gathers every rank's processed
-indices at each commit), call ``record_batch`` after each batch, and
-``set_epoch`` at the *end* of each epoch (it clears the processed indices).
+Ranks that progress unevenly can name what they did instead: ``record_indices(idx)``
+marks dataset indices done; every commit gathers every rank's, and the next reset
+leaves them out too.  Put the sampler in a ``TorchState``, record after each batch,
+and call ``set_epoch`` at the *end* of each epoch (it clears the progress).
 """
 
 from __future__ import annotations
@@ -49,10 +53,11 @@ def partition_indices(indices: Sequence[int], rank: int, num_replicas: int) -> l
 
 
 class ElasticSampler(torch.utils.data.Sampler):
-    """Partitions ``dataset`` over the ranks; after a reset, only the unprocessed indices are partitioned.
+    """Partitions ``dataset`` over the ranks; after a reset, only the unprocessed samples are partitioned.
 
     ``shuffle`` uses one permutation per epoch (``seed + epoch``), the same on
-    every rank and across resets.
+    every rank and across resets.  ``state_dict()`` holds ``epoch``, ``processed_num``
+    and ``processed_indices``.
     """
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0) -> None:
@@ -60,6 +65,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.processed_num = 0
         self.processed_indices: set[int] = set()
         self.num_replicas = 1
         self.rank = 0
@@ -70,8 +76,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch``: forget the processed indices, new permutation.  Call it at an epoch's end."""
+        """Start epoch ``epoch``: no progress, a new permutation.  Call it at an epoch's *end*."""
         self.epoch = epoch
+        self.processed_num = 0
         self.processed_indices = set()
         self.reset()
 
@@ -81,24 +88,26 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Mark batch ``batch_idx`` of this rank's current partition as processed."""
-        self.record_indices(self.get_indices(batch_idx, batch_size))
+        """One batch of ``batch_size`` done on every rank: ``processed_num += batch_size * num_replicas``."""
+        self.processed_num += batch_size * self.num_replicas
 
     def record_indices(self, indices: Iterable[int]) -> None:
-        """Mark dataset ``indices`` as processed (they are not handed out again this epoch)."""
+        """Mark dataset ``indices`` as processed (not handed out again this epoch, after the next reset)."""
         self.processed_indices.update(int(i) for i in indices)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        return {"epoch": self.epoch, "processed_num": self.processed_num,
+                "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take ``epoch`` and ``processed_indices``, and re-partition for the current world."""
+        """Take ``epoch``, ``processed_num`` (and ``processed_indices``), and re-partition for the current world."""
         self.epoch = int(state_dict["epoch"])
-        self.processed_indices = set(state_dict["processed_indices"])
+        self.processed_num = int(state_dict.get("processed_num", 0))
+        self.processed_indices = set(state_dict.get("processed_indices", ()))
         self.reset()
 
     def reset(self, rank: int | None = None, num_replicas: int | None = None) -> None:
-        """Re-partition the unprocessed indices over the current world (or the given ``rank``/``num_replicas``)."""
+        """Re-partition the unprocessed samples over the current world (or the given ``rank``/``num_replicas``)."""
         if num_replicas is None:
             num_replicas = _rc.size() if _rc.is_initialized() else 1
         if rank is None:
@@ -107,7 +116,8 @@ class ElasticSampler(torch.utils.data.Sampler):
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)
-        self.remaining_indices = [i for i in order if i not in self.processed_indices]
+        done = self.processed_indices
+        self.remaining_indices = [i for i in order[self.processed_num:] if i not in done]
         self.num_samples = math.ceil(len(self.remaining_indices) / num_replicas)
         self.total_size = self.num_samples * num_replicas
         self.indices = partition_indices(self.remaining_indices, rank, num_replicas)

@@ -12,6 +12,9 @@ multi-process run, so the tier costs a handful of interpreter start-ups:
   allgather_object, fp16 compression, DistributedOptimizer naming (duplicates, missing,
   ``_parameter_names``), ranks stepping on different subgraphs, dynamic requires_grad, gradient
   clipping with synchronize/skip_synchronize and the step warning.
+- adasum_sparse.py (np 2, 3, 4): Adasum allreduce / grouped allreduce / DistributedOptimizer against
+  a NumPy pairwise tree (refused with NotImplementedError at np 3), sparse_allreduce_async and sparse
+  gradients in DistributedOptimizer against the dense reduction.
 """
 
 from __future__ import annotations
@@ -54,3 +57,11 @@ def test_collectives_scaling_gradients_errors_join(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_optimizer_state_objects_and_naming(np_):
     run_job(np_, "training.py", timeout=90)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_adasum_and_sparse_against_references(np_):
+    """Adasum (allreduce, grouped, DistributedOptimizer) and sparse allreduce against NumPy/dense
+    references; Adasum is refused at np 3 (not a power of two), as Horovod refuses it."""
+    run_job(np_, "adasum_sparse.py", timeout=110)
