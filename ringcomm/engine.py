@@ -42,7 +42,7 @@ from .executor import DATA_KINDS, Executor
 from .core.service import Service
 from .core.session import Session
 from .handles import Entry, Handle
-from .timeline import Timeline
+from .timeline import Timeline, negotiate_phase
 from .topology import Topology
 from .names import ipc_base, ipc_file, remove_files
 from .transport import DataPlane
@@ -490,7 +490,7 @@ class Engine:
         if tl is not None:
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
-                tl.span(e.req.name, "NEGOTIATE", e.drained_at or start, start if reduced_at is None else reduced_at)
+                tl.span(e.req.name, negotiate_phase(e.req.kind), e.drained_at or start, start if reduced_at is None else reduced_at)
         if step.error is not None:
             for e in entries:
                 e.handle.set_error(step.error)

@@ -5,9 +5,8 @@ phases of one op, back to back:
 
 - ``QUEUE``: from the user thread's submit until the engine thread took it and
   sent its request to rank 0,
-- ``NEGOTIATE_<KIND>`` (Horovod's name, e.g. ``NEGOTIATE_ALLREDUCE``) where the op's
-  name starts with its kind, as every ``ringcomm_torch`` op's (``allreduce.<name>``)
-  and every unnamed op's (``allreduce.noname.3``) does, else ``NEGOTIATE``: until
+- ``NEGOTIATE_<KIND>`` (Horovod's names: ``NEGOTIATE_ALLREDUCE``,
+  ``NEGOTIATE_ALLGATHER``, ...; the op's kind, whatever its name): until
   rank 0's response arrived (waiting for the other ranks to submit it, and the round trip),
 - allreduce: ``MEMCPY_IN_FUSION_BUFFER`` (several tensors fused; a single
   tensor is reduced where it lies), ``RING_REDUCE_SCATTER`` (until this rank's
@@ -36,14 +35,12 @@ import time
 from typing import Any, TextIO
 
 
-_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 _MARKERS = {"CYCLE": "CYCLE_START"}  # the engine's marker names -> Horovod's
 
 
-def negotiate_phase(tensor: str) -> str:
-    """``NEGOTIATE_ALLREDUCE`` for ``allreduce.x`` (the kind its name starts with), else ``NEGOTIATE``."""
-    kind = tensor.split(".", 1)[0]
-    return f"NEGOTIATE_{kind.upper()}" if kind in _KINDS and "." in tensor else "NEGOTIATE"
+def negotiate_phase(kind: str) -> str:
+    """Horovod's name of the negotiation of an op of ``kind``: ``NEGOTIATE_ALLREDUCE`` for ``"allreduce"``."""
+    return f"NEGOTIATE_{kind.upper()}"
 
 
 class Timeline:
@@ -82,8 +79,6 @@ class Timeline:
         with self._lock:
             if self._file is None:
                 return
-            if phase == "NEGOTIATE":
-                phase = negotiate_phase(tensor)
             event = {"name": phase, "ph": "X", "pid": self._pid(tensor), "tid": self.rank,
                      "ts": self._us(start), "dur": round(max(0.0, end - start) * 1e6, 1)}
             if args:

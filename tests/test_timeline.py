@@ -25,11 +25,11 @@ def test_timeline_shows_queue_negotiation_copies_and_ring_phases_in_order(tmp_pa
     events = json.loads(path.read_text())  # a complete JSON array: the file was closed at shutdown
 
     expected = {
-        "big": ["QUEUE", "NEGOTIATE", "RING_REDUCE_SCATTER", "RING_ALLGATHER"],
-        "fused": ["QUEUE", "NEGOTIATE", "MEMCPY_IN_FUSION_BUFFER", "RING_REDUCE_SCATTER", "RING_ALLGATHER",
+        "big": ["QUEUE", "NEGOTIATE_ALLREDUCE", "RING_REDUCE_SCATTER", "RING_ALLGATHER"],
+        "fused": ["QUEUE", "NEGOTIATE_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "RING_REDUCE_SCATTER", "RING_ALLGATHER",
                   "MEMCPY_OUT_FUSION_BUFFER"],
-        "small": ["QUEUE", "NEGOTIATE", "RANK0_REDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
-        "gathered": ["QUEUE", "NEGOTIATE", "RANK0_GATHER"],
+        "small": ["QUEUE", "NEGOTIATE_ALLREDUCE", "RANK0_REDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
+        "gathered": ["QUEUE", "NEGOTIATE_ALLGATHER", "RANK0_GATHER"],
     }
     for op, names in expected.items():
         spans = _phases(events, op)
