@@ -137,3 +137,18 @@ def test_the_package_imports_no_circles_even_inside_functions() -> None:
 def test_the_cycle_finder_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+#: The longest a module of the runtime or the torch package may be (lines, blank ones included).
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_longer_than_600_lines() -> None:
+    """Modules named for what they hold stay readable in one sitting: split one that grows past this."""
+    import ringcomm_torch
+
+    roots = [PKG, pathlib.Path(ringcomm_torch.__file__).parent]
+    files = [p for root in roots for p in root.rglob("*.py")]
+    assert len(files) > 50
+    long = {str(p.relative_to(PKG.parent)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}; split each along what it holds"
