@@ -109,7 +109,7 @@ class Engine:
         self._small_gather = self._small // max(1, self.size)
         # in-flight ops, op counts, response caches (every member records a set's responses in the
         # same order; rank 0's service records every set's) and the process-set registry
-        self._session = Session(self.rank, self.size, topo.secret, settings.cache_capacity, self._small,
+        self._session: Session[Entry] = Session(self.rank, self.size, topo.secret, settings.cache_capacity, self._small,
                                 self._small_gather, hierarchical.PHASES, records=self.rank != 0)
         self._service = Service(self.size, topo.secret, settings.fusion_threshold, self._small, settings.cache_capacity,
                                 settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None

@@ -30,15 +30,16 @@ import secrets
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from types import FrameType
 from typing import Protocol
 
 from . import hosts as _hosts
 from . import netaddr, remote
-from ._proc import Worker, describe_exit, emit, exit_status, spawn, stop_all
+from .supervise import (
+    GRACE_SECONDS, REMOTE_GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, exit_status, remove_job_files, spawn,
+    stop_all,
+)
 from .errors import InvalidInputError
 from .launch_args import build_parser, parse_args, plan_hosts
 from .rendezvous import RendezvousServer
@@ -46,12 +47,8 @@ from .rendezvous import RendezvousServer
 __all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
            "output_paths"]
 
-#: Seconds workers get between SIGTERM and SIGKILL.
-GRACE_SECONDS = 3.0
 #: After the first failure, how long the launcher waits for other ranks to exit on their own.
 SETTLE_SECONDS = 1.0
-#: Seconds a remote rank gets between SIGTERM and SIGKILL on its host (within the launcher's grace).
-REMOTE_GRACE_SECONDS = GRACE_SECONDS - 1.0
 #: Seconds the launcher waits for the last output once every process is gone.
 _DRAIN_SECONDS = 2.0
 _PROG = "ringcomm-run"
@@ -129,46 +126,8 @@ def worker_env(
     return env
 
 
-class _SignalCatcher:
-    """Turns SIGINT/SIGTERM/SIGHUP into a list the main loop reads (handlers only set state)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; run_job still cleans up
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)  # type: ignore[arg-type]
-        self._previous.clear()
-
-
 def _say(text: str) -> None:
     emit(sys.stderr, f"{_PROG}: {text}")
-
-
-def _remove_job_files(job_id: str) -> None:
-    """Shared-memory rings and ipc sockets of a job whose workers died before cleaning up."""
-    import glob
-
-    from . import names
-
-    for pattern in names.job_globs(job_id):
-        for path in glob.glob(pattern):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
 
 class JobHooks(Protocol):
@@ -212,7 +171,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
         return 2
     exits: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
-    catcher = _SignalCatcher()
+    catcher = SignalCatcher()
     catcher.install()
     spawn_status = 0
     first_failure: Worker | None = None
@@ -260,7 +219,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
         catcher.restore()
         # If anything above raised, stop_all may not have run yet; it is idempotent.
         stop_all(workers, 0.0)
-        _remove_job_files(job_id)
+        remove_job_files(job_id)
     deadline = time.monotonic() + _DRAIN_SECONDS
     for worker in workers:
         worker.join_output(deadline)
@@ -321,7 +280,7 @@ def _output_dirs(directory: str | None, size: int) -> list[str] | None:
 
 
 def _wait_for_end(
-    workers: list[Worker], exits: "queue.Queue[Worker]", catcher: _SignalCatcher, stop_early: bool
+    workers: list[Worker], exits: "queue.Queue[Worker]", catcher: SignalCatcher, stop_early: bool
 ) -> Worker | None:
     """Block until every worker exited 0 (-> None), one failed (-> the first), or a signal came."""
     finished = 0

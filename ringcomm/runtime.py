@@ -22,6 +22,7 @@ import numpy as np
 
 from . import config, horovod_env, logsetup, topology
 from .core import wire
+from .elastic import worker as elastic_worker
 from .engine import Engine
 from .errors import (
     DuplicateNameError,
@@ -57,7 +58,7 @@ class Runtime:
             changed = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
                        if getattr(self.settings, f.name) != f.default}
             log.debug("init(): settings other than the defaults: %s", changed or "none")
-        self.topo = topology.from_env()
+        self.topo = elastic_worker.topology_from_env()  # the environment's, or the elastic driver's
         _log_topology(self.topo)
         self.round = round_
         self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets

@@ -107,7 +107,8 @@ def _check(rank: int, size: int, local_rank: int, local_size: int, src: str) -> 
         )
 
 
-def _secret(env: Mapping[str, str]) -> bytes:
+def secret_of(env: Mapping[str, str]) -> bytes:
+    """The job's secret from ``RINGCOMM_SECRET`` (hex; empty when unset)."""
     try:
         return bytes.fromhex(env.get("RINGCOMM_SECRET", ""))
     except ValueError:
@@ -367,15 +368,25 @@ def source_of(env: Mapping[str, str]) -> str:
     return "slurm" if slurm_step else "single"
 
 
-def from_env(environ: Mapping[str, str] | None = None) -> Topology:
-    """Read the topology; raises InvalidInputError for an inconsistent environment."""
-    env = os.environ if environ is None else environ
-    hostname = env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
-    if env.get("RINGCOMM_ELASTIC_WORKER"):  # started by ringcomm-run's elastic driver: ask it (blocks)
-        from .elastic.worker import topology_from_driver
+def hostname_of(env: Mapping[str, str]) -> str:
+    """This host's name: ``RINGCOMM_HOSTNAME`` (the launcher's name for it), else the system's."""
+    return env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
 
-        return topology_from_driver(env, hostname, _secret(env), env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4))
+
+def from_env(environ: Mapping[str, str] | None = None) -> Topology:
+    """Read the topology from the environment alone; raises InvalidInputError for an inconsistent one.
+
+    An elastic worker's place is not in its environment: the driver hands it out over the network
+    (:func:`ringcomm.elastic.worker.topology_from_env`, which ``init()`` calls for such a process).
+    """
+    env = os.environ if environ is None else environ
+    hostname = hostname_of(env)
     source = source_of(env)
+    if source == "elastic":
+        raise InvalidInputError(
+            f"RINGCOMM_ELASTIC_WORKER={env.get('RINGCOMM_ELASTIC_WORKER')} is set: this process is an elastic "
+            "worker, whose rank comes from ringcomm-run's driver, not from the environment; read it with "
+            "ringcomm.elastic.worker.topology_from_env() (init() does), or unset the variable")
     if source == "ringcomm-run":
         return _from_ringcomm_run(env, hostname)
     if source == "torchrun":

@@ -26,9 +26,9 @@ NAME = "ringcomm"
 
 def _create(*args: Any, **kwargs: Any) -> Any:
     """torch's creator for the backend: imports the backend on first use and hands over to it."""
-    from ringcomm_torch.distributed import _create as create  # registers the rest (new_group, ...)
+    from ringcomm_torch.distributed import create_process_group  # registers the rest (new_group, ...)
 
-    return create(*args, **kwargs)
+    return create_process_group(*args, **kwargs)
 
 
 def load() -> None:

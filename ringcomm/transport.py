@@ -36,27 +36,20 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import cast
 
 import numpy as np
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from . import names, shm
 from .core import wire
 from .auth import Credentials
 from .errors import PeerLostError, ProtocolError
+from .peers import PeerWatch
 
 log = logging.getLogger("ringcomm.transport")
 
-_NOTE, _INLINE, _ACK, _LOST = wire.NOTE, wire.INLINE, wire.ACK, wire.LOST  # layouts live in the pure codec
+_NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # layouts live in the pure codec
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
-#: Seconds a closed connection on a bound socket is re-checked: the peer's own closing detaches it
-#: from the socket within milliseconds; a stranger's (refused, or a port scan) never attached
-_SUSPECT_SECONDS = 1.0
-#: A bound socket found without its peer this long after a connection closed has lost the peer
-#: (not sooner: ZeroMQ attaches a newly authenticated connection a moment after reporting it)
-_DETACHED_SECONDS = 0.1
 #: Seconds past RINGCOMM_PEER_TIMEOUT before a rank waiting on one peer gives up on it: a stopped or
 #: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
 #: name it), not by a rank that only waits behind it in a ring and would blame its innocent neighbour
@@ -100,24 +93,10 @@ class DataPlane:
         self._op: dict[int, int] = {}  # peer -> the op this rank last received from it
         self._taken: dict[int, set[int]] = {}  # peer -> tags of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
-        self._monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
-        self._local_pids: dict[int, int] = {}  # same-host peers' process ids
-        self._authenticated: set[int] = set()  # peers whose connection completed its handshake
-        #: peers whose connection has not completed its handshake yet: peer -> since when this rank
-        #: waits for it.  A peer that died after the rendezvous but before connecting leaves no
-        #: connection to lose: it is lost once its process is gone (same host) or after the peer timeout.
-        self.unconnected: dict[int, float] = {}
-        self._never_connected: set[int] = set()
-        #: peers whose bound socket saw a connection close (the peer's, or a stranger's): peer ->
-        #: when; re-checked until the peer is found gone or still attached after _SUSPECT_SECONDS
-        self.suspects: dict[int, float] = {}
-        self.lost: dict[int, str] = {}  # peers whose connection closed
-        #: peer -> the rank it reported losing (its notice arrived before it left): the first loss
-        #: travels with the failure, so a survivor whose neighbour failed *because of* another rank
-        #: names that rank
-        self.reports: dict[int, int] = {}
-        self._noticed = False  # this rank told its peers which rank it lost
-        self.peer_names: dict[int, str] = {}
+        #: which peers are still there (reads the sockets above); its maps are shared, never rebound
+        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, self._slots, self._slot_bytes)
+        self.unconnected, self.suspects, self.lost = self.peers.unconnected, self.peers.suspects, self.peers.lost
+        self.reports, self.peer_names = self.peers.reports, self.peers.peer_names
         #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers
         self.stats: collections.Counter[str] = collections.Counter()
 
@@ -144,153 +123,30 @@ class DataPlane:
             sock.setsockopt(zmq.SNDBUF, self._sockbuf)
             sock.setsockopt(zmq.RCVBUF, self._sockbuf)
         self._socks[peer] = sock
-        self._monitors[peer] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.peers.watch(peer, sock)
         return sock
 
-    # -- peer loss -----------------------------------------------------------
+    # -- peer loss (ringcomm.peers) -----------------------------------------
 
     @property
     def monitor_sockets(self) -> list[zmq.Socket]:
-        return list(self._monitors.values())
+        return list(self.peers.monitors.values())
 
     def check_peers(self) -> dict[int, str]:
         """Read pending connection events; returns the peers found lost by this call."""
-        found: dict[int, str] = {}
-        for peer, mon in self._monitors.items():
-            while True:
-                try:
-                    event = recv_monitor_message(mon, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    # only the peer holds the credentials, so only its connection gets this far
-                    self._authenticated.add(peer)
-                    self.unconnected.pop(peer, None)
-                elif event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
-                    self.suspects.setdefault(peer, time.monotonic())
-        now = time.monotonic()
-        for peer, since in sorted(self.suspects.items()):
-            if self._is_gone(peer, now - since):
-                del self.suspects[peer]
-                self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
-            elif now - since > _SUSPECT_SECONDS:
-                del self.suspects[peer]
-                log.debug("rank %d: a connection to the socket for rank %d closed, but rank %d is still "
-                          "attached: a stranger (refused at the handshake, or a port scan)", self.rank, peer, peer)
-        for peer, since in sorted(self.unconnected.items()):
-            pid = self._local_pids.get(peer)
-            if (pid is not None and not _process_alive(pid)) or now - since > self._timeout:
-                del self.unconnected[peer]
-                self._never_connected.add(peer)
-                self.lost[peer] = found[peer] = self.peer_names.get(peer, "?")
-        return found
-
-    def _is_gone(self, peer: int, suspected_for: float) -> bool:
-        """Whether a closed connection on ``peer``'s socket means the peer itself is gone.
-
-        This rank connected to lower-ranked peers: only the peer can be on the other end.
-        It bound the socket for higher-ranked peers, so anyone may connect and leave (a port
-        scan, a refused stranger): there the peer is gone once its process is (same host), or
-        once its authenticated connection is no longer attached to the socket (any host).
-        """
-        if peer < self.rank:
-            return True
-        pid = self._local_pids.get(peer)
-        if pid is not None and not _process_alive(pid):
-            return True
-        return peer in self._authenticated and suspected_for >= _DETACHED_SECONDS and not self._attached(peer)
-
-    def _attached(self, peer: int) -> bool:
-        """Whether the bound socket for ``peer`` has its peer's connection attached.
-
-        A PAIR socket is writable exactly while its one pipe is attached (no send limit is set),
-        and only an authenticated connection ever gets that pipe.  Reading ``EVENTS`` first
-        applies the commands ZeroMQ's I/O thread has posted, such as a pipe's termination.
-        """
-        sock = self._socks.get(peer)
-        return sock is not None and bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
+        return self.peers.check_peers()
 
     def raise_if_lost(self, awaited: int, what: str = "data", sending: bool = False) -> None:
         """Raise :class:`PeerLostError` if a peer is found gone, naming the rank that failed first."""
-        self.check_peers()
-        if self.lost:
-            where = f"for {what} to rank {awaited}" if sending else f"for {what} from rank {awaited}"
-            raise self.lost_error(self.culprit(awaited), f" while rank {self.rank} waited {where}")
+        self.peers.raise_if_lost(awaited, what, sending)
 
     def culprit(self, awaited: int = -1) -> int:
-        """The rank to blame among the lost ones: the one a lost peer reported losing before it left.
-
-        A rank that fails because its neighbour died leaves the job too, and this rank may see
-        that departure first; the notice it sent on its way out names the rank it lost.  Without
-        notices: a lost peer that never connected, the awaited peer if it is lost, else the lowest lost rank.
-        """
-        for peer in list(self.lost):
-            self._read_notices(peer)
-        blamed = [r for r in (self.reports.get(p) for p in sorted(self.lost)) if r is not None and r != self.rank]
-        if blamed:
-            root = blamed[0]
-            for _ in range(self.size):  # follow a chain of reports to the first loss
-                nxt = self.reports.get(root)
-                if nxt is None or nxt == self.rank or nxt == root:
-                    break
-                root = nxt
-            return root
-        # a peer that never connected failed before any op could run: it comes first (its notice of
-        # the loss may not have reached this rank, whose connection to the notifier was not yet made)
-        never = sorted(p for p in self.lost if p in self._never_connected)
-        if never:
-            return never[0]
-        return awaited if awaited in self.lost else min(self.lost)
-
-    def _read_notices(self, peer: int) -> None:
-        """Read what a lost peer left in its socket, keeping only its notice of a lost rank."""
-        sock = self._socks.get(peer)
-        while sock is not None:
-            try:
-                frames = sock.recv_multipart(copy=True, flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
-            try:
-                msg = wire.parse_data(frames[0], len(frames), self._slots, self._slot_bytes)
-            except ProtocolError:
-                continue
-            if msg.kind == b"L":
-                self.reports.setdefault(peer, msg.lost)
+        """The rank to blame among the lost ones (:meth:`ringcomm.peers.PeerWatch.culprit`)."""
+        return self.peers.culprit(awaited)
 
     def lost_error(self, peer: int, context: str = "") -> PeerLostError:
         """The error naming ``peer``, with how its loss was learned; tells the other peers, once."""
-        name = self.peer_names.get(peer, "?")
-        reporters = sorted(p for p, r in self.reports.items() if r == peer)
-        pid = self._local_pids.get(peer)
-        if peer not in self.lost and reporters:
-            how = (f"rank {reporters[0]} reported losing it and left the job (rank {peer}'s own connection to "
-                   "this rank had not closed yet)")
-        elif peer in self._never_connected:
-            how = ("it never connected to this rank after the rendezvous: "
-                   + (f"its process (pid {pid}) ended" if pid is not None and not _process_alive(pid)
-                      else f"nothing for {self._timeout:g} s (RINGCOMM_PEER_TIMEOUT)"))
-        elif pid is not None and not _process_alive(pid):
-            how = f"its process (pid {pid}) ended"
-        else:
-            how = (f"its connection closed: the process died, left the job, or stopped answering heartbeats for "
-                   f"{self._timeout:g} s (RINGCOMM_PEER_TIMEOUT)")
-        if reporters and (peer in self.lost):
-            how += f"; rank {reporters[0]} reported losing it too"
-        self._notify_lost(peer)
-        return PeerLostError(f"rank {self.rank}: lost rank {peer} ({name}): {how}{context}")
-
-    def _notify_lost(self, peer: int) -> None:
-        """Tell every other connected peer that this rank lost ``peer`` (best effort, never blocks)."""
-        if self._noticed:
-            return
-        self._noticed = True
-        for other, sock in self._socks.items():
-            if other == peer or other in self.lost:
-                continue
-            try:
-                sock.send(_LOST.pack(b"L", peer), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        return self.peers.lost_error(peer, context)
 
     # -- setup ---------------------------------------------------------------
 
@@ -312,11 +168,7 @@ class DataPlane:
     def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
                 pid: int | None = None) -> None:
         """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
-        self.peer_names[peer] = description
-        if peer not in self._authenticated:
-            self.unconnected.setdefault(peer, time.monotonic())
-        if same_host and pid:
-            self._local_pids[peer] = int(pid)
+        self.peers.expect(peer, description, pid if same_host else None)
         if peer < self.rank:
             eps = endpoints[self.rank]
             if eps is None:
@@ -340,15 +192,9 @@ class DataPlane:
         return ring
 
     def close(self) -> None:
-        for peer, mon in self._monitors.items():
-            try:
-                self._socks[peer].disable_monitor()
-            except zmq.ZMQError:
-                pass
-            mon.close(0)
-        self._monitors.clear()
+        self.peers.close()
         for sock in self._socks.values():
-            sock.close(200 if self._noticed else 0)  # a notice of a lost peer gets a moment to leave
+            sock.close(200 if self.peers.noticed else 0)  # a notice of a lost peer gets a moment to leave
         self._socks.clear()
         self._trackers.clear()
         self._stash.clear()
@@ -447,7 +293,7 @@ class DataPlane:
         waited += _SLICE
         self.raise_if_lost(peer, what, sending=sending)
         if waited >= self._timeout + _HEARTBEAT_GRACE:
-            self._notify_lost(peer)  # so that the peers waiting on this rank name ``peer`` too
+            self.peers.notify_lost(peer)  # so that the peers waiting on this rank name ``peer`` too
             raise PeerLostError(f"rank {self.rank}: lost rank {peer}: {timeout_message}")
         return waited
 
@@ -484,9 +330,7 @@ class DataPlane:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
         msg = wire.parse_data(frames[0].bytes, len(frames), self._slots, self._slot_bytes)
         if msg.kind == b"L":  # the peer lost a rank and is failing: the error will name that rank
-            self.reports.setdefault(src, msg.lost)
-            if msg.lost != self.rank:
-                self.lost.setdefault(msg.lost, self.peer_names.get(msg.lost, "?"))
+            self.peers.noted(src, msg.lost)
             return None
         if msg.kind == b"A":
             free = self._free.get(src)
@@ -618,14 +462,3 @@ class DataPlane:
                     dst, waited, "its data to be taken", True,
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
-
-
-
-def _process_alive(pid: int) -> bool:
-    """True while ``pid`` runs or is stopped; False once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")

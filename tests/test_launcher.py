@@ -285,7 +285,7 @@ def test_verbose_prints_job_id_address_and_pids():
 
 @pytest.mark.timeout(10)
 def test_exit_descriptions():
-    from ringcomm._proc import describe_exit, exit_status
+    from ringcomm.supervise import describe_exit, exit_status
 
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGSEGV) == "was killed by signal SIGSEGV"

@@ -343,3 +343,12 @@ def test_single_host_jobs_stay_on_loopback_without_a_secret() -> None:
     one_node = slurm(1, 1, 0, SLURM_NTASKS="2", SLURM_NODELIST="node01", SLURM_TASKS_PER_NODE="2")
     del one_node["RINGCOMM_SECRET"]
     assert topology.from_env(one_node).rendezvous.startswith("tcp://127.0.0.1:")
+
+
+def test_an_elastic_worker_is_not_read_from_the_environment_alone() -> None:
+    """Its place comes from the driver over the network: topology stays a reader of variables."""
+    env = {"RINGCOMM_ELASTIC_WORKER": "3", "RINGCOMM_RENDEZVOUS_ADDR": "tcp://127.0.0.1:1"}
+    with pytest.raises(InvalidInputError, match="RINGCOMM_ELASTIC_WORKER=3 .*topology_from_env"):
+        topology.from_env(env)
+    assert topology.hostname_of({"RINGCOMM_HOSTNAME": "node7"}) == "node7"
+    assert topology.secret_of({"RINGCOMM_SECRET": "0a0b"}) == b"\n\x0b"

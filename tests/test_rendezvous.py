@@ -378,7 +378,7 @@ def test_a_client_with_the_wrong_secret_times_out_promptly_and_says_why():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ringcomm import rendezvous  # noqa: E402
+from ringcomm import rendezvous_client  # noqa: E402
 
 _leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
            | st.binary(max_size=6))
@@ -392,7 +392,7 @@ def test_decoder_returns_a_map_or_none_for_any_frames(frames: list[bytes], obj: 
     """Arbitrary frames, and authenticated msgpack of any structure: a dict or None, never an exception."""
     for candidate in (frames, [sign(SECRET, f) for f in frames[:1]] + frames[1:2],
                       [sign(SECRET, b := msgpack.packb(obj)), b]):
-        got = rendezvous._decode(SECRET, candidate, "fuzz")
+        got = rendezvous_client.decode(SECRET, candidate, "fuzz")
         assert got is None or isinstance(got, dict)
 
 
@@ -420,12 +420,12 @@ def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(f
     caplog.set_level(logging.DEBUG, logger="ringcomm.rendezvous")
     if isinstance(fields.get("wait"), (int, float)):
         fields["wait"] = min(fields["wait"], 0.2) if fields["wait"] == fields["wait"] else 0.2
-    sock.send_multipart(rendezvous._encode(SECRET, {"op": op, **fields}))
-    sock.send_multipart(rendezvous._encode(SECRET, {"op": "status", "round": 99}))
+    sock.send_multipart(rendezvous_client.encode(SECRET, {"op": op, **fields}))
+    sock.send_multipart(rendezvous_client.encode(SECRET, {"op": "status", "round": 99}))
     deadline = time.monotonic() + 5
     while True:  # the status reply proves the request before it was handled and the server lives
         assert sock.poll(max(0.0, deadline - time.monotonic()) * 1000), "the server stopped answering"
-        reply = rendezvous._decode(SECRET, sock.recv_multipart(), "server")
+        reply = rendezvous_client.decode(SECRET, sock.recv_multipart(), "server")
         if reply and reply.get("op") == "status" and reply.get("size") == 2:
             break
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

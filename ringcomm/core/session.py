@@ -19,15 +19,12 @@ mutated in place), so a reader always sees one whole registry.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from . import wire
 from .cache import ResponseCache
 from ..errors import MismatchError, ProtocolError, StallError
 from .wire import Request, Response
-
-if TYPE_CHECKING:
-    from ..handles import Entry
 
 log = logging.getLogger("ringcomm.session")
 
@@ -39,17 +36,33 @@ CACHED_KINDS = (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER)
 PSET_SHIFT = 40
 
 
-class Step(NamedTuple):
+class Op(Protocol):
+    """What the session reads of one op submitted on this rank (the runtime's ``handles.Entry`` is one)."""
+
+    req: Request
+    arrays: list[Any]  # the op's buffers (``nbytes``, ``tobytes()``)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """``(process set id, name)``: names are unique per set."""
+        ...
+
+
+#: The runtime's op type the session hands back in its steps and completions.
+E = TypeVar("E", bound=Op)
+
+
+class Step(NamedTuple, Generic[E]):
     """What to do with one response on this rank."""
 
     resp: Response
-    entries: list[Entry]
+    entries: list[E]
     seq: int  # the op's data-plane sequence number (room for ``phases`` messages per op)
     members: tuple[int, ...]  # the global ranks of the op's set
     error: Exception | None  # the op failed on every member: its entries fail with this
 
 
-class Session:
+class Session(Generic[E]):
     """The per-rank state: in-flight ops, response caches, op counts, the process-set registry.
 
     ``small_bytes``: an allreduce up to this size travels with its request (rank 0
@@ -67,7 +80,7 @@ class Session:
         self._small, self._small_gather = small_bytes, small_gather_bytes
         self._phases = phases
         self._records = records
-        self.inflight: dict[tuple[int, str], Entry] = {}
+        self.inflight: dict[tuple[int, str], E] = {}
         self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
         self._seqs: dict[int, int] = {0: 0}
         self._caches: dict[int, ResponseCache] = {0: ResponseCache(cache_capacity)}
@@ -90,11 +103,11 @@ class Session:
 
     # -- events (the loop's thread) ----------------------------------------------
 
-    def track(self, entry: Entry) -> None:
+    def track(self, entry: E) -> None:
         """``entry`` is in flight from now on (rank 0: its service has the request)."""
         self.inflight[entry.key] = entry
 
-    def announce(self, entries: list[Entry]) -> list[bytes]:
+    def announce(self, entries: list[E]) -> list[bytes]:
         """Track ``entries`` and return the control frames that announce them to rank 0."""
         items: list[tuple[Request | int, int, bytes | None]] = []
         for entry in entries:
@@ -118,7 +131,7 @@ class Session:
             log.debug("rank %d: dropping control message: %s", self.rank, exc)
             return []
 
-    def begin(self, resp: Response) -> Step:
+    def begin(self, resp: Response) -> Step[E]:
         """Take the entries ``resp`` completes; number the op; record its request in the set's cache."""
         pset = resp.pset
         entries = [self.inflight.pop((pset, name)) for name in resp.names if (pset, name) in self.inflight]
@@ -155,5 +168,5 @@ class Session:
             return True
         return None
 
-    def pending(self) -> list[Entry]:
+    def pending(self) -> list[E]:
         return list(self.inflight.values())

@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 
-from .._proc import Worker, describe_exit, emit, stop_all
+from ..supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
 from ..errors import InvalidInputError
 from ..rendezvous import RendezvousServer, kv_set
 from .discovery import DiscoveryError, HostDiscoveryScript
@@ -368,9 +368,7 @@ class ElasticDriver:
 
     def run(self) -> int:
         """Start the job, supervise it, stop everything; returns the exit status."""
-        from ..launcher import GRACE_SECONDS, _remove_job_files, _SignalCatcher
-
-        self.catcher = _SignalCatcher()
+        self.catcher = SignalCatcher()
         self.catcher.install()
         status = 1
         try:
@@ -410,7 +408,7 @@ class ElasticDriver:
                 server.close()
             if self.store is not None:
                 self.store.close()
-            _remove_job_files(self.job_id)
+            remove_job_files(self.job_id)
             deadline = time.monotonic() + 2.0
             for worker in self.workers.values():
                 worker.join_output(deadline)

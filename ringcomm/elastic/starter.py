@@ -31,15 +31,13 @@ import sys
 from collections.abc import Iterable, Mapping
 
 from .. import netaddr, remote
-from .._proc import Worker, spawn
+from ..supervise import REMOTE_GRACE_SECONDS, Worker, spawn
 from ..errors import InvalidInputError
 from .discovery import is_local_host
 from .worker import TIMEOUT_VAR, WORKER_VAR
 
 __all__ = ["WorkerStarter", "REMOTE_GRACE_SECONDS"]
 
-#: Seconds a remote worker gets between SIGTERM and SIGKILL on its host.
-REMOTE_GRACE_SECONDS = 2.0
 #: rexec's rank for elastic workers: a worker's rank changes with each generation, so rexec must not
 #: remove shared-memory rings by rank (it still removes the socket files of dead processes).
 _NO_RANK = -1

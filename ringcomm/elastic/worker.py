@@ -24,6 +24,8 @@ re-formed world would use (``TorchState.check_host_updates`` broadcasts it).
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -31,15 +33,15 @@ from typing import Any
 
 import msgpack
 
-from .. import rendezvous
+from .. import rendezvous, topology
 from ..errors import RendezvousError, RendezvousTimeoutError
 from ..netaddr import is_loopback
 from ..topology import Topology, pick_address
 
-__all__ = ["World", "ElasticWaitError", "WorkerRemovedError", "topology_from_driver", "hosts_updated", "current_world", "WORKER_VAR", "TIMEOUT_VAR",
+__all__ = ["World", "ElasticWaitError", "WorkerRemovedError", "topology_from_driver", "topology_from_env", "hosts_updated", "current_world", "WORKER_VAR", "TIMEOUT_VAR",
            "pack", "unpack"]
 
-#: Set by the driver on every worker: its id.  Its presence switches topology.from_env to this module.
+#: Set by the driver on every worker: its id.  Its presence makes init() ask the driver (topology_from_env).
 WORKER_VAR = "RINGCOMM_ELASTIC_WORKER"
 #: Seconds a worker waits for the driver to form the next world.
 TIMEOUT_VAR = "RINGCOMM_ELASTIC_TIMEOUT"
@@ -154,6 +156,16 @@ def topology_from_driver(env: Mapping[str, str], hostname: str, secret: bytes, j
         hostname=str(host) or hostname, source="elastic", round=gen,
         addr="127.0.0.1" if int(size) == 1 or is_loopback(toward) else pick_address(env, [toward]),
     )
+
+
+def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology:
+    """This process's topology: from the elastic driver when it started the process (blocks), else
+    from the environment alone (:func:`ringcomm.topology.from_env`)."""
+    env = os.environ if environ is None else environ
+    if topology.source_of(env) != "elastic":
+        return topology.from_env(env)
+    return topology_from_driver(env, topology.hostname_of(env), topology.secret_of(env),
+                                env.get("RINGCOMM_JOB_ID", "") or secrets.token_hex(4))
 
 
 def hosts_updated() -> bool:

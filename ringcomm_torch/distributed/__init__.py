@@ -42,7 +42,7 @@ __all__ = ["NAME", "RingcommProcessGroup", "RingcommWork", "register", "reduce_o
 _sets: dict[tuple[int, ...], rc.ProcessSet] = {}  # ranks -> the ringcomm set registered for new_group(ranks)
 
 
-def _create(opts: Any, _backend_options: Any = None) -> RingcommProcessGroup:
+def create_process_group(opts: Any, _backend_options: Any = None) -> RingcommProcessGroup:
     """torch's creator (extended API): the store, this rank in the group, its size, the group's global ranks."""
     store, rank, size = opts.store, int(opts.group_rank), int(opts.group_size)
     timeout = opts.timeout if isinstance(opts.timeout, datetime.timedelta) else None
@@ -109,7 +109,7 @@ def register() -> None:
     """Register backend ``"ringcomm"`` with torch.distributed (idempotent); ``ringcomm-run`` jobs also get
     torch's ``env://`` variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) where missing."""
     if NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(NAME, create_process_group, extended_api=True, devices=["cpu", "cuda"])
     for mod in (dist, dist.distributed_c10d):
         if not getattr(mod.new_group, "_ringcomm_wrapped", False):
             mod.new_group = _wrap_new_group(mod.new_group)  # type: ignore[attr-defined]

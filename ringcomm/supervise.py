@@ -1,4 +1,9 @@
-"""Worker processes for ``ringcomm-run``: spawn in their own process group, pump output, stop.
+"""Process supervision shared by ``ringcomm-run`` and its elastic driver.
+
+Worker processes spawned in their own process group, their output pumped, their
+groups stopped (SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`); the
+launcher's own signals caught as a list the main loop reads
+(:class:`SignalCatcher`); a job's leftover files removed (:func:`remove_job_files`).
 
 A rank on another host is a local ssh process (in its own group, like a local
 rank) whose standard input is a pipe from the launcher: closing that pipe is
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import glob
 import os
 import queue
 import signal
@@ -26,10 +32,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import FrameType
 from typing import IO
+
+from . import names
 
 #: Lines of each rank (stdout and stderr together) kept for the failure report.
 TAIL_LINES = 20
+#: Seconds workers get between SIGTERM and SIGKILL.
+GRACE_SECONDS = 3.0
+#: Seconds a remote rank gets between SIGTERM and SIGKILL on its host (within the launcher's grace).
+REMOTE_GRACE_SECONDS = GRACE_SECONDS - 1.0
 #: Longest line the pump reads at once; longer lines are split (keeps memory bounded).
 _MAX_LINE_BYTES = 64 * 1024
 
@@ -314,3 +327,37 @@ def describe_exit(returncode: int) -> str:
 def exit_status(returncode: int) -> int:
     """Shell-style status of a child's return code: the code itself, or 128 + signal number."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+class SignalCatcher:
+    """Turns SIGINT/SIGTERM/SIGHUP into a list the main loop reads (handlers only set state)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; the caller still cleans up
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+
+def remove_job_files(job_id: str) -> None:
+    """Shared-memory rings and ipc sockets of a job whose workers died before cleaning up."""
+    for pattern in names.job_globs(job_id):
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
