@@ -66,7 +66,7 @@ def _core_name(kind: str, name: str | None) -> str | None:
     return None if name is None else f"{kind}.{name}"
 
 
-class _Several:
+class Several:
     """Several core handles finished as one; ``wait()`` returns their results in order."""
 
     def __init__(self, handles: list[Any]) -> None:
@@ -182,7 +182,7 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
                                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                         process_set=process_set)
             for dt in sorted(by_dtype)]
-    core = _Several(subs)
+    core = Several(subs)
 
     def finish(raw: Any) -> list[torch.Tensor]:
         flat = [r for sub in raw for r in sub]

@@ -41,7 +41,7 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
 from .basics import check_process_set, global_process_set, size
-from .collectives import Adasum, Average, _Several, allreduce_async_, grouped_allreduce_async_, synchronize
+from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
 from .handles import Handle
 from .sparse import sparse_allreduce_async
@@ -375,7 +375,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if any(self._sparse(p) for p in group):
             # a sparse gradient cannot share a fused buffer: each member is reduced on its own
             parts = [self._submit(p) for p in group]
-            handle = Handle("allreduce", self._names[group[0]], _Several([h for h, _ in parts]), lambda raw: raw)
+            handle = Handle("allreduce", self._names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
             return handle, [c for _, c in parts]
         tensors = [self._dense_grad(p) for p in group]
         pairs = [self._compression.compress(t) for t in tensors]

@@ -18,7 +18,7 @@ import torch
 from ringcomm.errors import InvalidTypeError
 
 from .basics import global_process_set, size
-from .collectives import Average, Sum, _Several, allgather_async
+from .collectives import Average, Sum, Several, allgather_async
 from .handles import Handle
 
 __all__ = ["SparseHandle", "sparse_allreduce_async"]
@@ -60,4 +60,4 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
             all_values = all_values / members
         return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, tensor.size(), check_invariants=False)
 
-    return SparseHandle("sparse_allreduce", name, _Several([vh, ih]), finish)
+    return SparseHandle("sparse_allreduce", name, Several([vh, ih]), finish)

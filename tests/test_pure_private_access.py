@@ -30,6 +30,10 @@ ALLOWED = {
     ("dist.distributed_c10d", "_get_default_group"),
     # the base class torch's Work objects share; the DDP backend's work objects derive from it
     ("dist", "_Work"),
+    # a sparse COO tensor's raw indices and values: the public indices()/values() refuse an uncoalesced
+    # tensor, and coalescing each gradient before the allgather would cost a sort per step
+    ("tensor", "_indices"),
+    ("tensor", "_values"),
     # SyncBatchNorm is a batch norm layer: it derives from the base class torch's own batch norms share
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
 }
