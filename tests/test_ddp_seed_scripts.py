@@ -41,11 +41,15 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ranks(cmd: list[str], np_: int) -> list[dict]:
+def _ranks(cmd: list[str], np_: int, reference: bool = False) -> list[dict]:
+    """Each rank's record, in rank order.  ``reference``: a gloo job run only for its numbers; gloo at
+    times aborts in its teardown after the ranks printed them ("terminate called without an active
+    exception"), which is no failure of the job under test."""
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
     got = sorted(_records(proc.stdout), key=lambda d: d["rank"])
+    if not (reference and len(got) == np_):
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
     assert [d["rank"] for d in got] == list(range(np_)) and all(d["size"] == np_ for d in got), out[-3000:]
     return got
 
@@ -72,7 +76,7 @@ def test_launch_style_script_under_torch_launch_torchrun_and_ringcomm_run() -> N
     assert [d["local_rank"] for d in launch] == [0, 1]  # the script's --local_rank argument
     run = _ranks([py, "-m", "ringcomm.launcher", "-np", "2", py, str(LAUNCH_SCRIPT)], 2)
     gloo = _ranks([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
-                   str(LAUNCH_SCRIPT), "--backend", "gloo"], 2)
+                   str(LAUNCH_SCRIPT), "--backend", "gloo"], 2, reference=True)
     reference = gloo[0]["digest"]
     for job in (launch, run, gloo):
         assert all(_same(d["digest"], reference) for d in job), (job, reference)
@@ -84,5 +88,5 @@ def test_spawn_style_script_with_a_tcp_url() -> None:
     py = sys.executable
     ring = _ranks([py, str(SPAWN_SCRIPT), "--dist-url", f"tcp://127.0.0.1:{_port()}", "--nprocs", "3"], 3)
     gloo = _ranks([py, str(SPAWN_SCRIPT), "--dist-url", f"tcp://127.0.0.1:{_port()}", "--nprocs", "3",
-                   "--dist-backend", "gloo"], 3)
+                   "--dist-backend", "gloo"], 3, reference=True)
     assert all(_same(d["digest"], gloo[0]["digest"]) for d in ring + gloo), (ring, gloo)
