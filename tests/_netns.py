@@ -1,4 +1,7 @@
-"""Two "hosts" on one machine for the multi-host tests: see :mod:`ringcomm.bench._netns`."""
+"""Two "hosts" on one machine for the multi-host tests: see :mod:`ringcomm.bench._netns`.
+
+The ``hosts`` fixture (two fresh namespaces, or a skip naming what is missing) is in conftest.py.
+"""
 
 from ringcomm.bench._netns import TwoHosts, unavailable_reason
 

@@ -72,3 +72,24 @@ def start_torchrun_job(args: list[str], world: int, **env: str) -> list[subproce
         proc.job_id = topology.from_env(penv).job_id  # type: ignore[attr-defined]
         procs.append(proc)
     return procs
+
+
+_NETNS_REASON: list[str | None] = []
+
+
+@pytest.fixture
+def hosts(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Two "hosts" (fresh network namespaces joined by veth), removed with anything still running in
+    them when the test ends; skips, naming what is missing, where namespaces cannot be made."""
+    from _netns import TwoHosts, unavailable_reason
+
+    if not _NETNS_REASON:
+        _NETNS_REASON.append(unavailable_reason())
+    if _NETNS_REASON[0] is not None:
+        pytest.skip(_NETNS_REASON[0])
+    two = TwoHosts(tmp_path)
+    try:
+        yield two
+    finally:
+        two.close()
+

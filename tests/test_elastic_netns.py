@@ -23,28 +23,13 @@ from pathlib import Path
 import pytest
 
 from _launcher_helpers import REPO_ROOT, launcher_cmd, launcher_env
-from _netns import TwoHosts, unavailable_reason
+from _netns import TwoHosts
 
 pytestmark = pytest.mark.multiprocess
 
 WORKER = str(Path(__file__).resolve().parent / "workers" / "elastic_hosts_worker.py")
 LINE = re.compile(r"\[(\d+)\]<stdout>:(ENTER|COMMIT|DONE|PID) worker=(\d+) host=(\S+)(?: rank=(\d+) size=(\d+) "
                   r"step=(\d+) (?:hash|value)=(\S+))?(?: pid=(\d+))?")
-_REASON: list[str | None] = []
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    """Two fresh namespaces, removed (with anything still running in them) when the test ends."""
-    if not _REASON:
-        _REASON.append(unavailable_reason())
-    if _REASON[0] is not None:
-        pytest.skip(_REASON[0])
-    two = TwoHosts(tmp_path)
-    try:
-        yield two
-    finally:
-        two.close()
 
 
 class Job:

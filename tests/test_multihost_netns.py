@@ -22,26 +22,11 @@ import pytest
 import zmq
 
 from _launcher_helpers import REPO_ROOT, launcher_cmd, launcher_env
-from _netns import TwoHosts, unavailable_reason
+from _netns import TwoHosts
 from conftest import WORKERS
 
 pytestmark = pytest.mark.multiprocess
 
-_REASON: list[str | None] = []
-
-
-@pytest.fixture
-def hosts(tmp_path):
-    """Two fresh namespaces, removed (with anything still running in them) when the test ends."""
-    if not _REASON:
-        _REASON.append(unavailable_reason())
-    if _REASON[0] is not None:
-        pytest.skip(_REASON[0])
-    two = TwoHosts(tmp_path)
-    try:
-        yield two
-    finally:
-        two.close()
 
 
 def start(hosts: TwoHosts, *args: str, **env: str) -> subprocess.Popen[str]:
