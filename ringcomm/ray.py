@@ -41,6 +41,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .errors import UnsupportedError
+
 __all__ = ["RayExecutor", "RaySettings", "plan_ranks"]
 
 
@@ -163,7 +165,7 @@ class RayExecutor:
         max_workers: int | None = None,
     ) -> None:
         if min_workers is not None or max_workers is not None:
-            raise NotImplementedError(
+            raise UnsupportedError(
                 "RayExecutor runs a fixed number of workers (num_workers=...); min_workers/max_workers "
                 "(elastic training on Ray) are not supported: use ringcomm-run --min-np/--max-np for elastic jobs"
             )

@@ -64,6 +64,16 @@ def _finish_survivors(procs, victim: int, since: float, timeout: float = 60,
     return outs, took
 
 
+def _outputs(procs, timeout: float) -> list[str]:
+    """Each process's output once all have ended (within ``timeout`` each); none is left running."""
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def _check_named(procs, outs: dict, took: dict, victim: int, where: str, limit: float) -> None:
     print(f"{where}: survivors raised after " + ", ".join(f"{t:.2f}" for t in took.values()) + " s")
     for r, out in outs.items():
@@ -130,12 +140,7 @@ def test_without_a_launcher_a_stopped_or_finished_rank_is_named(how: str) -> Non
 def test_without_a_launcher_every_rank_fails_a_refused_call_and_goes_on() -> None:
     for attempt in range(REPEATS):
         procs = start_torchrun_job([str(WORKERS / "refused_call_worker.py")], 3)
-        try:
-            outs = [p.communicate(timeout=100)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+        outs = _outputs(procs, 100)
         for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
             assert p.returncode == 0 and "REFUSALS OK" in out, f"attempt {attempt + 1}, rank {r}: {out[-3000:]}"
 
@@ -334,12 +339,7 @@ def test_without_a_launcher_a_job_reachable_from_the_network_needs_a_secret(extr
                       GROUP_RANK=str(r // 2), MASTER_ADDR=addr, MASTER_PORT=str(port), **extra)
         procs.append(subprocess.Popen([sys.executable, "-c", TINY_JOB], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    outs = _outputs(procs, 90)
     for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
         if not extra:  # every rank refuses to start, at once, saying how to set a secret
             assert p.returncode != 0 and "has no RINGCOMM_SECRET" in out and "RINGCOMM_INSECURE=1" in out, out

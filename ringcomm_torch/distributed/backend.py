@@ -238,6 +238,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> RingcommWork:
         return self.allgather_coalesced(output_lists, inputs, opts, what="allgather")
 
+    def _allgather_rows(self, staged: list[Any], name: str) -> list[Any]:
+        """Start the allgather of each staged tensor as one row per rank: one op, or one grouped op."""
+        rows = [s.array.reshape(1, -1) for s in staged]
+        if len(rows) == 1:
+            return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
+        return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
+
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None, what: str = "allgather_coalesced") -> RingcommWork:
         for outs in output_lists:
@@ -248,10 +255,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         name = self._name("ag")
 
         def submit() -> list[Any]:
-            rows = [s.array.reshape(1, -1) for s in staged]
-            if len(rows) == 1:
-                return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
-            return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
+            return self._allgather_rows(staged, name)
 
         def finish(results: list[Any]) -> list[list[torch.Tensor]]:
             gathered = results[0] if len(staged) == 1 else None
@@ -278,10 +282,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         name = self._name("agt")
 
         def submit() -> list[Any]:
-            rows = [s.array.reshape(1, -1) for s in staged]
-            if len(rows) == 1:
-                return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
-            return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
+            return self._allgather_rows(staged, name)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             res = [results[0]] if len(staged) == 1 else results[0]
