@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,15 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
         ("1gbit", 65536, ["gloo", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "ringcomm"])]
     assert "gloo/ringcomm" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_benchmark_worker_stuck_holding_the_gil_still_ends_after_its_deadline() -> None:
+    # ctypes.PyDLL keeps the GIL through the C call, as a backend stuck in C++ may: the watchdog
+    # thread cannot run, and faulthandler's timer (a C thread) must end the process instead.
+    code = ("from ringcomm.bench._timing import start_watchdog; start_watchdog(0.5); "
+            "import ctypes; ctypes.PyDLL(None).sleep(40)")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env())
+    assert proc.returncode != 0 and time.monotonic() - start < 20, (proc.returncode, proc.stderr[-2000:])
+    assert "Timeout" in proc.stderr  # faulthandler's report: every thread's stack

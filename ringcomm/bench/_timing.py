@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import faulthandler
 import os
 import threading
 import time
@@ -87,6 +88,10 @@ def start_watchdog(seconds: float) -> None:
                 os._exit(124)
 
     threading.Thread(target=watch, name="bench-watchdog", daemon=True).start()
+    # The thread needs the GIL; a backend stuck in C++ holding it (seen: a gloo worker alive an hour
+    # and a half after its deadline) would keep it from running.  faulthandler's timer is a C thread:
+    # it prints every thread's stack and ends the process without the GIL.
+    faulthandler.dump_traceback_later(seconds + 5.0, exit=True)
 
 
 def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int,
