@@ -82,6 +82,11 @@ class Settings:
     #: Bytes of its buffer each rank puts into the shared region per round (the region holds
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
+    #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
+    #: set with payloads up to this many bytes (and barriers) go through the shared-memory lane:
+    #: every rank computes the result from the others' posted payloads, no engine, no rank 0
+    #: (``fastpath.py``; 0: never).
+    shm_lane_bytes: int = 64 * 1024
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
     #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
     #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
@@ -181,6 +186,9 @@ class Settings:
         if self.hierarchical_allreduce not in (-1, 0, 1):
             raise InvalidInputError(
                 f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")
+        if self.shm_lane_bytes < 0 or self.shm_lane_bytes > 64 * 1024 * 1024:
+            raise InvalidInputError(
+                f"RINGCOMM_SHM_LANE_BYTES must be between 0 (off) and 64 MiB, got {self.shm_lane_bytes}")
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, hierarchical, shm_allreduce
+from . import auth, hierarchical, shm_allreduce, shm_lane
 from .core import wire
 from .config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
@@ -51,6 +51,10 @@ from .core.wire import Request, Response
 log = logging.getLogger("ringcomm.engine")
 
 
+
+
+#: Entries per rank in the small-op lane (a rank rewrites one once every rank has read it).
+LANE_SLOTS = 4
 
 
 class _NullLink:
@@ -129,6 +133,7 @@ class Engine:
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
         self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
+        self.lane_region: shm_lane.ShmLane | None = None  # all ranks on one host: small ops (fastpath.py)
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
         if self.size > 1:
             try:
@@ -157,9 +162,12 @@ class Engine:
         self._link = link  # from here on, _close() closes it
         base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
+        self.lane_region, lane_offer = shm_lane.offer(topo.job_id, round_, self.rank, self.size, LANE_SLOTS,
+                                                      st.shm_lane_bytes)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
             "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
+            "lane": lane_offer,  # rank 0: the small-op lane's path; the others: whether they can map one
         }
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
@@ -203,6 +211,7 @@ class Engine:
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                                        st.peer_timeout)
+        self.lane_region = shm_lane.accept(self.lane_region, table, self.rank, LANE_SLOTS)
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -280,6 +289,9 @@ class Engine:
         self._queue.clear()
         if self._shm_ar is not None:
             self._shm_ar.close()
+        if self.lane_region is not None:
+            self.lane_region.unlink()  # gone already unless setup was cut short
+            self.lane_region.close()
         if isinstance(self._link, DataPlane):
             self._link.close()
         if self._ctrl is not None:
@@ -371,6 +383,15 @@ class Engine:
         if isinstance(self._link, DataPlane) and (self._link.suspects or self._link.unconnected):
             return 200  # re-check a peer whose connection closed while its process ran, or not yet made
         return self._service.wait_ms() if self._service is not None else None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the engine failed with (a lost peer...), or None while it runs."""
+        return self._failed
+
+    @property
+    def timeline_active(self) -> bool:
+        return self.timeline is not None
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc

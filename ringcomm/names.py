@@ -5,6 +5,7 @@ Every file or endpoint a job creates starts with ``ringcomm-JOB-``:
 ======================================  =============================================
 ``/dev/shm/ringcomm-JOB-ROUND-S-D``     shared-memory slots from rank S to rank D (shm.py)
 ``/dev/shm/ringcomm-JOB-ROUND-allreduce``  the shared-memory allreduce region (shm_allreduce.py)
+``/dev/shm/ringcomm-JOB-ROUND-lane``    the small-op lane's region (shm_lane.py)
 ``ringcomm-JOB-PID-ROUND-data/-ctrl``   a process's ipc endpoints: abstract names on Linux,
                                         socket files in the temp dir elsewhere (transport.py)
 ======================================  =============================================
@@ -39,6 +40,11 @@ def shm_ring(job_id: str, round_: int, src: int, dst: int) -> str:
 def shm_allreduce_region(job_id: str, round_: int) -> str:
     """The path of the job's shared-memory allreduce region (created by rank 0)."""
     return os.path.join(SHM_DIR, f"{prefix(job_id)}{round_}-allreduce")
+
+
+def shm_lane_region(job_id: str, round_: int) -> str:
+    """The path of the job's small-op lane region (created by rank 0)."""
+    return os.path.join(SHM_DIR, f"{prefix(job_id)}{round_}-lane")
 
 
 def ipc_base(job_id: str, pid: int, round_: int) -> str:

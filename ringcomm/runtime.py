@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, horovod_env, logsetup, topology
+from . import config, fastpath, horovod_env, logsetup, topology
 from .core import wire
 from .elastic import worker as elastic_worker
 from .engine import Engine
@@ -71,6 +71,12 @@ class Runtime:
                   self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
                   self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
         self.engine.start()
+        engine = self.engine
+        region = engine.lane_region  # every rank on one host: small ops of the global set skip the engine
+        self.lane = None if region is None else fastpath.FastPath(
+            region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active,
+            min(self.settings.shm_lane_bytes, region.payload_bytes), self.settings.stall_check_seconds,
+            self.settings.stall_shutdown_seconds)
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
@@ -98,7 +104,10 @@ class Runtime:
         req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
         handle = Handle(name)
         try:
-            self.engine.submit(Entry(req, [], handle))
+            entry = Entry(req, [], handle)
+            if self.lane is not None and pset == 0:
+                self.lane.submit(entry, idle=False)  # the op's index diverts: the others' go to rank 0 too
+            self.engine.submit(entry)
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
             return
@@ -149,16 +158,22 @@ class Runtime:
             with self._lock:
                 self._names.discard(key)
 
-        handle = Handle(name, release)
+        lane = self.lane if req.pset == 0 else None
+        handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
         try:
-            self.engine.submit(Entry(req, arrays, handle, outs or [], grouped))
+            entry = Entry(req, arrays, handle, outs or [], grouped)
+            if lane is None or not lane.submit(entry, idle=len(self._names) == 1):  # this op's is the only name
+                self.engine.submit(entry)
         except BaseException:
             release()
             raise
         return handle
 
     def shutdown(self) -> None:
-        self.engine.shutdown(timeout=0.0 if _dying.is_set() else 10.0)
+        timeout = 0.0 if _dying.is_set() else 10.0
+        if self.lane is not None:
+            self.lane.close(timeout)  # the others divert what this rank will not post
+        self.engine.shutdown(timeout=timeout)
 
 
 

@@ -30,16 +30,12 @@ plain stores; other architectures need fences Python cannot issue, and
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import os
-import platform
-import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from . import futex
 from .errors import PeerLostError
 
 #: Bytes per rank's counter: one cache line, so ranks never write the same line.
@@ -49,30 +45,11 @@ SPINS = 100
 #: Seconds one futex sleep lasts before the waiter checks on the peer.
 SLICE = 0.1
 
-_SYS_FUTEX = 202  # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the counters are in a shared mapping
-_WAKE_ALL = 2**31 - 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 def available() -> bool:
     """Whether this platform gets the futex barrier (Linux on x86-64: ordered stores, a known syscall)."""
-    return sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")
-
-
-_syscall: Callable[..., int] | None = None
-
-
-def _libc_syscall() -> Callable[..., int]:
-    global _syscall
-    if _syscall is None:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-        fn.restype = ctypes.c_long
-        _syscall = fn
-    return _syscall
+    return futex.available()
 
 
 def header_bytes(size: int) -> int:
@@ -103,7 +80,6 @@ class ShmBarrier:
         self._words = header[: size * STRIDE].view(np.uint32)[:: STRIDE // 4]
         self._base = header.ctypes.data
         self._timeout = peer_timeout
-        self._syscall = _libc_syscall()
 
     def _addr(self, rank: int) -> int:
         return self._base + rank * STRIDE
@@ -118,7 +94,7 @@ class ShmBarrier:
         words, rank = self._words, self.rank
         number &= 0xFFFFFFFF
         words[rank] = number
-        self._syscall(_SYS_FUTEX, ctypes.c_void_p(self._addr(rank)), _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
+        futex.wake(self._addr(rank))
         for j in range(self.size):
             if j != rank:
                 self._await(j, number, watch)
@@ -128,24 +104,20 @@ class ShmBarrier:
         for _ in range(SPINS):
             if reached(int(words[j]), number):
                 return
-        addr = ctypes.c_void_p(self._addr(j))
-        slice_ = _Timespec(int(SLICE), int((SLICE % 1) * 1e9))
+        addr = self._addr(j)
+        slice_ = futex.timespec(SLICE)
         start = time.monotonic()
         while True:
             seen = int(words[j])
             if reached(seen, number):
                 return
-            # sleeps only while the counter still holds ``seen`` (else EAGAIN at once)
-            if self._syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(slice_), None, 0) != 0:
-                err = ctypes.get_errno()
-                if err not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
-                    raise OSError(err, f"futex wait: {os.strerror(err)}")
-                if err == errno.ETIMEDOUT:
-                    if watch is not None:
-                        watch(j)
-                    if time.monotonic() - start > self._timeout:
-                        raise PeerLostError(
-                            f"rank {self.rank}: rank {j} did not reach shared-memory barrier {number} within "
-                            f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT "
-                            "if it is only slow."
-                        )
+            # sleeps only while the counter still holds ``seen`` (else returns at once)
+            if not futex.wait(addr, seen, slice_):
+                if watch is not None:
+                    watch(j)
+                if time.monotonic() - start > self._timeout:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank {j} did not reach shared-memory barrier {number} within "
+                        f"{self._timeout:.0f} s; the peer hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT "
+                        "if it is only slow."
+                    )

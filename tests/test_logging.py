@@ -110,6 +110,7 @@ def test_apply_level_adds_no_handler_where_one_shows_the_records(ringcomm_logger
 _JOB = """
 import numpy as np, ringcomm as rc
 rc.init()
+rc.allreduce(np.ones(1), name="lane")                       # 8 B: the small-op lane (up to 16 B here)
 rc.allreduce(np.ones(4), name="small")
 rc.allreduce(np.ones(1 << 19), name="large")                # 4 MiB: the shared-memory region
 rc.allgather(np.ones(1 << 17), name="gathered")             # 1 MiB per rank: the ring
@@ -121,7 +122,7 @@ rc.shutdown()
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_debug_tells_the_story_of_init_and_of_each_path() -> None:
-    proc = launch(2, ["-c", _JOB], timeout=80, RINGCOMM_LOG_LEVEL="DEBUG")
+    proc = launch(2, ["-c", _JOB], timeout=80, RINGCOMM_LOG_LEVEL="DEBUG", RINGCOMM_SHM_LANE_BYTES="16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout + proc.stderr
     for expected in [
@@ -134,6 +135,8 @@ def test_debug_tells_the_story_of_init_and_of_each_path() -> None:
         "one shared-memory region from 1048576 B",
         "allreduce ('small',): 32 B in 1 op(s), process set 0: reduced at rank 0 (small)",
         "allreduce ('large',): 4194304 B in 1 op(s), process set 0: shared memory",
+        "ops of the global set up to 16 B that find nothing else in flight go through the small-op lane",
+        "allreduce 'lane': 8 B, process set 0: small-op lane",
         "allgather ('gathered',): 2097152 B, process set 0: ring",
         "broadcast ('b',): 64 B from rank 1, process set 0: straight from the root",
         "placement: local rank 1 of 2",

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import ops, wire
+from . import lane, ops, wire
 from .cache import ResponseCache
 from .controller import Controller
 from ..errors import ProtocolError
@@ -229,7 +229,7 @@ class Service:
             return resp  # too much to carry in one control frame (many small ones fused): run the ring
         op = ReduceOp(resp.op)
         joined = set(resp.joined)
-        acc: np.ndarray | None = None
+        contribs: list[np.ndarray] = []
         total = sum(resp.numels)
         for rank in members:
             if rank in joined:
@@ -250,16 +250,11 @@ class Service:
                 contrib = np.frombuffer(raw, dtype=dtype)  # type: ignore[arg-type]
             if contrib.size != total:
                 return resp
-            if resp.prescale != 1.0:
-                contrib = contrib.copy()
-                ops.scale_inplace(contrib, resp.prescale)
-            if acc is None:
-                acc = contrib.copy()
-            else:
-                ops.reduce_into(op, acc, contrib)
-        if acc is None:
+            contribs.append(contrib)
+        if not contribs:
             return resp
-        ops.scale_inplace(acc, ops.postscale(op, len(members), resp.postscale))
+        # the same arithmetic as the one-host lane's (core/lane.py): both paths agree bitwise
+        acc = lane.reduce_ordered(op, contribs, resp.prescale, ops.postscale(op, len(members), resp.postscale))
         return resp._replace(data=acc.tobytes())
 
     # -- diagnostics ---------------------------------------------------------

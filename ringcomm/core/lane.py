@@ -1,0 +1,180 @@
+"""The small-op lane's decisions and arithmetic, with no I/O.
+
+On one host, every op of the global process set a rank submits takes the
+next index of that rank's lane (its k-th op: index k), and the rank posts an
+entry there: the op's key (a hash of what must agree across ranks), whether
+the rank wants it *fast*, and for a fast entry its payload.  Index k then
+resolves the same way on every rank, from the entries alone:
+
+- every rank's entry at k is fast with the same key: **fast**.  Each rank
+  computes the result itself from the posted payloads, in rank order (so
+  every rank holds bitwise the same result, and the same as rank 0's small
+  path: :func:`reduce_ordered`); no message, no rank 0, no engine thread;
+- some entry at k is not fast, or has another key, or a rank that will never
+  post again (joined, shut down) has not posted k: **divert**.  Each rank
+  hands its own k-th op to the engine, whose rank-0 negotiation matches ops
+  by name in any order (and raises the mismatch errors);
+- otherwise (a rank has not posted k yet): **wait**.
+
+A divert is decided by one entry, so ranks may decide it early; a fast
+index needs every entry.  Whether a rank wants an op fast is its own choice
+(:func:`eligible`): ranks that choose differently only divert.
+
+    >>> decide(7, [Seen(True, False, True, 7, 16), Seen(True, False, True, 7, 16)])
+    'fast'
+    >>> decide(7, [Seen(True, False, True, 7, 16), Seen(False, False, False, 0, 0)])
+    'wait'
+    >>> decide(7, [Seen(True, False, True, 7, 16), Seen(True, False, False, 7, 0)])
+    'divert'
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import ops, wire
+from .ops import ReduceOp
+
+#: Collectives the lane can finish from posted payloads.
+FAST_KINDS = frozenset({wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.BARRIER})
+
+FAST, WAIT, DIVERT = "fast", "wait", "divert"
+
+
+class Seen(NamedTuple):
+    """What a rank reads of one rank's lane at one index."""
+
+    posted: bool  # the rank has posted this index
+    off: bool  # the rank posts no more (joined or shut down)
+    fast: bool  # its entry asks for the fast path
+    key: int  # its entry's op key
+    nbytes: int  # its payload's length
+
+
+def op_key(req: wire.Request) -> int:
+    """A 63-bit hash of what every rank's op at one index must share to run fast.
+
+    Everything of the request but what may differ between ranks (an allgather's
+    first dimension; a broadcast's non-root buffers are the root's shape anyway).
+
+        op_key(Request("x", "allreduce", "float32", ((4,),))) == op_key(the same on another rank)
+    """
+    shapes: Any = req.shapes
+    if req.kind == wire.ALLGATHER:
+        shapes = tuple(s[1:] for s in req.shapes)
+    text = repr((req.name, req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -> int:
+    """What this rank posts for a fast op: its buffers (a broadcast: the root's only; a barrier: nothing)."""
+    if req.kind == wire.BARRIER or (req.kind == wire.BROADCAST and rank != req.root):
+        return 0
+    return sum(int(a.nbytes) for a in arrays)
+
+
+def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> bool:
+    """Whether this rank asks for the fast path for ``req`` (its own view; the others may differ)."""
+    if req.pset != 0 or req.kind not in FAST_KINDS or req.refused or max_bytes <= 0:
+        return False
+    if req.kind == wire.ALLREDUCE and req.op == ReduceOp.ADASUM:
+        return False
+    if req.kind == wire.BROADCAST and sum(int(a.nbytes) for a in arrays) > max_bytes:
+        return False  # the root's payload must fit its slot: every rank can tell from the shape
+    if req.kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes):
+        return False  # rows of no bytes: the payloads could not tell how many each rank sent
+    return payload_nbytes(req, arrays, rank) <= max_bytes
+
+
+def decide(key: int, seen: Sequence[Seen]) -> str:
+    """How one index resolves, from every rank's entry there (this rank's included, with ``key``)."""
+    waiting = False
+    for s in seen:
+        if s.posted:
+            if not s.fast or s.key != key:
+                return DIVERT
+        elif s.off:
+            return DIVERT
+        else:
+            waiting = True
+    return WAIT if waiting else FAST
+
+
+def reached(count: int, index: int) -> bool:
+    """Whether a 32-bit post counter ``count`` shows index ``index`` posted (counters wrap at 2**32).
+
+        reached(5, 4) -> True    reached(4, 4) -> False    reached(0, 2**32 - 1) -> True
+    """
+    return (count - (index + 1)) & 0xFFFFFFFF < 0x80000000
+
+
+# -- results -----------------------------------------------------------------
+
+
+def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float, post_factor: float) -> np.ndarray:
+    """``contribs`` (one flat array per rank, in rank order) reduced left to right, each prescaled
+    first and the result postscaled: the arithmetic of rank 0's small path, so both paths agree bitwise.
+
+        reduce_ordered(Sum, [a([1., 2.]), a([3., 4.])], 1.0, 1.0) -> [4., 6.]
+    """
+    acc: np.ndarray | None = None
+    for contrib in contribs:
+        if prescale != 1.0:
+            contrib = contrib.copy()
+            ops.scale_inplace(contrib, prescale)
+        if acc is None:
+            acc = contrib.copy()
+        else:
+            ops.reduce_into(op, acc, contrib)
+    assert acc is not None, "reduce_ordered needs at least one contribution"
+    ops.scale_inplace(acc, post_factor)
+    return acc
+
+
+def split_out(flat: np.ndarray, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None],
+              grouped: bool) -> Any:
+    """The reduced ``flat`` buffer as the op's result: one array per input (into ``outs`` where given)."""
+    results, pos = [], 0
+    for i, a in enumerate(arrays):
+        given = outs[i] if i < len(outs) else None
+        part = flat[pos:pos + a.size].reshape(a.shape)
+        pos += a.size
+        if given is not None:
+            given[...] = part
+            part = given
+        results.append(part)
+    return results if grouped else results[0]
+
+
+def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None], grouped: bool,
+           parts: Sequence[np.ndarray], size: int) -> Any:
+    """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload as raw
+    bytes (uint8), in rank order.  ``arrays``/``outs``/``grouped`` are this rank's submission.
+    """
+    if req.kind == wire.BARRIER:
+        return None
+    dtype = np.dtype(req.dtype)
+    if req.kind == wire.ALLREDUCE:
+        op = ReduceOp(req.op)
+        flat = reduce_ordered(op, [p.view(dtype) for p in parts], req.prescale,
+                              ops.postscale(op, size, req.postscale))
+        return split_out(flat, arrays, outs, grouped)
+    (arr,) = arrays
+    if req.kind == wire.BROADCAST:
+        out = outs[0] if outs and outs[0] is not None else None
+        src = parts[req.root].view(dtype).reshape(arr.shape)
+        if out is None:
+            return src.copy()
+        if out is not src:
+            np.copyto(out, src)
+        return out
+    if req.kind == wire.ALLGATHER:
+        rest = arr.shape[1:]
+        joined = np.concatenate([p.view(dtype) for p in parts])
+        row = int(np.prod(rest, dtype=np.int64))
+        return joined.reshape(joined.size // row, *rest)
+    raise ValueError(f"no fast path for {req.kind!r}")  # pragma: no cover - eligible() keeps them out

@@ -1,0 +1,351 @@
+"""Small collectives of a one-host job without the engine: the lane, driven by the calling thread.
+
+Every op of the global process set takes the next index of this rank's lane
+(:mod:`ringcomm.shm_lane`); what each index becomes is decided from the
+ranks' entries alone (:mod:`ringcomm.core.lane`).  A small allreduce,
+broadcast, allgather or barrier is posted *fast*: its payload goes into this
+rank's entry, and the thread that waits for its handle reads the others'
+entries, computes the result and returns: no thread hop, no message, no
+round trip through rank 0.  Anything else (a large op, an alltoall, a
+refused call, a timeline being written) is posted as *engine*: the ranks
+divert that index, each hands its op to the engine, and rank 0 negotiates
+it as always.
+
+The waiting thread re-reads a peer's counter a few times (when the host has
+a core per rank), then sleeps on it in a futex, waking every
+:data:`SLICE` to see whether the engine has found a peer lost (its
+heartbeats and connection monitors keep running), to warn of a stall, and
+to honour a deadline.  An async fast op nobody waits for is resolved by a
+sweeper thread within :data:`SWEEP_SECONDS`, so a peer that diverted it is
+never left waiting; the sweeper sleeps without a timeout once the lane has
+been idle for :data:`IDLE_SECONDS`.
+
+    rank 0: allreduce(x) -> post k (fast, x)  -> every entry at k fast, same key -> reduce, return
+    rank 1: allreduce(y) -> post k (fast, y)  -> ... the same, bitwise
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import futex, shm_lane
+from .core import lane, wire
+from .errors import ShutdownError, StallError
+from .handles import Entry, Handle
+
+log = logging.getLogger("ringcomm")
+
+#: Seconds one futex sleep lasts before the waiter checks the engine, stalls and its deadline.
+SLICE = 0.05
+#: Re-reads of a peer's counter before sleeping on it (only with a core per local rank).
+SPINS = 400
+#: An async fast op still unresolved after this long is resolved by the sweeper.
+SWEEP_SECONDS = 0.01
+#: After this long without a fast op the sweeper sleeps until the next one.
+IDLE_SECONDS = 1.0
+
+
+class LaneHandle(Handle):
+    """A handle whose op may be resolved by the waiting thread itself (see :class:`FastPath`).
+
+    ``done()`` does not resolve it (an async op stays pending until waited for, or swept
+    after :data:`SWEEP_SECONDS`, as Horovod's ``poll()`` is False right after the submit)."""
+
+    __slots__ = ("_lane", "index")
+
+    def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
+        super().__init__(name, on_done)
+        self._lane: FastPath | None = None
+        self.index = -1
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done and self._lane is not None:
+            self._lane.drive(self, None if timeout is None else time.monotonic() + timeout, block=True)
+        return super().wait(timeout)
+
+
+class _Pending:
+    __slots__ = ("entry", "key", "posted_at")
+
+    def __init__(self, entry: Entry, key: int, posted_at: float) -> None:
+        self.entry, self.key, self.posted_at = entry, key, posted_at
+
+
+def spin_allowed(local_ranks: int) -> bool:
+    """Re-read before sleeping only when every local rank has a core of its own."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return cores >= local_ranks
+
+
+class FastPath:
+    """This rank's side of the lane: posts every global op, resolves fast ones, diverts the rest.
+
+    ``engine_submit(entry)`` hands an op to the engine; ``failure()`` is the
+    engine's error once it has failed (a lost peer), else None; ``slow()`` is
+    True while this rank must not post fast (e.g. a timeline is being written).
+    """
+
+    def __init__(self, region: shm_lane.ShmLane, engine_submit: Callable[[Entry], Handle],
+                 failure: Callable[[], BaseException | None], slow: Callable[[], bool], max_bytes: int,
+                 stall_check: float, stall_shutdown: float) -> None:
+        self._region = region
+        self.rank, self.size = region.rank, region.size
+        self._submit = engine_submit
+        self._failure = failure
+        self._slow = slow
+        self._max = max_bytes
+        self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
+        self._spins = SPINS if spin_allowed(region.size) else 0
+        self._slice = futex.timespec(SLICE)
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the index of this rank's next post
+        self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
+        self._closed = False  # posts no more (off)
+        self._closing = False  # close() or join() began
+        self._last_fast = 0.0
+        self._sweeper_idle = True
+        self._unlinked = self.rank != 0
+        self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
+        self._sweeper.start()
+        log.debug("rank %d: paths: ops of the global set up to %d B that find nothing else in flight go "
+                  "through the small-op lane (%d ranks, %s before sleeping)", self.rank, max_bytes, self.size,
+                  f"{self._spins} re-reads" if self._spins else "no spinning: more ranks than cores")
+
+    # -- posting ----------------------------------------------------------------
+
+    def submit(self, entry: Entry, idle: bool) -> bool:
+        """Post ``entry`` (an op of the global set) at this rank's next index.
+
+        True: it is posted fast and its :class:`LaneHandle` resolves it.  False:
+        the caller hands it to the engine (posted as an engine entry, or the lane
+        is closed).  Only an op submitted while this rank has nothing else in
+        flight (``idle``) goes fast: then every earlier op of the set has
+        completed, so every rank has posted as many entries, and a peer that
+        has not posted this index yet is not waiting for anything of this
+        rank's but what comes later in its program (as with the engine).  An
+        op posted fast while another was still in flight could wait for a peer
+        that waits, in the engine, for that other op, posted elsewhere.
+        """
+        req = entry.req
+        fast = idle and (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() and \
+            lane.eligible(req, entry.arrays, self.rank, self._max)
+        with self._cond:
+            if self._closed:
+                return False
+            if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
+                self._close_locked(None)
+                return False
+            k = self._make_room()  # every post rewrites an entry: engine entries too
+            if self._closed:
+                return False
+            key = lane.op_key(req) if fast else 0
+            payload = entry.arrays if fast and lane.payload_nbytes(req, entry.arrays, self.rank) else []
+            self._region.post(k, key, fast, payload)
+            self._next = k + 1
+            if not self._unlinked:
+                self._unlink_once_all_posted()
+            if not fast:
+                self._publish_done()
+                return False
+            now = time.monotonic()
+            self._pending[k] = _Pending(entry, key, now)
+            handle = entry.handle
+            assert isinstance(handle, LaneHandle)
+            handle._lane, handle.index = self, k
+            self._last_fast = now
+            if self._sweeper_idle:
+                self._sweeper_idle = False
+                self._cond.notify()
+        return True
+
+    def _make_room(self) -> int:
+        """Wait until the entry of this rank's next index k is free (every rank has finished
+        reading index k - slots); returns k."""
+        while True:
+            k = self._next
+            oldest = k - self._region.slots
+            if oldest < 0 or self._closed:
+                return k
+            if oldest in self._pending:  # this rank's own: resolve it first
+                self._resolve(oldest, None, block=True)
+                continue
+            late = [r for r in range(self.size) if not lane.reached(self._region.done(r), oldest)]
+            if not late:
+                return k
+            self._cond.release()  # another thread may post meanwhile: k is read again
+            try:
+                self._check_engine()
+                time.sleep(0.0002)
+            finally:
+                self._cond.acquire()
+
+    def _publish_done(self) -> None:
+        """This rank has finished reading every index below the oldest it still holds."""
+        self._region.set_done(min(self._pending) if self._pending else self._next)
+
+    def _unlink_once_all_posted(self) -> None:
+        if all(lane.reached(self._region.posted(r), 0) for r in range(self.size)):
+            self._unlinked = True
+            self._region.unlink()  # every rank has it mapped: nothing stays in /dev/shm
+
+    # -- resolving --------------------------------------------------------------
+
+    def drive(self, handle: LaneHandle, deadline: float | None, block: bool) -> None:
+        """Resolve ``handle``'s index on this thread (waiting for the peers when ``block``)."""
+        with self._cond:
+            self._resolve(handle.index, deadline, block)
+
+    def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
+        """Resolve index ``k`` if it is still pending; the lock is held (and released while sleeping)."""
+        started, warned = time.monotonic(), False
+        while True:
+            p = self._pending.get(k)
+            if p is None:
+                return True
+            seen = [self._region.seen(r, k) for r in range(self.size)]
+            decision = lane.decide(p.key, seen)
+            if decision == lane.FAST:
+                self._finish_fast(k, p, seen)
+                return True
+            if decision == lane.DIVERT:
+                self._divert(k, p)
+                return True
+            err = self._failure()
+            if err is not None:
+                self._fail(k, p, err)
+                return True
+            if not block or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            missing = [r for r, s in enumerate(seen) if not s.posted]
+            waited = time.monotonic() - started
+            if self._stall_check > 0 and waited >= min(self._stall_check, self._stall_shutdown or self._stall_check):
+                text = (f"{p.entry.req.kind} '{p.entry.req.name}' was submitted by ranks "
+                        f"{[r for r, s in enumerate(seen) if s.posted]} {waited:.0f} s ago but ranks {missing} "
+                        "have not submitted it")
+                if self._stall_shutdown and waited >= self._stall_shutdown:
+                    # this rank gives the op up; it goes off, so what the others submit meanwhile
+                    # diverts to the engine instead of waiting for this rank's next entries
+                    self._fail(k, p, StallError(f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
+                                                f"{self._stall_shutdown:g})"))
+                    self._go_off()
+                    return True
+                if not warned and waited >= self._stall_check:
+                    warned = True
+                    log.warning("stall: %s; every rank must run the same collectives in the end", text)
+            self._await_post(missing[0], k)
+
+    def _await_post(self, r: int, k: int) -> None:
+        """Wait (lock released) until rank ``r`` posts index ``k``, goes off, or a slice passes."""
+        region = self._region
+        self._cond.release()
+        try:
+            for _ in range(self._spins):
+                if lane.reached(region.posted(r), k):
+                    return
+            seen = region.posted(r)
+            if not lane.reached(seen, k) and not region.off(r):
+                region.sleep_on_posted(r, seen, self._slice)
+        finally:
+            self._cond.acquire()
+
+    def _finish_fast(self, k: int, p: _Pending, seen: list[lane.Seen]) -> None:
+        e = p.entry
+        parts = [self._region.payload(r, k, s.nbytes) for r, s in enumerate(seen)]
+        try:
+            result = lane.finish(e.req, e.arrays, e.outs, e.grouped, parts, self.size)
+        except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
+            del self._pending[k]
+            self._publish_done()
+            e.handle.set_error(exc)
+            return
+        del self._pending[k]
+        self._publish_done()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank reduces "
+                      "the posted payloads)", self.rank, e.req.kind, e.req.name, seen[self.rank].nbytes, k)
+        e.handle.set_result(result)
+
+    def _divert(self, k: int, p: _Pending) -> None:
+        log.debug("rank %d: %s %r: lane index %d diverts to the engine (another rank posted another op, or "
+                  "not fast)", self.rank, p.entry.req.kind, p.entry.req.name, k)
+        del self._pending[k]
+        self._publish_done()
+        handle = p.entry.handle
+        assert isinstance(handle, LaneHandle)
+        handle._lane = None  # from here on an ordinary handle: the engine finishes it
+        try:
+            self._submit(p.entry)
+        except BaseException as exc:
+            handle.set_error(exc)
+
+    def _fail(self, k: int, p: _Pending, err: BaseException) -> None:
+        del self._pending[k]
+        self._publish_done()
+        p.entry.handle.set_error(err)
+
+    def _check_engine(self) -> None:
+        err = self._failure()
+        if err is not None:
+            raise err
+
+    # -- the sweeper ------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Resolve async fast ops nobody waits for (a peer that diverted one waits for this rank's)."""
+        with self._cond:
+            while not self._closed:
+                if not self._pending and time.monotonic() - self._last_fast > IDLE_SECONDS:
+                    self._sweeper_idle = True
+                    self._cond.wait()
+                    continue
+                self._cond.wait(SWEEP_SECONDS)
+                now = time.monotonic()
+                for k in sorted(self._pending):
+                    p = self._pending.get(k)
+                    if p is not None and now - p.posted_at >= SWEEP_SECONDS:
+                        self._resolve(k, None, block=False)
+
+    # -- closing ----------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """This rank posts no more (shutdown): the others divert what it never posts."""
+        with self._cond:
+            self._close_locked(time.monotonic() + timeout)
+        if self._sweeper is not threading.current_thread():
+            self._sweeper.join(timeout=1.0)
+
+    def _go_off(self) -> None:
+        """This rank posts no more: what it submits from now on goes to the engine, and an index
+        it never posts diverts on the others."""
+        if not self._closed:
+            self._closed = True
+            self._region.set_off()
+            self._cond.notify_all()
+
+    def _close_locked(self, deadline: float | None) -> None:
+        """Go off; ops already posted fast still resolve as the entries say (the others may have
+        finished them already), waiting for the peers until ``deadline`` (None: no limit)."""
+        if self._closing:
+            return
+        self._closing = True
+        self._go_off()
+        for k in sorted(self._pending):
+            if not self._resolve(k, deadline, block=True) and k in self._pending:
+                self._fail(k, self._pending[k], ShutdownError(
+                    f"rank {self.rank}: ringcomm was shut down while op {self._pending[k].entry.req.name!r} "
+                    "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
+        if not self._unlinked:
+            self._unlinked = True
+            self._region.unlink()
+
+    def release(self) -> None:
+        """Unmap the region (after the engine is closed: nothing reads it any more)."""
+        self._region.close()

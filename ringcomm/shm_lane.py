@@ -1,0 +1,172 @@
+"""The small-op lane's shared region: per-rank counters and entry slots in one mapped file.
+
+Layout (``size`` ranks, ``slots`` entries per rank, payloads up to ``payload_bytes``)::
+
+    counters   one cache line per rank: posted (entries posted, a futex word), done
+               (indices this rank has finished reading), off (1: posts no more)
+    entries    per rank, ``slots`` entries: a 64-byte head (index, key, fast, nbytes)
+               and the payload; index k lives in entry k % slots
+
+A rank writes only its own line and entries; it reads everyone's.  Posting
+index k writes the entry, then stores posted = k + 1 and wakes the futex
+sleepers on that word: a reader that sees the count sees the entry (x86-64
+keeps stores in order; :func:`ringcomm.futex.available` is False elsewhere).
+An entry is rewritten (index k + slots) only once every rank's ``done`` shows
+it finished reading index k.  What the entries mean is decided in
+:mod:`ringcomm.core.lane`; this module only moves bytes and waits.
+
+Rank 0 creates the file (mode 0600, exclusively) before the ranks meet; the
+others map it once they know its name, and rank 0 unlinks it once every rank
+has posted (so nothing is left in /dev/shm), or at close.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import futex, names, shm
+from .core import lane
+from .errors import HorovodInternalError
+
+log = logging.getLogger("ringcomm")
+
+#: Bytes of one rank's counters (one cache line: ranks never write the same line).
+LINE = 64
+#: Bytes of an entry's head.
+HEAD = 64
+_POSTED, _DONE, _OFF = 0, 1, 2
+
+
+def region_path(job_id: str, round_: int) -> str:
+    return names.shm_lane_region(job_id, round_)
+
+
+def region_bytes(size: int, slots: int, payload_bytes: int) -> int:
+    return _counters_bytes(size) + size * slots * _entry_bytes(payload_bytes)
+
+
+def _counters_bytes(size: int) -> int:
+    return -(-size * LINE // 4096) * 4096
+
+
+def _entry_bytes(payload_bytes: int) -> int:
+    return HEAD + -(-payload_bytes // 64) * 64
+
+
+class ShmLane(shm.MappedFile):
+    """One rank's view of the job's lane region."""
+
+    def __init__(self, path: str, rank: int, size: int, slots: int, payload_bytes: int, create: bool) -> None:
+        super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create)
+        self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes
+        self._entry = _entry_bytes(payload_bytes)
+        self._base = _counters_bytes(size)
+        self._words = self._bytes[: size * LINE].view(np.uint32).reshape(size, LINE // 4)
+        self._heads = self._bytes[self._base:].view(np.uint64).reshape(size, slots, self._entry // 8)
+        self._addr = self._bytes.ctypes.data
+
+    def close(self) -> None:
+        self._words = np.zeros((0, 0), np.uint32)  # no view may keep the map alive
+        self._heads = np.zeros((0, 0, 0), np.uint64)
+        super().close()
+
+    # -- counters --------------------------------------------------------------
+
+    def posted(self, rank: int) -> int:
+        return int(self._words[rank, _POSTED])
+
+    def done(self, rank: int) -> int:
+        return int(self._words[rank, _DONE])
+
+    def off(self, rank: int) -> bool:
+        return bool(self._words[rank, _OFF])
+
+    def set_done(self, count: int) -> None:
+        self._words[self.rank, _DONE] = count & 0xFFFFFFFF
+
+    def set_off(self) -> None:
+        """This rank posts no more: wake whoever waits on it, so they divert."""
+        self._words[self.rank, _OFF] = 1
+        futex.wake(self._addr + self.rank * LINE)
+
+    def seen(self, rank: int, index: int) -> lane.Seen:
+        """What ``rank``'s lane holds at ``index`` (read ``off`` before ``posted``: a rank that is
+        off never posts again, so a count read after it is final)."""
+        off = self.off(rank)
+        if not lane.reached(self.posted(rank), index):
+            return lane.Seen(False, off, False, 0, 0)
+        head = self._heads[rank, index % self.slots]
+        seen = lane.Seen(True, off, bool(head[2]), int(head[1]), int(head[3]))
+        if int(head[0]) != index:  # the entry was rewritten before this rank read it: a broken promise
+            raise HorovodInternalError(f"rank {self.rank}: small-op lane entry {index} of rank {rank} holds "
+                                       f"index {int(head[0])}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
+        return seen
+
+    # -- entries ---------------------------------------------------------------
+
+    def post(self, index: int, key: int, fast: bool, payload: list[np.ndarray]) -> None:
+        """Write this rank's entry ``index`` (its payload: the arrays, concatenated) and publish it."""
+        slot = index % self.slots
+        start = self._base + (self.rank * self.slots + slot) * self._entry + HEAD
+        pos = start
+        for a in payload:
+            n = a.nbytes
+            if n:
+                self._bytes[pos:pos + n] = a.reshape(-1).view(np.uint8)
+            pos += n
+        head = self._heads[self.rank, slot]
+        head[0], head[1], head[2], head[3] = index, key, int(fast), pos - start
+        self._words[self.rank, _POSTED] = (index + 1) & 0xFFFFFFFF
+        futex.wake(self._addr + self.rank * LINE)
+
+    def payload(self, rank: int, index: int, nbytes: int) -> np.ndarray:
+        """``rank``'s payload at ``index``: a uint8 view into the region (valid until it is rewritten)."""
+        start = self._base + (rank * self.slots + index % self.slots) * self._entry + HEAD
+        return self._bytes[start:start + nbytes]
+
+    # -- waiting ---------------------------------------------------------------
+
+    def sleep_on_posted(self, rank: int, seen: int, timeout: futex.Timespec) -> bool:
+        """Sleep while ``rank``'s post counter holds ``seen`` (a post or :meth:`set_off` wakes it)."""
+        return futex.wait(self._addr + rank * LINE, seen, timeout)
+
+
+# -- setting up: rank 0 offers a region, every rank accepts it or none does ---------------
+
+
+def offer(job_id: str, round_: int, rank: int, size: int, slots: int,
+          payload_bytes: int) -> tuple[ShmLane | None, Any]:
+    """Before the ranks meet: rank 0 creates the region and offers ``[path, payload bytes]`` (False
+    if it could not); the others say whether they could map one.  Returns (rank 0's region, the offer).
+    The region's entries are rank 0's size; each rank posts fast only what its own setting allows."""
+    able = size > 1 and payload_bytes > 0 and shm.available() and futex.available()
+    if rank != 0 or not able:
+        return None, able
+    path = region_path(job_id, round_)
+    try:
+        return ShmLane(path, 0, size, slots, payload_bytes, create=True), [path, payload_bytes]
+    except OSError as exc:
+        log.warning("rank 0: small-op lane disabled: cannot create %s (%s)", path, exc)
+        return None, False
+
+
+def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots: int) -> ShmLane | None:
+    """Once every rank's offer is in ``table``: the lane runs when all ranks share one host and
+    could map it and rank 0 made it; then the others map it.  Otherwise rank 0 removes it."""
+    if len({p["host"] for p in table}) != 1 or not all(p.get("lane") for p in table):
+        if region is not None:
+            region.unlink()
+            region.close()
+        return None
+    if rank == 0:
+        return region
+    path, payload_bytes = str(table[0]["lane"][0]), int(table[0]["lane"][1])
+    try:
+        return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
+    except OSError as exc:  # rank 0 made it moments ago: only a broken /dev/shm gets here
+        raise HorovodInternalError(
+            f"rank {rank}: cannot map the small-op lane {path} that rank 0 created ({exc}); "
+            "set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run without it") from exc

@@ -1,0 +1,69 @@
+"""The small-op lane in real jobs: same results as the engine, and every way ranks can disagree.
+
+Each job runs a scenario of ``workers/lane_worker.py`` under ringcomm-run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import WORKERS, launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+WORKER = str(WORKERS / "lane_worker.py")
+OFF = {"RINGCOMM_SHM_LANE_BYTES": "0"}
+
+
+def run(scenario: str, np_: int, out, **env: str):
+    out.mkdir(exist_ok=True)
+    proc = launch(np_, [WORKER, scenario, str(out)], timeout=180, **env)
+    assert proc.returncode == 0, f"{scenario} np={np_} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def results(out, np_: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_every_small_op_gives_bitwise_what_the_engine_gives(tmp_path, np_):
+    run("digests", np_, tmp_path / "lane")
+    run("digests", np_, tmp_path / "engine", **OFF)
+    lane, engine = results(tmp_path / "lane", np_), results(tmp_path / "engine", np_)
+    for r in range(np_):
+        assert lane[r] == engine[r], f"rank {r}: " + ", ".join(k for k in lane[r] if lane[r][k] != engine[r].get(k))
+    # an allreduce's result is the same on every rank (broadcasts and allgathers too)
+    for key, value in lane[0].items():
+        assert all(res[key] == value for res in lane), key
+
+
+def test_an_unwaited_fast_op_reaches_the_engine_when_a_peer_diverted_it(tmp_path):
+    proc = run("sweep", 2, tmp_path)
+    assert proc.stdout.count("SWEEP OK") == 2
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_async_ops_submitted_in_different_orders_complete(tmp_path, np_):
+    proc = run("reorder", np_, tmp_path)
+    assert proc.stdout.count("REORDER OK") == np_
+
+
+def test_a_mismatch_raises_on_every_rank_and_the_next_op_works(tmp_path):
+    proc = run("mismatch", 2, tmp_path)
+    assert proc.stdout.count("MISMATCH allreduce 'bad': ranks disagree on shape") == 2
+    assert proc.stdout.count("MISMATCH OK") == 2
+
+
+def test_join_gives_what_the_engine_gives(tmp_path):
+    run("join", 3, tmp_path / "lane")
+    run("join", 3, tmp_path / "engine", **OFF)
+    assert results(tmp_path / "lane", 3) == results(tmp_path / "engine", 3)
+
+
+def test_small_ops_appear_on_rank_0s_timeline(tmp_path):
+    run("timeline", 2, tmp_path)
+    text = (tmp_path / "timeline.json").read_text()
+    assert text.count('"t1') >= 1 and "NEGOTIATE_ALLREDUCE" in text

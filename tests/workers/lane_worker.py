@@ -1,0 +1,138 @@
+"""Scenarios for the small-op lane (run under ringcomm-run; argv[1] names one, argv[2] is an output dir).
+
+digests   a fixed list of small ops with seeded inputs; each rank writes the sha256 of every result
+          (the test runs it with the lane on and off and compares)
+sweep     rank 1 posts every op as an engine entry (a tiny lane limit); rank 0 leaves a fast op
+          unwaited while it blocks on another op that rank 1 reaches only after the first
+reorder   the ranks submit two async ops in opposite orders
+mismatch  one name, different shapes: every rank gets the mismatch error, then goes on
+join      ranks run different numbers of allreduces, then join
+timeline  rank 0 writes a timeline while small ops run
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import ringcomm as rc
+from ringcomm.config import Settings
+from ringcomm.errors import MismatchError
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"]
+
+
+def init() -> None:
+    settings = Settings.from_env()
+    rank = int(os.environ.get("RINGCOMM_RANK", "0"))
+    if SCENARIO == "sweep" and rank == 1:
+        settings = dataclasses.replace(settings, shm_lane_bytes=1)
+    rc.init(settings=settings)
+
+
+def data(seed: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.startswith("float"):
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 100, shape).astype(dtype)
+
+
+def digests() -> None:
+    r, n = rc.rank(), rc.size()
+    out = {}
+    i = 0
+    for dtype in DTYPES:
+        for op in (rc.Sum, rc.Min, rc.Max, rc.Product, rc.Average):
+            if dtype == "bool" and op is rc.Average:
+                continue
+            for shape in ((), (7,), (3, 5), (2048,)):
+                for pre, post in ((1.0, 1.0), (0.5, 3.0)):
+                    x = data(1000 * r + i, shape, dtype)
+                    y = rc.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post)
+                    out[f"ar {dtype} {op.name} {shape} {pre}"] = hashlib.sha256(np.ascontiguousarray(y).tobytes()).hexdigest()
+                    i += 1
+        g = rc.grouped_allreduce([data(r + i, (5,), dtype), data(r + i + 1, (3, 2), dtype)], op=rc.Max)
+        out[f"grouped {dtype}"] = hashlib.sha256(b"".join(a.tobytes() for a in g)).hexdigest()
+        for root in range(n):
+            b = rc.broadcast(data(r * 7 + root, (4, 3), dtype), root)
+            out[f"bc {dtype} {root}"] = hashlib.sha256(b.tobytes()).hexdigest()
+        a = rc.allgather(data(r + 3, (r + 1, 2), dtype))
+        out[f"ag {dtype}"] = hashlib.sha256(a.tobytes()).hexdigest() + str(a.shape)
+        rc.barrier()
+    out["object"] = repr(rc.allgather_object({"rank": r}))
+    with open(os.path.join(OUT, f"rank{r}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def sweep() -> None:
+    r = rc.rank()
+    small = np.full(256, r + 1.0, np.float32)
+    large = np.ones(1 << 16, np.float32)
+    if r == 0:
+        h = rc.allreduce_async(small, op=rc.Sum, name="a")  # posted fast; rank 1's 'a' goes to the engine
+        rc.allreduce(large, op=rc.Sum, name="b")  # rank 1 reaches 'b' only once 'a' is done there
+        assert rc.synchronize(h)[0] == 3.0
+    else:
+        assert rc.allreduce(small, op=rc.Sum, name="a")[0] == 3.0
+        rc.allreduce(large, op=rc.Sum, name="b")
+    print("SWEEP OK", flush=True)
+
+
+def reorder() -> None:
+    r = rc.rank()
+    x = np.full(8, r + 1.0)
+    names = ["p", "q"] if r % 2 == 0 else ["q", "p"]
+    handles = {name: rc.allreduce_async(x * (2 if name == "q" else 1), op=rc.Sum, name=name) for name in names}
+    n = rc.size()
+    total = n * (n + 1) / 2
+    assert rc.synchronize(handles["p"])[0] == total and rc.synchronize(handles["q"])[0] == 2 * total
+    print("REORDER OK", flush=True)
+
+
+def mismatch() -> None:
+    r = rc.rank()
+    try:
+        rc.allreduce(np.ones(4 + r, np.float32), name="bad")
+    except MismatchError as exc:
+        print(f"MISMATCH {exc}", flush=True)
+    assert rc.allreduce(np.ones(3), op=rc.Sum)[0] == rc.size()
+    print("MISMATCH OK", flush=True)
+
+
+def join() -> None:
+    r = rc.rank()
+    results = [rc.allreduce(np.full(4, float(r + 1)), op=rc.Sum, name=f"s{i}")[0] for i in range(3 + 2 * r)]
+    last = rc.join()
+    with open(os.path.join(OUT, f"rank{r}.json"), "w") as f:
+        json.dump({"results": results, "last": last}, f)
+    assert rc.allreduce(np.ones(2), op=rc.Sum)[0] == rc.size()  # after the join: through the engine
+    print("JOIN OK", flush=True)
+
+
+def timeline() -> None:
+    r = rc.rank()
+    if r == 0:
+        rc.start_timeline(os.path.join(OUT, "timeline.json"))
+    rc.barrier()
+    for i in range(20):
+        assert rc.allreduce(np.ones(16), op=rc.Sum, name=f"t{i}")[0] == rc.size()
+    rc.barrier()
+    if r == 0:
+        rc.stop_timeline()
+    print("TIMELINE OK", flush=True)
+
+
+init()
+start = time.monotonic()
+{"digests": digests, "sweep": sweep, "reorder": reorder, "mismatch": mismatch, "join": join,
+ "timeline": timeline}[SCENARIO]()
+rc.shutdown()
