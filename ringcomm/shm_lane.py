@@ -93,17 +93,17 @@ class ShmLane(shm.MappedFile):
         futex.wake(self._addr + self.rank * LINE)
 
     def seen(self, rank: int, index: int) -> lane.Seen:
-        """What ``rank``'s lane holds at ``index`` (read ``off`` before ``posted``: a rank that is
-        off never posts again, so a count read after it is final)."""
-        off = self.off(rank)
-        if not lane.reached(self.posted(rank), index):
-            return lane.Seen(False, off, False, 0, 0)
-        head = self._heads[rank, index % self.slots]
-        seen = lane.Seen(True, off, bool(head[2]), int(head[1]), int(head[3]))
-        if int(head[0]) != index:  # the entry was rewritten before this rank read it: a broken promise
+        """What ``rank``'s lane holds at ``index`` (``off`` is read before ``posted``: a rank that
+        is off never posts again, so a count read after it is final)."""
+        line = self._words[rank]
+        off = int(line[_OFF])
+        if not lane.reached(int(line[_POSTED]), index):
+            return lane.Seen(False, bool(off), False, 0, 0)
+        stored, key, fast, nbytes = self._heads[rank, index % self.slots, :4].tolist()
+        if stored != index:  # the entry was rewritten before this rank read it: a broken promise
             raise HorovodInternalError(f"rank {self.rank}: small-op lane entry {index} of rank {rank} holds "
-                                       f"index {int(head[0])}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
-        return seen
+                                       f"index {stored}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
+        return lane.Seen(True, bool(off), bool(fast), key, nbytes)
 
     # -- entries ---------------------------------------------------------------
 

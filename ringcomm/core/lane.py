@@ -31,6 +31,7 @@ index needs every entry.  Whether a rank wants an op fast is its own choice
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -55,19 +56,29 @@ class Seen(NamedTuple):
     nbytes: int  # its payload's length
 
 
+_SIGNATURES: dict[tuple[Any, ...], int] = {}
+
+
 def op_key(req: wire.Request) -> int:
     """A 63-bit hash of what every rank's op at one index must share to run fast.
 
     Everything of the request but what may differ between ranks (an allgather's
     first dimension; a broadcast's non-root buffers are the root's shape anyway).
+    The name's part is a CRC and the rest's a cached BLAKE2b: both the same in
+    every process (Python's ``hash`` of a string is not).
 
         op_key(Request("x", "allreduce", "float32", ((4,),))) == op_key(the same on another rank)
     """
     shapes: Any = req.shapes
     if req.kind == wire.ALLGATHER:
         shapes = tuple(s[1:] for s in req.shapes)
-    text = repr((req.name, req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    sig = (req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale)
+    h = _SIGNATURES.get(sig)
+    if h is None:
+        if len(_SIGNATURES) > 4096:
+            _SIGNATURES.clear()
+        h = _SIGNATURES[sig] = int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=8).digest(), "little")
+    return (h ^ (zlib.crc32(req.name.encode()) << 29) ^ len(req.name)) >> 1
 
 
 def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -> int:
