@@ -44,6 +44,8 @@ log = logging.getLogger("ringcomm")
 SLICE = 0.05
 #: Re-reads of a peer's counter before sleeping on it (only with a core per local rank).
 SPINS = 400
+#: Yields of the core to a peer before sleeping on it (only with more local ranks than cores).
+YIELDS = 50
 #: An async fast op still unresolved after this long is resolved by the sweeper.
 SWEEP_SECONDS = 0.01
 #: After this long without a fast op the sweeper sleeps until the next one.
@@ -104,6 +106,7 @@ class FastPath:
         self._max = max_bytes
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
         self._spins = SPINS if spin_allowed(region.size) else 0
+        self._yields = 0 if self._spins else YIELDS
         self._slice = futex.timespec(SLICE)
         self._cond = threading.Condition(threading.Lock())
         self._next = 0  # the index of this rank's next post
@@ -250,6 +253,10 @@ class FastPath:
             for _ in range(self._spins):
                 if lane.reached(region.posted(r), k):
                     return
+            for _ in range(self._yields):  # more ranks than cores: let the peer run on this core
+                if lane.reached(region.posted(r), k):
+                    return
+                os.sched_yield()
             seen = region.posted(r)
             if not lane.reached(seen, k) and not region.off(r):
                 region.sleep_on_posted(r, seen, self._slice)
