@@ -166,6 +166,11 @@ def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots
     path, payload_bytes = str(table[0]["lane"][0]), int(table[0]["lane"][1])
     try:
         return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
+    except FileNotFoundError:
+        # rank 0 removes it only once every rank has posted, or when it leaves: the job is ending
+        # (a rank died or rank 0 shut down); the engine reports that, so go on without the lane
+        log.debug("rank %d: the small-op lane %s is gone: rank 0 has left the job", rank, path)
+        return None
     except OSError as exc:  # rank 0 made it moments ago: only a broken /dev/shm gets here
         raise HorovodInternalError(
             f"rank {rank}: cannot map the small-op lane {path} that rank 0 created ({exc}); "
