@@ -67,3 +67,9 @@ def test_small_ops_appear_on_rank_0s_timeline(tmp_path):
     run("timeline", 2, tmp_path)
     text = (tmp_path / "timeline.json").read_text()
     assert text.count('"t1') >= 1 and "NEGOTIATE_ALLREDUCE" in text
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_threads_of_one_rank_running_small_ops_at_once(tmp_path, np_):
+    proc = run("threads", np_, tmp_path)
+    assert proc.stdout.count("THREADS OK") == np_

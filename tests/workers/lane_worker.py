@@ -8,6 +8,7 @@ reorder   the ranks submit two async ops in opposite orders
 mismatch  one name, different shapes: every rank gets the mismatch error, then goes on
 join      ranks run different numbers of allreduces, then join
 timeline  rank 0 writes a timeline while small ops run
+threads   four threads per rank run blocking small ops at once, each under its own names
 """
 
 from __future__ import annotations
@@ -131,8 +132,34 @@ def timeline() -> None:
     print("TIMELINE OK", flush=True)
 
 
+def threads() -> None:
+    import threading
+
+    r, n = rc.rank(), rc.size()
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(60):
+                got = rc.allreduce(np.full(8, float(r + t + i)), op=rc.Sum, name=f"th{t}.{i}")
+                assert got[0] == sum(q + t + i for q in range(n)), got
+                if i % 20 == 0:
+                    b = rc.broadcast(np.full(4, float(r)), 0, name=f"thb{t}.{i}")
+                    assert b[0] == 0.0
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    assert not errors, errors
+    print("THREADS OK", flush=True)
+
+
 init()
 start = time.monotonic()
 {"digests": digests, "sweep": sweep, "reorder": reorder, "mismatch": mismatch, "join": join,
- "timeline": timeline}[SCENARIO]()
+ "timeline": timeline, "threads": threads}[SCENARIO]()
 rc.shutdown()
