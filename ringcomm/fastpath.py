@@ -72,10 +72,11 @@ class LaneHandle(Handle):
 
 
 class _Pending:
-    __slots__ = ("entry", "key", "posted_at")
+    __slots__ = ("entry", "key", "posted_at", "own")
 
-    def __init__(self, entry: Entry, key: int, posted_at: float) -> None:
+    def __init__(self, entry: Entry, key: int, posted_at: float, nbytes: int) -> None:
         self.entry, self.key, self.posted_at = entry, key, posted_at
+        self.own = lane.Seen(True, False, True, key, nbytes)  # this rank's entry, as the others read it
 
 
 def spin_allowed(local_ranks: int) -> bool:
@@ -110,6 +111,7 @@ class FastPath:
         self._slice = futex.timespec(SLICE)
         self._cond = threading.Condition(threading.Lock())
         self._next = 0  # the index of this rank's next post
+        self._room = 0  # every rank had finished reading the indices below this when last read
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
         self._closed = False  # posts no more (off)
         self._closing = False  # close() or join() began
@@ -150,7 +152,8 @@ class FastPath:
             if self._closed:
                 return False
             key = lane.op_key(req) if fast else 0
-            payload = entry.arrays if fast and lane.payload_nbytes(req, entry.arrays, self.rank) else []
+            nbytes = lane.payload_nbytes(req, entry.arrays, self.rank) if fast else 0
+            payload = entry.arrays if nbytes else []
             self._region.post(k, key, fast, payload)
             self._next = k + 1
             if not self._unlinked:
@@ -159,7 +162,7 @@ class FastPath:
                 self._publish_done()
                 return False
             now = time.monotonic()
-            self._pending[k] = _Pending(entry, key, now)
+            self._pending[k] = _Pending(entry, key, now, nbytes)
             handle = entry.handle
             assert isinstance(handle, LaneHandle)
             handle._lane, handle.index = self, k
@@ -180,8 +183,10 @@ class FastPath:
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
                 continue
-            late = [r for r in range(self.size) if not lane.reached(self._region.done(r), oldest)]
-            if not late:
+            if self._room > oldest:
+                return k  # every rank had read this far when last looked at
+            self._room = min(lane.unwrap(self._region.done(r), k) for r in range(self.size))
+            if self._room > oldest:
                 return k
             self._cond.release()  # another thread may post meanwhile: k is read again
             try:
@@ -213,7 +218,7 @@ class FastPath:
             p = self._pending.get(k)
             if p is None:
                 return True
-            seen = [self._region.seen(r, k) for r in range(self.size)]
+            seen = [p.own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
             decision = lane.decide(p.key, seen)
             if decision == lane.FAST:
                 self._finish_fast(k, p, seen)
