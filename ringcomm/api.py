@@ -460,7 +460,9 @@ def join() -> int:
     Returns the rank that joined last (the same on every rank).
     """
     rt = current("join")
-    return rt.submit(wire.Request(JOIN_NAME, wire.JOIN), []).wait()
+    last = rt.submit(wire.Request(JOIN_NAME, wire.JOIN), []).wait()
+    rt.after_join()
+    return last
 
 
 def poll(handle: AnyHandle) -> bool:

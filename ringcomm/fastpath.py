@@ -358,6 +358,24 @@ class FastPath:
             self._unlinked = True
             self._region.unlink()
 
+    def reopen_after_join(self, barrier: Callable[[], None]) -> None:
+        """Every rank has joined, so every rank closed its lane before (and reads no entry any more):
+        each zeroes its counters, ``barrier()`` (through the engine) waits until all have, and the
+        lanes start again from index 0, so a training loop that joins every epoch keeps the lane."""
+        with self._cond:
+            if not self._closing or self._pending:
+                return  # pragma: no cover - join closes the lane and resolves what it posted
+            self._region.reset()
+            self._next = self._room = 0
+        self._sweeper.join(timeout=1.0)  # it ended when the lane closed
+        barrier()
+        with self._cond:
+            self._closed = self._closing = False
+            self._last_fast = 0.0
+            self._sweeper_idle = True
+            self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
+            self._sweeper.start()
+
     def release(self) -> None:
         """Unmap the region (after the engine is closed: nothing reads it any more)."""
         self._region.close()

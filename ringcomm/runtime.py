@@ -80,6 +80,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
+        self._joins = 0
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
         """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
@@ -168,6 +169,15 @@ class Runtime:
             release()
             raise
         return handle
+
+    def after_join(self) -> None:
+        """Every rank has joined: the small-op lane, off since this rank joined, starts again."""
+        if self.lane is None:
+            return
+        with self._lock:
+            self._joins += 1
+            name = f"ringcomm.lane.rejoin.{self._joins}"
+        self.lane.reopen_after_join(lambda: self.submit(wire.Request(name, wire.BARRIER), []).wait())
 
     def shutdown(self) -> None:
         timeout = 0.0 if _dying.is_set() else 10.0

@@ -92,6 +92,10 @@ class ShmLane(shm.MappedFile):
         self._words[self.rank, _OFF] = 1
         futex.wake(self._addr + self.rank * LINE)
 
+    def reset(self) -> None:
+        """Zero this rank's counters (only while no rank reads them: see FastPath.reopen_after_join)."""
+        self._words[self.rank, :3] = 0
+
     def seen(self, rank: int, index: int) -> lane.Seen:
         """What ``rank``'s lane holds at ``index`` (``off`` is read before ``posted``: a rank that
         is off never posts again, so a count read after it is final)."""

@@ -57,10 +57,13 @@ def test_a_mismatch_raises_on_every_rank_and_the_next_op_works(tmp_path):
     assert proc.stdout.count("MISMATCH OK") == 2
 
 
-def test_join_gives_what_the_engine_gives(tmp_path):
-    run("join", 3, tmp_path / "lane")
+def test_join_gives_what_the_engine_gives_and_the_lane_starts_again_after_it(tmp_path):
+    proc = run("join", 3, tmp_path / "lane", RINGCOMM_LOG_LEVEL="DEBUG")
     run("join", 3, tmp_path / "engine", **OFF)
     assert results(tmp_path / "lane", 3) == results(tmp_path / "engine", 3)
+    for epoch in (0, 1):  # after each join, every rank's small ops take the lane again
+        for i in range(5):
+            assert proc.stderr.count(f"allreduce 'e{epoch}.after{i}': 16 B, process set 0: small-op lane") == 3
 
 
 def test_small_ops_appear_on_rank_0s_timeline(tmp_path):

@@ -111,11 +111,15 @@ def mismatch() -> None:
 
 def join() -> None:
     r = rc.rank()
-    results = [rc.allreduce(np.full(4, float(r + 1)), op=rc.Sum, name=f"s{i}")[0] for i in range(3 + 2 * r)]
-    last = rc.join()
+    out = {}
+    for epoch in range(2):  # uneven data, then join, every epoch; the lane starts again after each join
+        results = [rc.allreduce(np.full(4, float(r + 1)), op=rc.Sum, name=f"e{epoch}.s{i}")[0]
+                   for i in range(3 + 2 * r)]
+        last = rc.join()
+        after = [rc.allreduce(np.full(2, float(r + i)), op=rc.Sum, name=f"e{epoch}.after{i}")[0] for i in range(5)]
+        out[str(epoch)] = {"results": results, "last": last, "after": after}
     with open(os.path.join(OUT, f"rank{r}.json"), "w") as f:
-        json.dump({"results": results, "last": last}, f)
-    assert rc.allreduce(np.ones(2), op=rc.Sum)[0] == rc.size()  # after the join: through the engine
+        json.dump(out, f)
     print("JOIN OK", flush=True)
 
 
