@@ -143,10 +143,10 @@ class FastPath:
         fast = idle and (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() and \
             lane.eligible(req, entry.arrays, self.rank, self._max)
         with self._cond:
-            if self._closed:
-                return False
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
                 self._close_locked(None)
+                return False
+            if self._closed:
                 return False
             k = self._make_room()  # every post rewrites an entry: engine entries too
             if self._closed:
@@ -363,12 +363,14 @@ class FastPath:
         each zeroes its counters, ``barrier()`` (through the engine) waits until all have, and the
         lanes start again from index 0, so a training loop that joins every epoch keeps the lane."""
         with self._cond:
-            if not self._closing or self._pending:
-                return  # pragma: no cover - join closes the lane and resolves what it posted
-            self._region.reset()
-            self._next = self._room = 0
+            ready = self._closing and not self._pending  # join closed it and resolved what it posted
+            if ready:
+                self._region.reset()
+                self._next = self._room = 0
         self._sweeper.join(timeout=1.0)  # it ended when the lane closed
-        barrier()
+        barrier()  # on every rank, whatever happens here: the others wait for it
+        if not ready:  # pragma: no cover
+            return
         with self._cond:
             self._closed = self._closing = False
             self._last_fast = 0.0

@@ -76,3 +76,9 @@ def test_small_ops_appear_on_rank_0s_timeline(tmp_path):
 def test_threads_of_one_rank_running_small_ops_at_once(tmp_path, np_):
     proc = run("threads", np_, tmp_path)
     assert proc.stdout.count("THREADS OK") == np_
+
+
+def test_a_rank_that_gave_up_an_op_on_a_stall_joins_and_goes_on_with_the_others(tmp_path):
+    proc = run("stalljoin", 3, tmp_path, RINGCOMM_STALL_CHECK_SECONDS="1", RINGCOMM_STALL_SHUTDOWN_SECONDS="2")
+    assert "[0]<stdout>:STALLED StallError" in proc.stdout
+    assert proc.stdout.count("STALLJOIN OK") == 3

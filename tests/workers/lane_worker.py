@@ -9,6 +9,7 @@ mismatch  one name, different shapes: every rank gets the mismatch error, then g
 join      ranks run different numbers of allreduces, then join
 timeline  rank 0 writes a timeline while small ops run
 threads   four threads per rank run blocking small ops at once, each under its own names
+stalljoin rank 0 gives up a lonely op on a stall (its lane goes off), then every rank joins and goes on
 """
 
 from __future__ import annotations
@@ -162,8 +163,24 @@ def threads() -> None:
     print("THREADS OK", flush=True)
 
 
+def stalljoin() -> None:
+    r = rc.rank()
+    if r == 0:
+        try:
+            rc.allreduce(np.ones(3), name="lonely")
+        except rc.HorovodInternalError as exc:
+            print(f"STALLED {type(exc).__name__}", flush=True)
+    else:
+        time.sleep(3.5)
+    rc.join()
+    for i in range(5):
+        assert rc.allreduce(np.ones(2), op=rc.Sum, name=f"sj{i}")[0] == rc.size()
+    print("STALLJOIN OK", flush=True)
+
+
 init()
 start = time.monotonic()
 {"digests": digests, "sweep": sweep, "reorder": reorder, "mismatch": mismatch, "join": join,
- "timeline": timeline, "threads": threads}[SCENARIO]()
+ "timeline": timeline, "threads": threads,
+ "stalljoin": stalljoin}[SCENARIO]()
 rc.shutdown()
