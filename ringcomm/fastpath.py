@@ -35,6 +35,7 @@ from typing import Any
 
 from . import futex, shm_lane
 from .core import lane, wire
+from .core.coordinator import Stall
 from .errors import ShutdownError, StallError
 from .handles import Entry, Handle
 
@@ -111,7 +112,6 @@ class FastPath:
         self._slice = futex.timespec(SLICE)
         self._cond = threading.Condition(threading.Lock())
         self._next = 0  # the index of this rank's next post
-        self._room = 0  # every rank had finished reading the indices below this when last read
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
         self._closed = False  # posts no more (off)
         self._closing = False  # close() or join() began
@@ -183,10 +183,7 @@ class FastPath:
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
                 continue
-            if self._room > oldest:
-                return k  # every rank had read this far when last looked at
-            self._room = min(lane.unwrap(self._region.done(r), k) for r in range(self.size))
-            if self._room > oldest:
+            if all(lane.reached(self._region.done(r), oldest) for r in range(self.size)):
                 return k
             self._cond.release()  # another thread may post meanwhile: k is read again
             try:
@@ -235,19 +232,17 @@ class FastPath:
             missing = [r for r, s in enumerate(seen) if not s.posted]
             waited = time.monotonic() - started
             if self._stall_check > 0 and waited >= min(self._stall_check, self._stall_shutdown or self._stall_check):
-                text = (f"{p.entry.req.kind} '{p.entry.req.name}' was submitted by ranks "
-                        f"{[r for r, s in enumerate(seen) if s.posted]} {waited:.0f} s ago but ranks {missing} "
-                        "have not submitted it")
+                stall = Stall(p.entry.req.name, p.entry.req.kind, tuple(r for r, s in enumerate(seen) if s.posted),
+                              tuple(missing), waited)
                 if self._stall_shutdown and waited >= self._stall_shutdown:
                     # this rank gives the op up; it goes off, so what the others submit meanwhile
                     # diverts to the engine instead of waiting for this rank's next entries
-                    self._fail(k, p, StallError(f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
-                                                f"{self._stall_shutdown:g})"))
+                    self._fail(k, p, StallError(stall.failure(self._stall_shutdown)))
                     self._go_off()
                     return True
                 if not warned and waited >= self._stall_check:
                     warned = True
-                    log.warning("stall: %s; every rank must run the same collectives in the end", text)
+                    log.warning("stall: %s; every rank must run the same collectives in the end", stall.text())
             self._await_post(missing[0], k)
 
     def _await_post(self, r: int, k: int) -> None:
@@ -366,7 +361,7 @@ class FastPath:
             ready = self._closing and not self._pending  # join closed it and resolved what it posted
             if ready:
                 self._region.reset()
-                self._next = self._room = 0
+                self._next = 0
         self._sweeper.join(timeout=1.0)  # it ended when the lane closed
         barrier()  # on every rank, whatever happens here: the others wait for it
         if not ready:  # pragma: no cover

@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from . import futex, names, shm
+from . import futex, names, shm, shm_barrier
 from .core import lane
 from .errors import HorovodInternalError
 
 log = logging.getLogger("ringcomm")
 
-#: Bytes of one rank's counters (one cache line: ranks never write the same line).
-LINE = 64
+#: Bytes of one rank's counters (one cache line: ranks never write the same line), laid out as
+#: the futex barrier's are.
+LINE = shm_barrier.STRIDE
 #: Bytes of an entry's head.
 HEAD = 64
 _POSTED, _DONE, _OFF = 0, 1, 2
@@ -45,11 +46,7 @@ def region_path(job_id: str, round_: int) -> str:
 
 
 def region_bytes(size: int, slots: int, payload_bytes: int) -> int:
-    return _counters_bytes(size) + size * slots * _entry_bytes(payload_bytes)
-
-
-def _counters_bytes(size: int) -> int:
-    return -(-size * LINE // 4096) * 4096
+    return shm_barrier.header_bytes(size) + size * slots * _entry_bytes(payload_bytes)
 
 
 def _entry_bytes(payload_bytes: int) -> int:
@@ -63,7 +60,7 @@ class ShmLane(shm.MappedFile):
         super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create)
         self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes
         self._entry = _entry_bytes(payload_bytes)
-        self._base = _counters_bytes(size)
+        self._base = shm_barrier.header_bytes(size)
         self._words = self._bytes[: size * LINE].view(np.uint32).reshape(size, LINE // 4)
         self._heads = self._bytes[self._base:].view(np.uint64).reshape(size, slots, self._entry // 8)
         self._addr = self._bytes.ctypes.data

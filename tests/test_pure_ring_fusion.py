@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringcomm.core import ring
-from ringcomm.core.fusion import FusionItem, element_offsets, plan_fusion
+from ringcomm.core.fusion import FusionItem, plan_fusion
 
 
 @given(st.integers(0, 10_000), st.integers(1, 16))
@@ -91,7 +91,7 @@ def test_fusion_is_deterministic_and_orders_groups_by_first_member() -> None:
 
 
 def test_element_offsets() -> None:
-    assert element_offsets([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
+    assert ring.offsets([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
 
 
 def test_small_allreduce_bound_grows_with_the_job_then_caps_rank0s_share_unless_set() -> None:

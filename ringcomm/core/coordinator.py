@@ -37,6 +37,15 @@ class Stall(NamedTuple):
     missing: tuple[int, ...]
     waited: float
 
+    def text(self, where: str = "") -> str:
+        """``allreduce 'x' was submitted by ranks [0] 3 s ago but ranks [1, 2] have not submitted it``."""
+        return (f"{self.kind} '{self.name}'{where} was submitted by ranks {list(self.submitted)} "
+                f"{self.waited:.0f} s ago but ranks {list(self.missing)} have not submitted it")
+
+    def failure(self, shutdown_seconds: float, where: str = "") -> str:
+        """What the op fails with once it has waited ``shutdown_seconds``."""
+        return f"stalled: {self.text(where)} (RINGCOMM_STALL_SHUTDOWN_SECONDS={shutdown_seconds:g})"
+
 
 def itemsize_of(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype else 1

@@ -41,13 +41,3 @@ def plan_fusion(items: Sequence[FusionItem], threshold: int) -> list[list[int]]:
         groups.append([i])
         used.append(item.nbytes)
     return groups
-
-
-def element_offsets(numels: Sequence[int]) -> list[tuple[int, int]]:
-    """Element ranges of tensors packed back to back in one fused buffer."""
-    out = []
-    start = 0
-    for n in numels:
-        out.append((start, start + n))
-        start += n
-    return out

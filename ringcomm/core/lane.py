@@ -123,14 +123,6 @@ def reached(count: int, index: int) -> bool:
     return (count - (index + 1)) & 0xFFFFFFFF < 0x80000000
 
 
-def unwrap(count: int, near: int) -> int:
-    """The full value of 32-bit counter ``count`` that lies within 2**31 of ``near``.
-
-        unwrap(5, 7) -> 5    unwrap(2**32 - 1, 2**32 + 3) -> 2**32 - 1    unwrap(2, 2**32 + 1) -> 2**32 + 2
-    """
-    return near + (((count - near + 0x80000000) & 0xFFFFFFFF) - 0x80000000)
-
-
 # -- results -----------------------------------------------------------------
 
 

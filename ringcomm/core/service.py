@@ -266,12 +266,10 @@ class Service:
         after = min(check_seconds, shutdown_seconds or check_seconds)
         out = []
         for pset, stall in coord.stalled(now, after):
-            text = (f"{stall.kind} '{stall.name}'{coord.where(pset)} was submitted by ranks "
-                    f"{list(stall.submitted)} {stall.waited:.0f} s ago but ranks {list(stall.missing)} "
-                    "have not submitted it")
+            where = coord.where(pset)
+            text = stall.text(where)
             if shutdown_seconds and stall.waited >= shutdown_seconds:
-                coord.fail(pset, stall.name, f"stalled: {text} (RINGCOMM_STALL_SHUTDOWN_SECONDS="
-                                             f"{shutdown_seconds:g})")
+                coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where))
                 continue
             if stall.waited >= check_seconds:
                 out.append(((pset, stall.name), text))
