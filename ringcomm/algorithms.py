@@ -9,6 +9,8 @@ the rank's own data) and talks only through ``link``:
   returns or the data provably arrived)
 - ``link.recv(src, seq, tag) -> buffer``: the payload ``src`` sent with that tag
 - ``link.recv_any(src, seq) -> (tag, buffer)``: the next payload of op ``seq`` from ``src``
+- ``link.recv_first(wants) -> (i, tag, buffer)``: the next payload of any of several ops, ``wants``
+  being ``(src, seq)`` pairs and ``i`` the index of the one it belongs to (several passes at once)
 - ``link.flush()``: wait until every queued send has left this process
 - ``link.reserve(dst, nbytes) -> uint8 array | None`` and ``link.commit(dst, seq, tag, view)``:
   write a payload straight into the outgoing buffer (shared memory) instead of sending a copy
@@ -41,6 +43,8 @@ class Link(Protocol):
     def recv(self, src: int, seq: int, tag: int) -> object: ...
 
     def recv_any(self, src: int, seq: int) -> tuple[int, object]: ...
+
+    def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, object]: ...
 
     def flush(self) -> None: ...
 
@@ -93,40 +97,70 @@ class _Feeder:
         self.advance(len(self.segs))
 
 
-def _ring_pass(
-    link: Link,
-    seq: int,
-    bounds: Sequence[tuple[int, int]],
-    seg_elems: int,
-    recv_chunks: Sequence[int],
-    first: _Feeder,
-    on_segment: Callable[[int, int, int, object], None],
-) -> None:
-    """Receive every segment the left neighbour sends in this op, in whatever order it arrives.
+class RingPass:
+    """One ring pass of op ``seq`` over ``link`` as a state machine, so one thread can run several at once.
 
+    ``start()`` queues the first segments; ``feed(tag, payload)`` handles one payload of op ``seq``
+    from ``src`` (the left neighbour), in whatever order they arrive, and forwards it; ``done`` once
+    every segment arrived; ``sent_all`` once every segment this rank sends in the pass is queued.
     ``recv_chunks[s]`` is the chunk received at ring step ``s``; ``on_segment(s, a, b, payload)``
-    handles one segment (and forwards it).  Processing in arrival order keeps every link
-    drained, so shared-memory slots are handed back promptly.
+    handles one segment; ``on_done()`` runs once, when the last one has been handled.  Handling
+    segments in arrival order keeps every link drained, so shared-memory slots are handed back promptly.
     """
-    src = ring.left(link.rank, link.size)
-    segs = [_segs(bounds[c], seg_elems) for c in recv_chunks]
-    remaining = sum(len(x) for x in segs)
-    first_expected = len(segs[0]) if segs else 0
-    first_seen = 0
-    first.advance(LOOKAHEAD if first_expected else len(first.segs))
-    while remaining:
-        tag, payload = link.recv_any(src, seq)
+
+    def __init__(self, link: Link, seq: int, bounds: Sequence[tuple[int, int]], seg_elems: int,
+                 recv_chunks: Sequence[int], first: _Feeder, on_segment: Callable[[int, int, int, object], None],
+                 on_done: Callable[[], None] | None = None) -> None:
+        self.link, self.seq = link, seq
+        self.src = ring.left(link.rank, link.size)
+        self._segs = [_segs(bounds[c], seg_elems) for c in recv_chunks]
+        self._first, self._on_segment, self._on_done = first, on_segment, on_done
+        self.remaining = sum(len(x) for x in self._segs)
+        # arrivals that make this rank send something: every step's but the last's
+        self._forwards = self.remaining - (len(self._segs[-1]) if self._segs else 0)
+        self._first_expected = len(self._segs[0]) if self._segs else 0
+        self._first_seen = 0
+        self.started = self.done = False
+
+    @property
+    def sent_all(self) -> bool:
+        return self.started and self._forwards == 0 and self._first.sent == len(self._first.segs)
+
+    def start(self) -> None:
+        self.started = True
+        self._first.advance(LOOKAHEAD if self._first_expected else len(self._first.segs))
+        if not self.remaining:
+            self._finish()
+
+    def feed(self, tag: int, payload: object) -> None:
         s, k = tag >> _STEP_SHIFT, tag & _SEG_MASK
-        if s >= len(segs) or k >= len(segs[s]):
-            raise StreamError(f"rank {link.rank}: op {seq} has no segment {k} of ring step {s} (tag {tag}) "
-                              f"for rank {src} to send: data streams out of step")
-        a, b = segs[s][k]
-        on_segment(s, a, b, payload)
-        remaining -= 1
+        if self.done or s >= len(self._segs) or k >= len(self._segs[s]):
+            raise StreamError(f"rank {self.link.rank}: op {self.seq} has no segment {k} of ring step {s} (tag {tag}) "
+                              f"for rank {self.src} to send: data streams out of step")
+        a, b = self._segs[s][k]
+        self._on_segment(s, a, b, payload)
+        self.remaining -= 1
+        if s < len(self._segs) - 1:
+            self._forwards -= 1
         if s == 0:
-            first_seen += 1
-            first.advance(first_seen + LOOKAHEAD if first_seen < first_expected else len(first.segs))
-    first.finish()
+            self._first_seen += 1
+            self._first.advance(self._first_seen + LOOKAHEAD if self._first_seen < self._first_expected
+                                else len(self._first.segs))
+        if not self.remaining:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._first.finish()
+        self.done = True
+        if self._on_done is not None:
+            self._on_done()
+
+    def run(self) -> None:
+        """Run the pass alone, to the end, and wait until what it sent has left (``link.flush()``)."""
+        self.start()
+        while not self.done:
+            self.feed(*self.link.recv_any(self.src, self.seq))
+        self.link.flush()
 
 
 def ring_allreduce(
@@ -153,13 +187,20 @@ def ring_allreduce(
 
         rank 0: [1, 2, 3]   rank 1: [10, 20, 30]   ->   both: [11, 22, 33]
     """
-    size, rank = link.size, link.rank
     inp = buf if src_buf is None else src_buf
-    if size == 1 or buf.size == 0:
+    if link.size == 1 or buf.size == 0:
         if inp is not buf:
             buf[...] = inp
         scale_inplace(buf, postscale)
         return
+    allreduce_pass(link, buf, op, seq, seg_elems, postscale, src_buf, marks).run()
+
+
+def allreduce_pass(link: Link, buf: np.ndarray, op: ReduceOp, seq: int, seg_elems: int, postscale: float = 1.0,
+                   src_buf: np.ndarray | None = None, marks: list[float] | None = None) -> RingPass:
+    """:func:`ring_allreduce` as a :class:`RingPass`, not yet started (``link.size`` >= 2)."""
+    size, rank = link.size, link.rank
+    inp = buf if src_buf is None else src_buf
     bounds = ring.chunk_bounds(buf.size, size)
     sr = ring.scatter_reduce_steps(rank, size)
     ag = ring.allgather_steps(rank, size)
@@ -197,8 +238,7 @@ def ring_allreduce(
         return (a - bounds[recv_chunks[s]][0]) // seg_elems
 
     first = _Feeder(link, dst, seq, 0, inp, _segs(bounds[sr[0].send_chunk], seg_elems))
-    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
-    link.flush()
+    return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
 
 
 def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int, seg_elems: int) -> None:
@@ -207,9 +247,13 @@ def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int
 
         rank 0: [a, _, _]   rank 1: [_, b, c]   (counts [1, 2])   ->   both: [a, b, c]
     """
+    if link.size > 1:
+        allgatherv_pass(link, out, counts, seq, seg_elems).run()
+
+
+def allgatherv_pass(link: Link, out: np.ndarray, counts: Sequence[int], seq: int, seg_elems: int) -> RingPass:
+    """:func:`ring_allgatherv` as a :class:`RingPass`, not yet started (``link.size`` >= 2)."""
     size, rank = link.size, link.rank
-    if size == 1:
-        return
     bounds = ring.offsets(counts)
     steps = ring.allgather_steps(rank, size, ring.OWN_CHUNK_SHIFT)
     dst = ring.right(rank, size)
@@ -222,8 +266,7 @@ def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int
             link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
 
     first = _Feeder(link, dst, seq, 0, out, _segs(bounds[steps[0].send_chunk], seg_elems))
-    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
-    link.flush()
+    return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
 
 
 def ring_reducescatter(
@@ -239,12 +282,21 @@ def ring_reducescatter(
 
     Returns ``(start, stop)`` of this rank's block in ``buf`` (already post-scaled).
     """
+    mine = ring.offsets(counts)[link.rank]
+    if link.size == 1:
+        scale_inplace(buf[mine[0]:mine[1]], postscale)
+        return mine
+    reducescatter_pass(link, buf, counts, op, seq, seg_elems, postscale).run()
+    return mine
+
+
+def reducescatter_pass(link: Link, buf: np.ndarray, counts: Sequence[int], op: ReduceOp, seq: int, seg_elems: int,
+                       postscale: float = 1.0) -> RingPass:
+    """:func:`ring_reducescatter` as a :class:`RingPass`, not yet started (``link.size`` >= 2); this
+    rank's block is ``ring.offsets(counts)[link.rank]``."""
     size, rank = link.size, link.rank
     bounds = ring.offsets(counts)
     mine = bounds[rank]
-    if size == 1:
-        scale_inplace(buf[mine[0]:mine[1]], postscale)
-        return mine
     sr = ring.scatter_reduce_steps(rank, size, ring.OWN_CHUNK_SHIFT)
     dst = ring.right(rank, size)
     recv_chunks = [st.recv_chunk for st in sr]
@@ -256,10 +308,8 @@ def ring_reducescatter(
             link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
 
     first = _Feeder(link, dst, seq, 0, buf, _segs(bounds[sr[0].send_chunk], seg_elems))
-    _ring_pass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
-    scale_inplace(buf[mine[0]:mine[1]], postscale)
-    link.flush()
-    return mine
+    return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment,
+                    lambda: scale_inplace(buf[mine[0]:mine[1]], postscale))
 
 
 #: Broadcasts up to this many bytes go straight from the root to every rank.
@@ -351,6 +401,9 @@ class SubLink:
 
     def recv_any(self, src: int, seq: int) -> tuple[int, object]:
         return self.parent.recv_any(self.ranks[src], seq)
+
+    def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, object]:
+        return self.parent.recv_first([(self.ranks[src], seq) for src, seq in wants])
 
     def flush(self) -> None:
         self.parent.flush()

@@ -94,6 +94,9 @@ class Settings:
     #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
     #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
     hierarchical_allreduce: int = -1
+    #: A hierarchical allreduce is cut into pieces of this many bytes (at most 8) whose phases
+    #: within the host overlap the link's work on other pieces (0: one piece; ``hierarchical.py``).
+    hierarchical_piece_bytes: int = 8 * 1024 * 1024
     #: Seconds to wait for a peer's data before declaring it lost.
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.
@@ -183,6 +186,9 @@ class Settings:
                 f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL "
                 "(or leave it empty: the application's logging configuration decides)"
             )
+        if self.hierarchical_piece_bytes < 0:
+            raise InvalidInputError(
+                f"RINGCOMM_HIERARCHICAL_PIECE_BYTES must be >= 0 (0: no pieces), got {self.hierarchical_piece_bytes}")
         if self.hierarchical_allreduce not in (-1, 0, 1):
             raise InvalidInputError(
                 f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")

@@ -158,6 +158,7 @@ class Engine:
             ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
             shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
             job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
+            seq_stride=hierarchical.PHASES,
         )
         self._link = link  # from here on, _close() closes it
         base = ipc_base(topo.job_id, os.getpid(), round_)

@@ -240,7 +240,8 @@ class Executor:
                 plan = self._host_plan(resp.pset, members)  # several hosts: reduce within each host first
                 hier = hierarchical.choose(self.settings.hierarchical_allreduce, buf.nbytes, plan, op)
                 if hier and plan is not None:
-                    hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src)
+                    hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src, pieces=hierarchical.pieces_for(
+                        buf.nbytes, self.settings.hierarchical_piece_bytes))
                     if isinstance(self._link, DataPlane):
                         self._link.stats["hierarchical_allreduce"] += 1
                 else:

@@ -19,8 +19,10 @@ do between Horovod's flat and hierarchical modes).
 
 :func:`plan` (pure) decides whether a process set's layout allows it: at
 least two hosts, the same number (at least two) of the set's ranks on each.
-:func:`choose` is the rule for when it is used.  The three phases use the
-op's sequence number plus 0, 1 and 2 (the engine leaves room for them).
+:func:`choose` is the rule for when it is used.  A large buffer is cut into
+pieces whose phases overlap (:mod:`ringcomm.core.pipeline`: the phases within
+the host of one piece run while the link carries another); :func:`pieces_for`
+says how many.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import algorithms
-from .core import ring
+from .core import pipeline, ring
 from .core.ops import ReduceOp
 
-#: Phases of one op, each with a sequence number of its own: the engine numbers ops in steps of this.
-PHASES = 4
+#: Sequence numbers of one op (a pass each): the engine numbers ops in steps of this.
+PHASES = 32
+#: At most this many pieces (three passes each, one sequence number per pass).
+MAX_PIECES = 8
 #: Allreduces of at least this many bytes take the hierarchical path when it is on automatically.
 AUTO_MIN_BYTES = 1 << 20
 
@@ -77,18 +81,70 @@ def choose(setting: int, nbytes: int, host_plan: HostPlan | None, op: ReduceOp) 
     return setting == 1 or nbytes >= AUTO_MIN_BYTES
 
 
+def pieces_for(nbytes: int, piece_bytes: int) -> int:
+    """How many pieces an allreduce of ``nbytes`` is cut into: one per ``piece_bytes``, at most
+    :data:`MAX_PIECES` (``piece_bytes`` 0: one piece, no pipelining).
+
+        pieces_for(64 << 20, 8 << 20) -> 8      pieces_for(4 << 20, 8 << 20) -> 1
+    """
+    if piece_bytes <= 0:
+        return 1
+    return max(1, min(MAX_PIECES, nbytes // piece_bytes))
+
+
 def allreduce(link: algorithms.Link, host_plan: HostPlan, buf: np.ndarray, op: ReduceOp, seq: int, seg_elems: int,
-              postscale: float = 1.0, src_buf: np.ndarray | None = None) -> None:
+              postscale: float = 1.0, src_buf: np.ndarray | None = None, pieces: int = 1) -> None:
     """Reduce ``buf`` (1-D, contiguous) across every rank of ``link`` in place, host by host.
 
-    Collective over ``link``'s ranks, each with its own :func:`plan`; ``seq`` .. ``seq + 2``
-    number the three phases.  ``postscale`` is applied once, to each finished block.
+    Collective over ``link``'s ranks, each with its own :func:`plan` and the same ``pieces``
+    (1 to :data:`MAX_PIECES`): the buffer is cut into that many pieces whose passes overlap
+    (:mod:`ringcomm.core.pipeline`); ``seq`` onwards numbers the passes.  ``postscale`` is
+    applied once, to each finished block.
     """
+    if not 1 <= pieces <= MAX_PIECES:
+        raise ValueError(f"pieces must be 1 to {MAX_PIECES}, got {pieces}")
     if src_buf is not None:
         np.copyto(buf, src_buf)
     local = algorithms.SubLink(link, host_plan.local)
     cross = algorithms.SubLink(link, host_plan.cross)
-    counts = ring.split_sizes(buf.size, local.size)
-    start, stop = algorithms.ring_reducescatter(local, buf, counts, op, seq, seg_elems, 1.0)
-    algorithms.ring_allreduce(cross, buf[start:stop], op, seq + 1, seg_elems, postscale)
-    algorithms.ring_allgatherv(local, buf, counts, seq + 2, seg_elems)
+    passes: dict[tuple[int, int], tuple[algorithms.SubLink, algorithms.RingPass]] = {}
+    for c, (a, b) in enumerate(ring.chunk_bounds(buf.size, pieces)):
+        piece = buf[a:b]
+        counts = ring.split_sizes(piece.size, local.size)
+        start, stop = ring.offsets(counts)[local.rank]
+        passes[(pipeline.RS, c)] = local, algorithms.reducescatter_pass(
+            local, piece, counts, op, seq + pipeline.seq_offset(pipeline.RS, c), seg_elems)
+        passes[(pipeline.AR, c)] = cross, algorithms.allreduce_pass(
+            cross, piece[start:stop], op, seq + pipeline.seq_offset(pipeline.AR, c), seg_elems, postscale)
+        passes[(pipeline.AG, c)] = local, algorithms.allgatherv_pass(
+            local, piece, counts, seq + pipeline.seq_offset(pipeline.AG, c), seg_elems)
+    schedule = pipeline.PieceSchedule(pieces)
+    running: list[tuple[int, int]] = []
+
+    def advance() -> None:
+        """Start what the schedule allows (a pass with nothing to receive is over at once)."""
+        while ready := schedule.ready():
+            for key in ready:
+                p = passes[key][1]
+                p.start()
+                if p.done:
+                    schedule.finished(*key)
+                else:
+                    running.append(key)
+
+    advance()
+    while running:
+        wants = [(passes[k][0].ranks[passes[k][1].src], passes[k][1].seq) for k in running]
+        i, tag, payload = link.recv_first(wants)
+        key = running[i]
+        p = passes[key][1]
+        p.feed(tag, payload)
+        if p.done:
+            running.pop(i)
+            schedule.finished(*key)
+        elif p.sent_all:
+            schedule.sent_all(*key)
+        else:
+            continue
+        advance()
+    link.flush()

@@ -11,7 +11,10 @@ Owned by the engine thread.  Messages on a pair's socket:
 - ``A`` ack: the sender may reuse that slot.
 
 Data messages carry ``(seq, tag)``; one that arrives before it is asked for
-(another segment or op from the same peer) waits in a per-peer stash.  A
+(another segment or op from the same peer) waits in a per-peer stash.  An op
+owns ``seq_stride`` consecutive sequence numbers, which may be received in any
+interleaving (``recv_first``: several ring passes of one op at once); the
+messages of earlier ops are over.  A
 message that does not parse (``wire.parse_data``) is dropped and logged at
 DEBUG; frames larger than a segment are refused by ZeroMQ (``MAXMSGSIZE``).
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zmq
@@ -62,9 +65,10 @@ class DataPlane:
     def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
                  socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
                  shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0,
-                 max_payload_bytes: int = 0, *, credentials: Credentials) -> None:
+                 max_payload_bytes: int = 0, *, credentials: Credentials, seq_stride: int = 1) -> None:
         """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
-        must already have a ZAP handler for them (:class:`ringcomm.auth.ZapThread`)."""
+        must already have a ZAP handler for them (:class:`ringcomm.auth.ZapThread`).  ``seq_stride``:
+        how many sequence numbers each op owns (``seq // seq_stride`` numbers the op)."""
         self.rank = rank
         self.size = size
         self._ctx = ctx
@@ -77,6 +81,7 @@ class DataPlane:
         self._shm_min = shm_min_bytes
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
+        self._stride = max(1, seq_stride)
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
@@ -90,8 +95,8 @@ class DataPlane:
         self._shm_peers: set[int] = set()
         self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
         self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
-        self._op: dict[int, int] = {}  # peer -> the op this rank last received from it
-        self._taken: dict[int, set[int]] = {}  # peer -> tags of that op already received
+        self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
+        self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
         self.peers = PeerWatch(rank, size, peer_timeout, self._socks, self._slots, self._slot_bytes)
@@ -342,11 +347,12 @@ class DataPlane:
                 self._out_rings[src].unlink()
             return None
         key = (msg.seq, msg.tag)
-        current = self._op.get(src, -1)
-        if key in self._stash[src] or (msg.seq == current and msg.tag in self._taken[src]):
+        op, current = msg.seq // self._stride, self._op.get(src, -1)
+        if key in self._stash[src] or (op == current and key in self._taken[src]):
             raise ProtocolError(f"a second message for op {msg.seq} tag {msg.tag}")
-        if msg.seq < current:  # every message of an earlier op was taken before it completed
-            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op {current})")
+        if op < current:  # every message of an earlier op was taken before it completed
+            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op "
+                                f"{current * self._stride})")
         if msg.kind == b"S":
             self._in_ring(src)
             self._stash[src][key] = [msg.slot, msg.nbytes]
@@ -376,8 +382,9 @@ class DataPlane:
 
     def _enter(self, src: int, seq: int) -> None:
         """This rank now receives op ``seq`` from ``src``: earlier ops' messages are stale from here on."""
-        if seq != self._op.get(src, -1):
-            self._op[src] = seq
+        op = seq // self._stride
+        if op != self._op.get(src, -1):
+            self._op[src] = op
             self._taken[src] = set()
 
     def serve_while_waiting(self, sock: zmq.Socket, serve: Callable[[], None]) -> None:
@@ -438,8 +445,45 @@ class DataPlane:
             if got is not None and got[0] == seq:
                 return got[1], self._open(src, got, stash.pop(got))
 
+    def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, memoryview | np.ndarray]:
+        """The next payload of any of the ops ``wants`` (``(src, seq)`` pairs, of one op's sequence
+        numbers per peer): ``(index in wants, tag, payload)``.  Waits like :meth:`recv`, on all at once."""
+        for src, seq in wants:
+            self._ack_held(src)
+            self._enter(src, seq)
+        for i, (src, seq) in enumerate(wants):
+            stash = self._stash[src]
+            for key in stash:
+                if key[0] == seq:
+                    return i, key[1], self._open(src, key, stash.pop(key))
+        poller = zmq.Poller()
+        srcs = list(dict.fromkeys(src for src, _ in wants))
+        for src in srcs:
+            poller.register(self._socks[src], zmq.POLLIN)
+        ctrl, serve = self._serving if self._serving is not None else (None, None)
+        if ctrl is not None:
+            poller.register(ctrl, zmq.POLLIN)
+        waited = 0.0
+        while True:
+            events = dict(poller.poll(int(_SLICE * 1000)))
+            if serve is not None and ctrl in events:
+                serve()
+            for src in srcs:
+                if self._socks[src] not in events:
+                    continue
+                while (got := self._pump(src, block=False)) is not None:
+                    for i, want in enumerate(wants):
+                        if want == (src, got[0]):
+                            return i, got[1], self._open(src, got, self._stash[src].pop(got))
+            if not events:
+                src = wants[0][0]
+                waited = self._slice_waited(
+                    src, waited, "data", False,
+                    f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
+                    "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
+
     def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
-        self._taken[src].add(key[1])
+        self._taken[src].add(key)
         if isinstance(item, list):
             slot, n = item
             self._held[src].append(slot)

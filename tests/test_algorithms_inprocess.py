@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,22 @@ class QueueLink:
             if q == seq:
                 return t, data
             self._stash[(src, q, t)] = data
+
+    def recv_first(self, wants: list[tuple[int, int]]) -> tuple[int, int, bytes]:
+        """Like the data plane: whichever wanted payload is in (FIFO per peer) comes first."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for i, (src, seq) in enumerate(wants):
+                for (s, q, t) in list(self._stash):
+                    if s == src and q == seq:
+                        return i, t, self._stash.pop((s, q, t))
+            for src in dict.fromkeys(s for s, _ in wants):
+                try:
+                    q, t, data = self._boxes[(src, self.rank)].get(timeout=0.001)
+                except queue.Empty:
+                    continue
+                self._stash[(src, q, t)] = data
+        raise TimeoutError(f"rank {self.rank}: nothing for {wants} in 10 s")
 
     def flush(self) -> None:
         pass
@@ -208,12 +225,14 @@ def test_short_message_is_detected_as_stream_desync() -> None:
 def zmq_links(tmp_path):
     made: list[tuple[zmq.Context, ZapThread, list[DataPlane]]] = []
 
-    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False) -> list[DataPlane]:
+    def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False,
+              seq_stride: int = 1) -> list[DataPlane]:
         ctx = zmq.Context()
         creds = Credentials.derive(b"k" * 32, "job", encrypt=encrypt)
         zap = ZapThread(ctx, creds, "test")
         planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0, shm_slots=shm_slots, shm_slot_bytes=4096,
-                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}", credentials=creds)
+                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}", credentials=creds,
+                            seq_stride=seq_stride)
                   for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
         for r, p in enumerate(planes):

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import hierarchical
+from ringcomm import algorithms, hierarchical
 from ringcomm.core.ops import ReduceOp
-from test_algorithms_inprocess import queue_links, run_ranks
+from test_algorithms_inprocess import queue_links, run_ranks, zmq_links  # noqa: F401 (a fixture)
 
 
 @given(st.integers(2, 5), st.integers(2, 4), st.randoms(use_true_random=False))
@@ -52,8 +52,9 @@ def test_the_rule() -> None:
                                ("a", "b", "c", "a", "b", "c")]),
        n=st.integers(0, 300), seg=st.integers(1, 64),
        op=st.sampled_from([ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]),
-       dtype=st.sampled_from(["float32", "float64", "int32"]), post=st.sampled_from([1.0, 0.5]))
-def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, post) -> None:
+       dtype=st.sampled_from(["float32", "float64", "int32"]), post=st.sampled_from([1.0, 0.5]),
+       pieces=st.integers(1, hierarchical.MAX_PIECES))
+def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, post, pieces) -> None:
     if op is ReduceOp.AVERAGE and dtype == "int32":
         return
     size = len(layout)
@@ -64,8 +65,8 @@ def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, 
 
     def body(link, r):
         buf = inputs[r].copy()
-        hierarchical.allreduce(link, hierarchical.plan(list(layout), r), buf, op, 40, seg,
-                               post_eff if dtype != "int32" else 1.0)
+        hierarchical.allreduce(link, hierarchical.plan(list(layout), r), buf, op, 64, seg,
+                               post_eff if dtype != "int32" else 1.0, pieces=pieces)
         return buf
 
     out = run_ranks(queue_links(size), body)
@@ -102,3 +103,46 @@ def test_setting_is_checked() -> None:
     assert Settings.from_env({"RINGCOMM_HIERARCHICAL_ALLREDUCE": "1"}).hierarchical_allreduce == 1
     with pytest.raises(InvalidInputError):
         Settings.from_env({"RINGCOMM_HIERARCHICAL_ALLREDUCE": "2"})
+    assert Settings.from_env({"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}).hierarchical_piece_bytes == 0
+    with pytest.raises(InvalidInputError, match="HIERARCHICAL_PIECE_BYTES"):
+        Settings.from_env({"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "-1"})
+
+
+def test_pieces_rule() -> None:
+    assert hierarchical.pieces_for(64 << 20, 8 << 20) == 8
+    assert hierarchical.pieces_for(64 << 20, 1 << 20) == hierarchical.MAX_PIECES
+    assert hierarchical.pieces_for(12 << 20, 8 << 20) == 1
+    assert hierarchical.pieces_for(1 << 30, 0) == 1
+    assert hierarchical.PHASES >= 3 * hierarchical.MAX_PIECES  # every pass of an op has a sequence number
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_slots,seg", [(0, 100), (4, 512)])
+def test_pipelined_over_the_data_plane_back_to_back_with_flat_rings(zmq_links, shm_slots: int,  # noqa: F811
+                                                                   seg: int) -> None:
+    """Real data planes (several passes of one op open towards one peer at once), hierarchical ops of
+    1 to 8 pieces between flat rings: every result right and bitwise alike on every rank."""
+    layout = ["a", "a", "b", "b"]
+    links = zmq_links(4, zero_copy_min=256, shm_slots=shm_slots, seq_stride=hierarchical.PHASES)
+    sizes = [(5000, 1), (5000, 8), (3, 8), (20_000, 5), (777, 3)]
+
+    def fn(link, r):
+        outs = []
+        for i, (n, pieces) in enumerate(sizes):
+            rng = np.random.default_rng(1000 * i + r)
+            buf = rng.standard_normal(n).astype(np.float32)
+            hierarchical.allreduce(link, hierarchical.plan(layout, r), buf, ReduceOp.SUM, (2 * i) * hierarchical.PHASES,
+                                   seg, pieces=pieces)  # 400 B segments inline, 2 KiB ones in shared memory
+            outs.append(buf)
+            flat = np.full(1000, r + 1.0)
+            algorithms.ring_allreduce(link, flat, ReduceOp.SUM, (2 * i + 1) * hierarchical.PHASES, 64)
+            outs.append(flat)
+        return outs
+
+    out = run_ranks(links, fn)
+    for i, (n, _) in enumerate(sizes):
+        want = sum(np.random.default_rng(1000 * i + r).standard_normal(n).astype(np.float32).astype(np.float64)
+                   for r in range(4))
+        np.testing.assert_allclose(out[0][2 * i], want, rtol=1e-5, atol=1e-5)
+        assert all(out[r][2 * i].tobytes() == out[0][2 * i].tobytes() for r in range(4))
+        assert all(o[2 * i + 1].tolist() == [10.0] * 1000 for o in out)

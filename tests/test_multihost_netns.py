@@ -82,11 +82,13 @@ def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoH
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["1", "-1"])
-def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_rank(hosts: TwoHosts, mode: str) -> None:
-    """Forced on (every size) and automatic (from 1 MiB); ranks check results and compare digests."""
+@pytest.mark.parametrize("mode,piece", [("1", "0"), ("-1", "0"), ("1", "65536")])
+def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_rank(hosts: TwoHosts, mode: str,
+                                                                                   piece: str) -> None:
+    """Forced on (every size) and automatic (from 1 MiB), in one piece or pipelined in pieces of 64 KiB
+    (up to 8); ranks check results and compare digests."""
     proc = start(hosts, *two_by_two(hosts), sys.executable, str(WORKERS / "hierarchical_worker.py"),
-                 RINGCOMM_HIERARCHICAL_ALLREDUCE=mode)
+                 RINGCOMM_HIERARCHICAL_ALLREDUCE=mode, RINGCOMM_HIERARCHICAL_PIECE_BYTES=piece)
     out, err = proc.communicate(timeout=110)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     counts = {int(m[0]): int(m[1]) for m in re.findall(r"HIER OK (\d) (\d+)", out)}

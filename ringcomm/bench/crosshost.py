@@ -30,9 +30,13 @@ from typing import Any
 
 from . import _netns, _procs, _util
 
-SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece")
 #: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
 FLAT = "ringcomm-flat"
+#: ringcomm's hierarchical allreduce in one piece (RINGCOMM_HIERARCHICAL_PIECE_BYTES=0): its phases one after another
+ONEPIECE = "ringcomm-onepiece"
+#: the extra systems' columns in the table
+EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece"}
 
 
 @dataclasses.dataclass
@@ -90,7 +94,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
         return section
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
     runners = {"ringcomm": _ringcomm, "gloo": _gloo,
-               FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"})}
+               FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
+               ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:
@@ -144,12 +149,12 @@ def markdown(section: dict[str, Any]) -> str:
     if section.get("skipped"):
         return f"### Across two hosts\n\nskipped: {section['skipped']}\n"
     p = section["ranks_per_host"]
-    has_flat = any(FLAT in row["systems"] for row in section["summary"])
+    extra = [name for name in EXTRA if any(name in row["systems"] for row in section["summary"])]
     lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, "
              f"{section['repeats']} alternating rounds)", "",
              "| link | size | ringcomm | gloo | gloo/ringcomm | ringcomm vs flat-ring bound | "
-             "ringcomm vs hierarchical bound |" + (" one flat ring (hierarchical off) |" if has_flat else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if has_flat else "")]
+             "ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
+             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for row in section["summary"]:
         rc_ = row["systems"].get("ringcomm", {}).get("median_s")
         gl = row["systems"].get("gloo", {}).get("median_s")
@@ -158,9 +163,9 @@ def markdown(section: dict[str, Any]) -> str:
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
         cells = [row["rate"], _util.format_size(row["bytes"]),
                  f"{rc_ * 1e3:.1f} ms" if rc_ else "n/a", f"{gl * 1e3:.1f} ms" if gl else "n/a", ratio, flat, hier]
-        if has_flat:
-            fl = row["systems"].get(FLAT, {}).get("median_s")
-            cells.append(f"{fl * 1e3:.1f} ms" if fl else "n/a")
+        for name in extra:
+            t = row["systems"].get(name, {}).get("median_s")
+            cells.append(f"{t * 1e3:.1f} ms" if t else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
               "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time."]

@@ -126,6 +126,6 @@ def test_with_mpi4py_rank_0_tells_its_address_through_mpi() -> None:
     script = ("OMPI_COMM_WORLD_LOCAL_SIZE=1 OMPI_COMM_WORLD_LOCAL_RANK=0 OMPI_MCA_orte_num_nodes=3 "
               f"OMPI_MCA_orte_hnp_uri='1.0;tcp://10.255.255.1:1' {PYTHON} {WORKER}")
     cmd = [need("mpirun.openmpi", "openmpi-bin"), "--oversubscribe", "-np", "3", "sh", "-c", script]
-    proc = run(cmd, timeout=60, env=openmpi_env())
+    proc = run(cmd, timeout=60, env={**openmpi_env(), **ACROSS_HOSTS})
     assert_job_ok(proc, 3, "OMPI")
     assert "10.255.255.1" not in results(proc.stdout)[0]["rendezvous"]
