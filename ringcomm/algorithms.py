@@ -291,10 +291,12 @@ def ring_reducescatter(
 
 
 def reducescatter_pass(link: Link, buf: np.ndarray, counts: Sequence[int], op: ReduceOp, seq: int, seg_elems: int,
-                       postscale: float = 1.0) -> RingPass:
+                       postscale: float = 1.0, src_buf: np.ndarray | None = None) -> RingPass:
     """:func:`ring_reducescatter` as a :class:`RingPass`, not yet started (``link.size`` >= 2); this
-    rank's block is ``ring.offsets(counts)[link.rank]``."""
+    rank's block is ``ring.offsets(counts)[link.rank]``.  With ``src_buf`` the input is read from
+    there and only the blocks this rank receives are written in ``buf`` (no copy-in)."""
     size, rank = link.size, link.rank
+    inp = buf if src_buf is None else src_buf
     bounds = ring.offsets(counts)
     mine = bounds[rank]
     sr = ring.scatter_reduce_steps(rank, size, ring.OWN_CHUNK_SHIFT)
@@ -303,11 +305,15 @@ def reducescatter_pass(link: Link, buf: np.ndarray, counts: Sequence[int], op: R
 
     def on_segment(s: int, a: int, b: int, payload: object) -> None:
         seg = buf[a:b]
-        reduce_into(op, seg, _view(payload, buf.dtype, b - a))
+        incoming = _view(payload, buf.dtype, b - a)
+        if inp is buf:
+            reduce_into(op, seg, incoming)
+        else:
+            combine(op, inp[a:b], incoming, seg)
         if s + 1 < len(sr):
             link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
 
-    first = _Feeder(link, dst, seq, 0, buf, _segs(bounds[sr[0].send_chunk], seg_elems))
+    first = _Feeder(link, dst, seq, 0, inp, _segs(bounds[sr[0].send_chunk], seg_elems))
     return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment,
                     lambda: scale_inplace(buf[mine[0]:mine[1]], postscale))
 

@@ -200,3 +200,32 @@ class Settings:
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
+
+
+#: Settings that decide how an op's data is cut and which path it takes.  Ranks that held different
+#: values would wait for segments, pieces or paths their peers never use: ``init()`` compares them.
+AGREED = ("segment_bytes", "hierarchical_allreduce", "hierarchical_piece_bytes", "shm_allreduce_min_bytes",
+          "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes")
+
+
+def agreed(settings: Settings) -> dict[str, int]:
+    """This rank's values of the :data:`AGREED` settings (what it publishes at the rendezvous)."""
+    return {name: getattr(settings, name) for name in AGREED}
+
+
+def check_agreed(table: list[dict], rank: int) -> None:
+    """Raise naming the first :data:`AGREED` setting on which the ranks of ``table`` differ.
+
+    ``table``: every rank's rendezvous record, with ``rank`` and ``agreed`` (:func:`agreed`).
+    """
+    for name in AGREED:
+        holders: dict[object, list[int]] = {}
+        for peer in sorted(table, key=lambda p: int(p["rank"])):
+            holders.setdefault(peer.get("agreed", {}).get(name), []).append(int(peer["rank"]))
+        if len(holders) > 1:
+            var = "RINGCOMM_" + name.upper()
+            which = "; ".join(f"ranks {ranks} have {value}" for value, ranks in holders.items())
+            raise InvalidInputError(
+                f"rank {rank}: the ranks disagree on {var} ({which}). It decides how each op's data is cut and "
+                f"which path it takes, so ranks that differ would wait for data that never comes. Set {var} (or "
+                "its HOROVOD_* name) to the same value on every rank, or on none.")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, hierarchical, shm_allreduce, shm_lane
+from . import auth, config, hierarchical, shm_allreduce, shm_lane
 from .core import wire
 from .config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
@@ -168,6 +168,7 @@ class Engine:
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
             "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
+            "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
             "lane": lane_offer,  # rank 0: the small-op lane's path; the others: whether they can map one
         }
         if self.rank == 0:
@@ -203,6 +204,7 @@ class Engine:
         )
         self.peer_table = table
         _check_same_security(table, self.rank)
+        config.check_agreed(table, self.rank)
         for peer in table:
             r = int(peer["rank"])
             same_host = peer["host"] == topo.hostname

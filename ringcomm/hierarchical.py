@@ -103,8 +103,6 @@ def allreduce(link: algorithms.Link, host_plan: HostPlan, buf: np.ndarray, op: R
     """
     if not 1 <= pieces <= MAX_PIECES:
         raise ValueError(f"pieces must be 1 to {MAX_PIECES}, got {pieces}")
-    if src_buf is not None:
-        np.copyto(buf, src_buf)
     local = algorithms.SubLink(link, host_plan.local)
     cross = algorithms.SubLink(link, host_plan.cross)
     passes: dict[tuple[int, int], tuple[algorithms.SubLink, algorithms.RingPass]] = {}
@@ -113,7 +111,8 @@ def allreduce(link: algorithms.Link, host_plan: HostPlan, buf: np.ndarray, op: R
         counts = ring.split_sizes(piece.size, local.size)
         start, stop = ring.offsets(counts)[local.rank]
         passes[(pipeline.RS, c)] = local, algorithms.reducescatter_pass(
-            local, piece, counts, op, seq + pipeline.seq_offset(pipeline.RS, c), seg_elems)
+            local, piece, counts, op, seq + pipeline.seq_offset(pipeline.RS, c), seg_elems,
+            src_buf=None if src_buf is None else src_buf[a:b])  # read there: no copy-in
         passes[(pipeline.AR, c)] = cross, algorithms.allreduce_pass(
             cross, piece[start:stop], op, seq + pipeline.seq_offset(pipeline.AR, c), seg_elems, postscale)
         passes[(pipeline.AG, c)] = local, algorithms.allgatherv_pass(

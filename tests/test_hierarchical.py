@@ -53,8 +53,8 @@ def test_the_rule() -> None:
        n=st.integers(0, 300), seg=st.integers(1, 64),
        op=st.sampled_from([ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT]),
        dtype=st.sampled_from(["float32", "float64", "int32"]), post=st.sampled_from([1.0, 0.5]),
-       pieces=st.integers(1, hierarchical.MAX_PIECES))
-def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, post, pieces) -> None:
+       pieces=st.integers(1, hierarchical.MAX_PIECES), use_src=st.booleans())
+def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, post, pieces, use_src) -> None:
     if op is ReduceOp.AVERAGE and dtype == "int32":
         return
     size = len(layout)
@@ -64,9 +64,10 @@ def test_every_rank_gets_the_reduction_bitwise_alike(layout, n, seg, op, dtype, 
     post_eff = post / size if op is ReduceOp.AVERAGE else post
 
     def body(link, r):
-        buf = inputs[r].copy()
+        buf = np.full_like(inputs[r], 77) if use_src else inputs[r].copy()  # with src_buf, buf is only written
         hierarchical.allreduce(link, hierarchical.plan(list(layout), r), buf, op, 64, seg,
-                               post_eff if dtype != "int32" else 1.0, pieces=pieces)
+                               post_eff if dtype != "int32" else 1.0, src_buf=inputs[r] if use_src else None,
+                               pieces=pieces)
         return buf
 
     out = run_ranks(queue_links(size), body)
