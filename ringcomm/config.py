@@ -62,16 +62,18 @@ class Settings:
     bucket_bytes: int = 1024 * 1024
     #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
     cycle_time: float = 0.0
-    #: Bytes per pipelined segment on the ring.
-    segment_bytes: int = 1024 * 1024
+    #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments
+    #: mean fewer wake-ups per op; 4 MiB measured faster than 1 MiB across hosts and no slower on one.
+    segment_bytes: int = 4 * 1024 * 1024
     #: Segments smaller than this are copied into ZeroMQ messages; larger ones are sent zero-copy.
     zero_copy_min_bytes: int = 64 * 1024
     #: ZeroMQ I/O threads per process.
     io_threads: int = 1
     #: Kernel socket buffer size for data-plane sockets, in bytes (0: the OS default).
     socket_buffer_bytes: int = 0
-    #: Shared-memory slots per direction between ranks on one host (0: sockets only).
-    shm_slots: int = 8
+    #: Shared-memory slots per direction between ranks on one host (0: sockets only); each holds a
+    #: segment, so a pair of ranks maps 2 x slots x segment bytes (32 MiB by default).
+    shm_slots: int = 4
     #: Segments smaller than this travel inside ZeroMQ messages even on one host.
     shm_min_bytes: int = 64 * 1024
     #: Allreduces of at least this many bytes, in a job whose ranks all share one host, go through

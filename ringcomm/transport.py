@@ -261,7 +261,9 @@ class DataPlane:
             self.stats["shm_full"] += 1
         header = _INLINE.pack(b"I", seq, tag)
         self.stats["inline"] += 1
-        if n < self._zc_min:
+        # A same-host peer whose slots are all in use is behind: copying costs nothing on the critical
+        # path, and a job on one host never starts pyzmq's zero-copy tracking thread for a rare case.
+        if n < self._zc_min or ring is not None:
             self._send(dst, [header, payload])
         else:
             tracker = self._send(dst, [header, payload], copy=False)
