@@ -177,14 +177,19 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
     for i, s in enumerate(staged):
         by_dtype.setdefault(s.array.dtype.name, []).append(i)
     order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
+    # in place, the core writes straight into the staged arrays (the tensors themselves when they
+    # are contiguous in the wire dtype): no result arrays to allocate and nothing to copy back
     subs = [_rc.grouped_allreduce_async([staged[i].array for i in by_dtype[dt]], op=op,
                                         name=base if base is None or len(by_dtype) == 1 else f"{base}.{dt}",
                                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        outs=[staged[i].array for i in by_dtype[dt]] if in_place else None,
                                         process_set=process_set)
             for dt in sorted(by_dtype)]
     core = Several(subs)
 
     def finish(raw: Any) -> list[torch.Tensor]:
+        if in_place:
+            return [s.write_back(t) for t, s in zip(tensors, staged)]
         flat = [r for sub in raw for r in sub]
         by_index = dict(zip(order, flat))
         outs = []
