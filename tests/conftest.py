@@ -37,6 +37,29 @@ def run_job():
     return launch
 
 
+def init_ranks_apart(job_id: str, env_of_rank: list[dict[str, str]]) -> list[tuple[int, str]]:
+    """Start one process per entry of ``env_of_rank`` that only calls ``init()`` (printing ``REFUSED
+    <message>`` if it raises ``ValueError``) against a rendezvous server of this process; returns each
+    rank's (exit code, output)."""
+    from ringcomm.rendezvous import RendezvousServer
+
+    size, secret = len(env_of_rank), os.urandom(32)
+    code = "import ringcomm as rc\ntry:\n    rc.init()\nexcept ValueError as e:\n    print('REFUSED', e)\n"
+    with RendezvousServer(size=size, secret=secret) as server:
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=job_env(RINGCOMM_RANK=str(r), RINGCOMM_SIZE=str(size), RINGCOMM_RENDEZVOUS_ADDR=server.address,
+                        RINGCOMM_SECRET=secret.hex(), RINGCOMM_JOB_ID=job_id, **extra),
+        ) for r, extra in enumerate(env_of_rank)]
+        try:
+            outs = [p.communicate(timeout=40)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
 def remove_files_of(pids: list[int]) -> None:
     """Remove the ipc socket files of killed ranks (a killed process cannot remove its own)."""
     import glob

@@ -438,21 +438,9 @@ def test_an_encrypted_job_gives_correct_results(tmp_path, shm_slots: str) -> Non
 @needs_curve
 def test_ranks_that_disagree_on_encryption_fail_at_init_naming_the_fix() -> None:
     """An encrypted and a plain rank could never connect; init() says so on both instead of hanging."""
-    secret = os.urandom(32)
-    code = "import ringcomm as rc\ntry:\n    rc.init()\nexcept ValueError as e:\n    print('REFUSED', e)\n"
-    with RendezvousServer(size=2, secret=secret) as server:
-        procs = [subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=job_env(RINGCOMM_RANK=str(r), RINGCOMM_SIZE="2", RINGCOMM_RENDEZVOUS_ADDR=server.address,
-                        RINGCOMM_SECRET=secret.hex(), RINGCOMM_JOB_ID="mixd0001", RINGCOMM_ENCRYPT=str(1 - r)),
-        ) for r in range(2)]
-        try:
-            outs = [p.communicate(timeout=40)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
-    for r, out in enumerate(outs):
-        assert procs[r].returncode == 0, out
+    from conftest import init_ranks_apart
+
+    for r, (code, out) in enumerate(init_ranks_apart("mixd0001", [{"RINGCOMM_ENCRYPT": "1"}, {"RINGCOMM_ENCRYPT": "0"}])):
+        assert code == 0, out
         assert (f"REFUSED rank {r}: ranks [0] run with RINGCOMM_ENCRYPT=1 and ranks [1] without" in out
                 and "Set RINGCOMM_ENCRYPT to the same value on every rank" in out), out
