@@ -119,29 +119,35 @@ def allreduce(link: algorithms.Link, host_plan: HostPlan, buf: np.ndarray, op: R
             local, piece, counts, seq + pipeline.seq_offset(pipeline.AG, c), seg_elems)
     schedule = pipeline.PieceSchedule(pieces)
     running: list[tuple[int, int]] = []
+    wants: list[tuple[int, int]] = []  # (source in link's ranks, seq) of each running pass
+    sending: set[tuple[int, int]] = set()  # cross-host passes not yet known to have queued all they send
 
     def advance() -> None:
         """Start what the schedule allows (a pass with nothing to receive is over at once)."""
         while ready := schedule.ready():
             for key in ready:
-                p = passes[key][1]
+                sub, p = passes[key]
                 p.start()
                 if p.done:
                     schedule.finished(*key)
-                else:
-                    running.append(key)
+                    continue
+                running.append(key)
+                wants.append((sub.ranks[p.src], p.seq))
+                if key[0] == pipeline.AR:
+                    sending.add(key)
 
     advance()
     while running:
-        wants = [(passes[k][0].ranks[passes[k][1].src], passes[k][1].seq) for k in running]
         i, tag, payload = link.recv_first(wants)
         key = running[i]
         p = passes[key][1]
         p.feed(tag, payload)
         if p.done:
-            running.pop(i)
+            del running[i], wants[i]
+            sending.discard(key)
             schedule.finished(*key)
-        elif p.sent_all:
+        elif key in sending and p.sent_all:  # the next piece's cross-host pass may start
+            sending.discard(key)
             schedule.sent_all(*key)
         else:
             continue

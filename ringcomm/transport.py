@@ -304,6 +304,10 @@ class DataPlane:
             raise PeerLostError(f"rank {self.rank}: lost rank {peer}: {timeout_message}")
         return waited
 
+    def _no_data(self, src: int) -> str:
+        return (f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
+                "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
+
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
         sock = self._socks[src]
@@ -317,8 +321,7 @@ class DataPlane:
                 # a slice passed with no data: has a peer gone?
                 waited = self._slice_waited(
                     src, waited, "data", False,
-                    f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
-                    "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
+                    self._no_data(src))
                 continue
             try:
                 key = self._accept(src, frames)
@@ -481,8 +484,7 @@ class DataPlane:
                 src = wants[0][0]
                 waited = self._slice_waited(
                     src, waited, "data", False,
-                    f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
-                    "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
+                    self._no_data(src))
 
     def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
         self._taken[src].add(key)
