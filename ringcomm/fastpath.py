@@ -80,6 +80,25 @@ class _Pending:
         self.own = lane.Seen(True, False, True, key, nbytes)  # this rank's entry, as the others read it
 
 
+def reacquire(cond: threading.Condition) -> None:
+    """Take ``cond``'s lock back after waiting without it, even if a signal handler raises meanwhile.
+
+    A blocked ``acquire()`` on the main thread runs signal handlers; one that raises (SIGINT's
+    KeyboardInterrupt, a handler calling ``sys.exit``) makes it return *without* the lock, and the
+    caller's ``with`` would then release the lock another thread holds (the sweeper, mid-op): the
+    lock ends up taken by no one and ``shutdown()`` waits for it forever.  The handler's exception
+    is raised once the lock is held."""
+    raised: BaseException | None = None
+    while True:
+        try:
+            cond.acquire()
+            break
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, with the lock held
+            raised = exc
+    if raised is not None:
+        raise raised
+
+
 def spin_allowed(local_ranks: int) -> bool:
     """Re-read before sleeping only when every local rank has a core of its own."""
     try:
@@ -190,7 +209,7 @@ class FastPath:
                 self._check_engine()
                 time.sleep(0.0002)
             finally:
-                self._cond.acquire()
+                reacquire(self._cond)
 
     def _publish_done(self) -> None:
         """This rank has finished reading every index below the oldest it still holds."""
@@ -261,7 +280,7 @@ class FastPath:
             if not lane.reached(seen, k) and not region.off(r):
                 region.sleep_on_posted(r, seen, self._slice)
         finally:
-            self._cond.acquire()
+            reacquire(self._cond)
 
     def _finish_fast(self, k: int, p: _Pending, seen: list[lane.Seen]) -> None:
         e = p.entry
@@ -349,6 +368,7 @@ class FastPath:
                 self._fail(k, self._pending[k], ShutdownError(
                     f"rank {self.rank}: ringcomm was shut down while op {self._pending[k].entry.req.name!r} "
                     "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
+        self._publish_done()  # reads no more: whatever an interrupted resolve left unpublished
         if not self._unlinked:
             self._unlinked = True
             self._region.unlink()
