@@ -48,6 +48,8 @@ def _flag(raw: str) -> bool:
 
 #: Most payload bytes rank 0 takes in for one op on the rank-0 path, summed over the ranks.
 SMALL_ALLREDUCE_RANK0_BYTES = 1024 * 1024
+#: The small-op lane by job size: its bound lies between these, its region within the last.
+LANE_MIN_BYTES, LANE_MAX_BYTES, LANE_REGION_BYTES = 64 * 1024, 1024 * 1024, 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +89,8 @@ class Settings:
     #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
     #: set with payloads up to this many bytes (and barriers) go through the shared-memory lane:
     #: every rank computes the result from the others' posted payloads, no engine, no rank 0
-    #: (``fastpath.py``; 0: never).
-    shm_lane_bytes: int = 64 * 1024
+    #: (``fastpath.py``; 0: never; -1: by job size, :meth:`shm_lane_bytes_for`).
+    shm_lane_bytes: int = -1
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
     #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
     #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
@@ -151,6 +153,18 @@ class Settings:
         settings.validate()
         return settings
 
+    def shm_lane_bytes_for(self, size: int) -> int:
+        """The small-op lane's bound in a job of ``size`` ranks: the setting, or by default 1 MiB up
+        to 4 ranks, then 4 MiB / ``size`` (at least 64 KiB), so the region (4 entries per rank)
+        stays within 16 MiB.  Measured at np 2 and 4 (256 KiB and 1 MiB allreduces through the lane
+        against the ring and the shared-memory allreduce): faster at every size up to 1 MiB.
+
+            Settings().shm_lane_bytes_for(2) -> 1048576    ...(8) -> 524288    ...(64) -> 65536
+        """
+        if self.shm_lane_bytes >= 0:
+            return self.shm_lane_bytes
+        return max(LANE_MIN_BYTES, min(LANE_MAX_BYTES, LANE_REGION_BYTES // (4 * max(1, size))))
+
     def small_allreduce_bytes_for(self, size: int) -> int:
         """The rank-0 path's bound in a job of ``size`` ranks: the setting, or by default 16 KiB at
         2 ranks, doubling with each rank up to 128 KiB, and from 8 ranks on 1 MiB / ``size``.
@@ -194,9 +208,10 @@ class Settings:
         if self.hierarchical_allreduce not in (-1, 0, 1):
             raise InvalidInputError(
                 f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")
-        if self.shm_lane_bytes < 0 or self.shm_lane_bytes > 64 * 1024 * 1024:
+        if self.shm_lane_bytes < -1 or self.shm_lane_bytes > 64 * 1024 * 1024:
             raise InvalidInputError(
-                f"RINGCOMM_SHM_LANE_BYTES must be between 0 (off) and 64 MiB, got {self.shm_lane_bytes}")
+                f"RINGCOMM_SHM_LANE_BYTES must be between 0 (off) and 64 MiB (or -1: by job size), got "
+                f"{self.shm_lane_bytes}")
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")

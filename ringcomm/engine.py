@@ -164,7 +164,7 @@ class Engine:
         base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
         self.lane_region, lane_offer = shm_lane.offer(topo.job_id, round_, self.rank, self.size, LANE_SLOTS,
-                                                      st.shm_lane_bytes)
+                                                      st.shm_lane_bytes_for(self.size))
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
             "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below

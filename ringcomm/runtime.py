@@ -75,7 +75,8 @@ class Runtime:
         region = engine.lane_region  # every rank on one host: small ops of the global set skip the engine
         self.lane = None if region is None else fastpath.FastPath(
             region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active,
-            min(self.settings.shm_lane_bytes, region.payload_bytes), self.settings.stall_check_seconds,
+            min(self.settings.shm_lane_bytes_for(self.topo.size), region.payload_bytes),
+            self.settings.stall_check_seconds,
             self.settings.stall_shutdown_seconds)
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()

@@ -166,3 +166,18 @@ def test_fast_broadcast_allgather_barrier_and_grouped_results():
     flat = np.concatenate([x, y])
     res = lane.finish(grouped, [x, y], [None, None], True, [flat.view(np.uint8)] * 2, 2)
     assert [r.tolist() for r in res] == [[2, 2, 2], [4, 4]]
+
+
+def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
+    from ringcomm.config import Settings
+    from ringcomm.errors import InvalidInputError
+
+    s = Settings()
+    assert [s.shm_lane_bytes_for(n) for n in (2, 3, 4, 8, 16, 64, 4096)] == [
+        1 << 20, 1 << 20, 1 << 20, 512 << 10, 256 << 10, 64 << 10, 64 << 10]
+    for n in range(2, 65):  # 4 entries per rank
+        assert 4 * n * s.shm_lane_bytes_for(n) <= 16 << 20
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "4096"}).shm_lane_bytes_for(64) == 4096
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "0"}).shm_lane_bytes_for(2) == 0
+    with pytest.raises(InvalidInputError, match="by job size"):
+        Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "-2"})
