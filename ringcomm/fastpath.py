@@ -159,8 +159,9 @@ class FastPath:
         that waits, in the engine, for that other op, posted elsewhere.
         """
         req = entry.req
-        fast = idle and (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() and \
-            lane.eligible(req, entry.arrays, self.rank, self._max)
+        nbytes = lane.fast_nbytes(req, entry.arrays, self.rank, self._max) \
+            if idle and (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() else -1
+        fast = nbytes >= 0
         with self._cond:
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
                 self._close_locked(None)
@@ -171,9 +172,8 @@ class FastPath:
             if self._closed:
                 return False
             key = lane.op_key(req) if fast else 0
-            nbytes = lane.payload_nbytes(req, entry.arrays, self.rank) if fast else 0
-            payload = entry.arrays if nbytes else []
-            self._region.post(k, key, fast, payload)
+            nbytes = max(nbytes, 0)
+            self._region.post(k, key, fast, entry.arrays if nbytes else ())
             self._next = k + 1
             if not self._unlinked:
                 self._unlink_once_all_posted()
@@ -202,7 +202,7 @@ class FastPath:
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
                 continue
-            if all(lane.reached(self._region.done(r), oldest) for r in range(self.size)):
+            if self._region.all_done(oldest):
                 return k
             self._cond.release()  # another thread may post meanwhile: k is read again
             try:

@@ -23,6 +23,7 @@ has posted (so nothing is left in /dev/shm), or at close.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ LINE = shm_barrier.STRIDE
 #: Bytes of an entry's head.
 HEAD = 64
 _POSTED, _DONE, _OFF = 0, 1, 2
+_LINE_WORDS = LINE // 4
 
 
 def region_path(job_id: str, round_: int) -> str:
@@ -61,46 +63,63 @@ class ShmLane(shm.MappedFile):
         self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes
         self._entry = _entry_bytes(payload_bytes)
         self._base = shm_barrier.header_bytes(size)
-        self._words = self._bytes[: size * LINE].view(np.uint32).reshape(size, LINE // 4)
-        self._heads = self._bytes[self._base:].view(np.uint64).reshape(size, slots, self._entry // 8)
+        # counters and heads through memoryviews: an item read or write is several times cheaper
+        # than through a NumPy scalar, and the lane's waits re-read them in a loop
+        self._view = memoryview(self._map)
+        self._words = self._view[: size * LINE].cast("I")
+        self._heads = self._view[self._base:].cast("Q")
         self._addr = self._bytes.ctypes.data
 
+    def _head(self, rank: int, index: int) -> int:
+        """Where ``rank``'s entry for ``index`` starts in :attr:`_heads` (8-byte words)."""
+        return (rank * self.slots + index % self.slots) * self._entry // 8
+
     def close(self) -> None:
-        self._words = np.zeros((0, 0), np.uint32)  # no view may keep the map alive
-        self._heads = np.zeros((0, 0, 0), np.uint64)
+        for view in (self._words, self._heads, self._view):  # no view may keep the map alive
+            view.release()
         super().close()
 
     # -- counters --------------------------------------------------------------
 
     def posted(self, rank: int) -> int:
-        return int(self._words[rank, _POSTED])
+        return self._words[rank * _LINE_WORDS + _POSTED]
 
     def done(self, rank: int) -> int:
-        return int(self._words[rank, _DONE])
+        return self._words[rank * _LINE_WORDS + _DONE]
 
     def off(self, rank: int) -> bool:
-        return bool(self._words[rank, _OFF])
+        return bool(self._words[rank * _LINE_WORDS + _OFF])
+
+    def all_done(self, index: int) -> bool:
+        """Whether every rank has finished reading ``index``."""
+        words = self._words
+        for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS):
+            if (words[at] - (index + 1)) & 0xFFFFFFFF >= 0x80000000:  # lane.reached, inlined
+                return False
+        return True
 
     def set_done(self, count: int) -> None:
-        self._words[self.rank, _DONE] = count & 0xFFFFFFFF
+        self._words[self.rank * _LINE_WORDS + _DONE] = count & 0xFFFFFFFF
 
     def set_off(self) -> None:
         """This rank posts no more: wake whoever waits on it, so they divert."""
-        self._words[self.rank, _OFF] = 1
+        self._words[self.rank * _LINE_WORDS + _OFF] = 1
         futex.wake(self._addr + self.rank * LINE)
 
     def reset(self) -> None:
         """Zero this rank's counters (only while no rank reads them: see FastPath.reopen_after_join)."""
-        self._words[self.rank, :3] = 0
+        at = self.rank * _LINE_WORDS
+        self._words[at + _POSTED] = self._words[at + _DONE] = self._words[at + _OFF] = 0
 
     def seen(self, rank: int, index: int) -> lane.Seen:
         """What ``rank``'s lane holds at ``index`` (``off`` is read before ``posted``: a rank that
         is off never posts again, so a count read after it is final)."""
-        line = self._words[rank]
-        off = int(line[_OFF])
-        if not lane.reached(int(line[_POSTED]), index):
+        words, at = self._words, rank * _LINE_WORDS
+        off = words[at + _OFF]
+        if not lane.reached(words[at + _POSTED], index):
             return lane.Seen(False, bool(off), False, 0, 0)
-        stored, key, fast, nbytes = self._heads[rank, index % self.slots, :4].tolist()
+        heads, h = self._heads, self._head(rank, index)
+        stored, key, fast, nbytes = heads[h], heads[h + 1], heads[h + 2], heads[h + 3]
         if stored != index:  # the entry was rewritten before this rank read it: a broken promise
             raise HorovodInternalError(f"rank {self.rank}: small-op lane entry {index} of rank {rank} holds "
                                        f"index {stored}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
@@ -108,24 +127,28 @@ class ShmLane(shm.MappedFile):
 
     # -- entries ---------------------------------------------------------------
 
-    def post(self, index: int, key: int, fast: bool, payload: list[np.ndarray]) -> None:
+    def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
         """Write this rank's entry ``index`` (its payload: the arrays, concatenated) and publish it."""
-        slot = index % self.slots
-        start = self._base + (self.rank * self.slots + slot) * self._entry + HEAD
+        h = self._head(self.rank, index)
+        start = self._base + h * 8 + HEAD
         pos = start
         for a in payload:
             n = a.nbytes
-            if n:
+            if not n:
+                continue
+            if a.flags.c_contiguous:
+                self._view[pos:pos + n] = memoryview(a).cast("B")
+            else:
                 self._bytes[pos:pos + n] = a.reshape(-1).view(np.uint8)
             pos += n
-        head = self._heads[self.rank, slot]
-        head[0], head[1], head[2], head[3] = index, key, int(fast), pos - start
-        self._words[self.rank, _POSTED] = (index + 1) & 0xFFFFFFFF
+        heads = self._heads
+        heads[h], heads[h + 1], heads[h + 2], heads[h + 3] = index, key, int(fast), pos - start
+        self._words[self.rank * _LINE_WORDS + _POSTED] = (index + 1) & 0xFFFFFFFF
         futex.wake(self._addr + self.rank * LINE)
 
     def payload(self, rank: int, index: int, nbytes: int) -> np.ndarray:
         """``rank``'s payload at ``index``: a uint8 view into the region (valid until it is rewritten)."""
-        start = self._base + (rank * self.slots + index % self.slots) * self._entry + HEAD
+        start = self._base + self._head(rank, index) * 8 + HEAD
         return self._bytes[start:start + nbytes]
 
     # -- waiting ---------------------------------------------------------------

@@ -90,15 +90,23 @@ def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -
 
 def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> bool:
     """Whether this rank asks for the fast path for ``req`` (its own view; the others may differ)."""
-    if req.pset != 0 or req.kind not in FAST_KINDS or req.refused or max_bytes <= 0:
-        return False
-    if req.kind == wire.ALLREDUCE and req.op == ReduceOp.ADASUM:
-        return False
-    if req.kind == wire.BROADCAST and sum(int(a.nbytes) for a in arrays) > max_bytes:
-        return False  # the root's payload must fit its slot: every rank can tell from the shape
-    if req.kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes):
-        return False  # rows of no bytes: the payloads could not tell how many each rank sent
-    return payload_nbytes(req, arrays, rank) <= max_bytes
+    return fast_nbytes(req, arrays, rank, max_bytes) >= 0
+
+
+def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> int:
+    """What this rank posts if it asks for the fast path for ``req`` (:func:`payload_nbytes`), or -1
+    when it does not (:func:`eligible`)."""
+    kind = req.kind
+    if req.pset != 0 or kind not in FAST_KINDS or req.refused or max_bytes <= 0:
+        return -1
+    if kind == wire.ALLREDUCE and req.op == ReduceOp.ADASUM:
+        return -1
+    if kind == wire.BROADCAST and sum(int(a.nbytes) for a in arrays) > max_bytes:
+        return -1  # the root's payload must fit its slot: every rank can tell from the shape
+    if kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes):
+        return -1  # rows of no bytes: the payloads could not tell how many each rank sent
+    nbytes = payload_nbytes(req, arrays, rank)
+    return nbytes if nbytes <= max_bytes else -1
 
 
 def decide(key: int, seen: Sequence[Seen]) -> str:
@@ -125,14 +133,26 @@ def reached(count: int, index: int) -> bool:
 
 # -- results -----------------------------------------------------------------
 
+_DTYPES: dict[str, np.dtype] = {}
+_REDUCE_OPS = {int(op): op for op in ReduceOp}
 
-def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float, post_factor: float) -> np.ndarray:
+
+def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float, post_factor: float,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """``contribs`` (one flat array per rank, in rank order) reduced left to right, each prescaled
     first and the result postscaled: the arithmetic of rank 0's small path, so both paths agree bitwise.
+    ``out`` (flat, of the contributions' dtype and length, aliasing none of them) receives it.
 
         reduce_ordered(Sum, [a([1., 2.]), a([3., 4.])], 1.0, 1.0) -> [4., 6.]
     """
-    acc: np.ndarray | None = None
+    if prescale == 1.0 and len(contribs) > 1:  # (c0 op c1) written straight out: the same values
+        acc = np.empty_like(contribs[0]) if out is None else out
+        ops.combine(op, contribs[0], contribs[1], acc)
+        for contrib in contribs[2:]:
+            ops.reduce_into(op, acc, contrib)
+        ops.scale_inplace(acc, post_factor)
+        return acc
+    acc = None
     for contrib in contribs:
         if prescale != 1.0:
             contrib = contrib.copy()
@@ -143,6 +163,9 @@ def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float
             ops.reduce_into(op, acc, contrib)
     assert acc is not None, "reduce_ordered needs at least one contribution"
     ops.scale_inplace(acc, post_factor)
+    if out is not None:
+        out[...] = acc
+        return out
     return acc
 
 
@@ -168,12 +191,16 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
     """
     if req.kind == wire.BARRIER:
         return None
-    dtype = np.dtype(req.dtype)
+    dtype = _DTYPES.get(req.dtype) or _DTYPES.setdefault(req.dtype, np.dtype(req.dtype))
     if req.kind == wire.ALLREDUCE:
-        op = ReduceOp(req.op)
-        flat = reduce_ordered(op, [p.view(dtype) for p in parts], req.prescale,
-                              ops.postscale(op, size, req.postscale))
-        return split_out(flat, arrays, outs, grouped)
+        op = _REDUCE_OPS[req.op]
+        contribs = [p.view(dtype) for p in parts]
+        post = ops.postscale(op, size, req.postscale)
+        given = outs[0] if not grouped and outs else None
+        if given is not None and given.flags.c_contiguous:  # reduced straight into the caller's buffer
+            reduce_ordered(op, contribs, req.prescale, post, given.reshape(-1))
+            return given
+        return split_out(reduce_ordered(op, contribs, req.prescale, post), arrays, outs, grouped)
     (arr,) = arrays
     if req.kind == wire.BROADCAST:
         out = outs[0] if outs and outs[0] is not None else None
