@@ -122,6 +122,10 @@ def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size,
     for res in results:
         assert res.dtype == np.dtype(dtype) and res.shape == (n,)
         assert res.tobytes() == results[0].tobytes()
+    # reduced into the caller's buffer (here in place: the buffer is the rank's input): the same bytes
+    mine = arrays[0].copy()
+    assert lane.finish(r, [mine], [mine], False, parts, size) is mine
+    assert mine.tobytes() == results[0].tobytes()
     # rank 0's small path through the service, fed the same payloads
     svc = Service(size, b"s" * 32, 1 << 26, 1 << 20, 0)
     reference = _service_reduce(svc, r, arrays)
