@@ -137,7 +137,7 @@ class ShmLane(shm.MappedFile):
             if not n:
                 continue
             if a.flags.c_contiguous:
-                self._view[pos:pos + n] = memoryview(a).cast("B")
+                self._view[pos:pos + n] = a.data.cast("B")
             else:
                 self._bytes[pos:pos + n] = a.reshape(-1).view(np.uint8)
             pos += n

@@ -145,6 +145,7 @@ def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float
 
         reduce_ordered(Sum, [a([1., 2.]), a([3., 4.])], 1.0, 1.0) -> [4., 6.]
     """
+    acc: np.ndarray | None = None
     if prescale == 1.0 and len(contribs) > 1:  # (c0 op c1) written straight out: the same values
         acc = np.empty_like(contribs[0]) if out is None else out
         ops.combine(op, contribs[0], contribs[1], acc)
@@ -152,7 +153,6 @@ def reduce_ordered(op: ReduceOp, contribs: Sequence[np.ndarray], prescale: float
             ops.reduce_into(op, acc, contrib)
         ops.scale_inplace(acc, post_factor)
         return acc
-    acc = None
     for contrib in contribs:
         if prescale != 1.0:
             contrib = contrib.copy()
