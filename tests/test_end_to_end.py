@@ -236,9 +236,13 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
     from conftest import job_env
     from ringcomm.core import wire
 
+    # the job runs until the garbage is sent (a fixed count may end first), and through the engine
+    # (the lane would leave the sockets under test idle)
+    stop_file = tmp_path / "stop"
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
-           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "1500"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
+           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "300", str(stop_file)]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env(RINGCOMM_SHM_LANE_BYTES="0"), cwd=ROOT)
     half_open: list[socket.socket] = []
     zmq_ctx = zmq.Context()
     strangers: list[zmq.Socket] = []
@@ -278,6 +282,7 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
                     except zmq.Again:  # a PAIR has no pipe until its connection is up (or refused): skip
                         break
         time.sleep(0.5)  # their handshakes fail meanwhile; the NULL ones keep retrying until the end
+        stop_file.touch()
         out, err = job.communicate(timeout=60)
     finally:
         for sock in strangers:

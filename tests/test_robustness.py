@@ -90,9 +90,13 @@ def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_
 
     from conftest import ROOT, job_env
 
+    # the job runs until the probes are done (a fixed count may end before they start), and through
+    # the engine (the lane would leave the sockets under test idle)
+    stop_file = tmp_path / "stop"
     cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
-           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "600"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env(), cwd=ROOT)
+           str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "300", str(stop_file)]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=job_env(RINGCOMM_SHM_LANE_BYTES="0"), cwd=ROOT)
     try:
         deadline = time.monotonic() + 30
         while len(list(tmp_path.glob("ports-*.json"))) < 3 and time.monotonic() < deadline:
@@ -107,6 +111,7 @@ def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_
                 targets.append((int(ctrl.rsplit(":", 1)[1]), b"DEALER"))
         assert len(targets) == 4
         results = {port: _zmtp_announce(port, kind, 1 << 27) for port, kind in targets}
+        stop_file.touch()
         out, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
