@@ -93,10 +93,7 @@ class ShmLane(shm.MappedFile):
     def all_done(self, index: int) -> bool:
         """Whether every rank has finished reading ``index``."""
         words = self._words
-        for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS):
-            if (words[at] - (index + 1)) & 0xFFFFFFFF >= 0x80000000:  # lane.reached, inlined
-                return False
-        return True
+        return all(lane.reached(words[at], index) for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS))
 
     def set_done(self, count: int) -> None:
         self._words[self.rank * _LINE_WORDS + _DONE] = count & 0xFFFFFFFF
