@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,8 @@ YIELDS = 50
 SWEEP_SECONDS = 0.01
 #: After this long without a fast op the sweeper sleeps until the next one.
 IDLE_SECONDS = 1.0
+#: Finished engine ops are dropped from the record of open ones once it holds this many.
+OPEN_PRUNE = 32
 
 
 class LaneHandle(Handle):
@@ -132,6 +135,9 @@ class FastPath:
         self._cond = threading.Condition(threading.Lock())
         self._next = 0  # the index of this rank's next post
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
+        # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
+        # the caller dropped is not kept alive here)
+        self._engine_open: dict[int, tuple[int, weakref.ref[Handle]]] = {}
         self._closed = False  # posts no more (off)
         self._closing = False  # close() or join() began
         self._last_fast = 0.0
@@ -139,28 +145,32 @@ class FastPath:
         self._unlinked = self.rank != 0
         self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
         self._sweeper.start()
-        log.debug("rank %d: paths: ops of the global set up to %d B that find nothing else in flight go "
-                  "through the small-op lane (%d ranks, %s before sleeping)", self.rank, max_bytes, self.size,
+        log.debug("rank %d: paths: ops of the global set up to %d B whose ops in flight every rank has "
+                  "submitted alike go through the small-op lane (%d ranks, %s before sleeping)",
+                  self.rank, max_bytes, self.size,
                   f"{self._spins} re-reads" if self._spins else "no spinning: more ranks than cores")
 
     # -- posting ----------------------------------------------------------------
 
-    def submit(self, entry: Entry, idle: bool) -> bool:
+    def submit(self, entry: Entry, others: int) -> bool:
         """Post ``entry`` (an op of the global set) at this rank's next index.
 
         True: it is posted fast and its :class:`LaneHandle` resolves it.  False:
         the caller hands it to the engine (posted as an engine entry, or the lane
-        is closed).  Only an op submitted while this rank has nothing else in
-        flight (``idle``) goes fast: then every earlier op of the set has
-        completed, so every rank has posted as many entries, and a peer that
-        has not posted this index yet is not waiting for anything of this
-        rank's but what comes later in its program (as with the engine).  An
-        op posted fast while another was still in flight could wait for a peer
-        that waits, in the engine, for that other op, posted elsewhere.
+        is closed).  ``others`` is how many other ops this rank has in flight.
+        An op goes fast only when each of those sits at an index where every
+        rank posted the same op (:meth:`_agreed`; trivially so when there are
+        none).  Then every rank has submitted every op this rank has, finished
+        or in flight, and nothing else: a peer that has not posted this index
+        yet waits for nothing of this rank's but what comes later in its
+        program (the agreed ops in flight finish in the engine or the lane on
+        their own).  Without the rule, a fast op could wait for a peer that
+        waits, in the engine, for this very op, which it submitted earlier at
+        an index where this rank had posted another op.
         """
         req = entry.req
         nbytes = lane.fast_nbytes(req, entry.arrays, self.rank, self._max) \
-            if idle and (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() else -1
+            if (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() else -1
         fast = nbytes >= 0
         with self._cond:
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
@@ -171,13 +181,18 @@ class FastPath:
             k = self._make_room()  # every post rewrites an entry: engine entries too
             if self._closed:
                 return False
-            key = lane.op_key(req) if fast else 0
+            if fast and others and not self._agreed(others):
+                fast, nbytes = False, 0
+            key = lane.op_key(req)  # engine entries too: _agreed compares them
             nbytes = max(nbytes, 0)
             self._region.post(k, key, fast, entry.arrays if nbytes else ())
             self._next = k + 1
             if not self._unlinked:
                 self._unlink_once_all_posted()
             if not fast:
+                if len(self._engine_open) >= OPEN_PRUNE:
+                    self._prune_open()
+                self._engine_open[k] = (key, weakref.ref(entry.handle))
                 self._publish_done()
                 return False
             now = time.monotonic()
@@ -189,6 +204,30 @@ class FastPath:
             if self._sweeper_idle:
                 self._sweeper_idle = False
                 self._cond.notify()
+        return True
+
+    def _prune_open(self) -> None:
+        for k in [k for k, (_, ref) in self._engine_open.items() if (h := ref()) is None or h.done()]:
+            del self._engine_open[k]
+
+    def _agreed(self, others: int) -> bool:
+        """Whether this rank's ``others`` ops in flight are all ops it posted on the lane at indices
+        where every rank posted the same op (the same key): fast ones still pending, or engine ones
+        not finished yet.  An engine index this rank has finished reading may have been rewritten
+        since: it then counts as not agreed."""
+        self._prune_open()
+        if len(self._engine_open) + len(self._pending) != others:
+            return False  # ops of other process sets, or ops that left the lane: not known here
+        region, me = self._region, self.rank
+        peers = [r for r in range(self.size) if r != me]
+        for k, (key, _) in self._engine_open.items():
+            if any(region.key_at(r, k) != key for r in peers):
+                return False
+        for k, p in self._pending.items():  # this rank still reads k: the entries are intact
+            for r in peers:
+                s = region.seen(r, k)
+                if not (s.posted and s.fast and s.key == p.key):
+                    return False
         return True
 
     def _make_room(self) -> int:
@@ -382,6 +421,7 @@ class FastPath:
             if ready:
                 self._region.reset()
                 self._next = 0
+                self._engine_open.clear()
         self._sweeper.join(timeout=1.0)  # it ended when the lane closed
         barrier()  # on every rank, whatever happens here: the others wait for it
         if not ready:  # pragma: no cover

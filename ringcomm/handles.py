@@ -24,7 +24,7 @@ class Handle:
     ``Condition`` per op), and this is paid on every collective.
     """
 
-    __slots__ = ("name", "_pending", "_done", "_result", "_error", "_on_done")
+    __slots__ = ("name", "_pending", "_done", "_result", "_error", "_on_done", "__weakref__")
 
     def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
         self.name = name

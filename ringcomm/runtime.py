@@ -108,7 +108,7 @@ class Runtime:
         try:
             entry = Entry(req, [], handle)
             if self.lane is not None and pset == 0:
-                self.lane.submit(entry, idle=False)  # the op's index diverts: the others' go to rank 0 too
+                self.lane.submit(entry, others=0)  # refused: never fast, so the others divert too
             self.engine.submit(entry)
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
@@ -164,7 +164,7 @@ class Runtime:
         handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
         try:
             entry = Entry(req, arrays, handle, outs or [], grouped)
-            if lane is None or not lane.submit(entry, idle=len(self._names) == 1):  # this op's is the only name
+            if lane is None or not lane.submit(entry, others=len(self._names) - 1):  # the other names in flight
                 self.engine.submit(entry)
         except BaseException:
             release()

@@ -122,6 +122,17 @@ class ShmLane(shm.MappedFile):
                                        f"index {stored}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
         return lane.Seen(True, bool(off), bool(fast), key, nbytes)
 
+    def key_at(self, rank: int, index: int) -> int | None:
+        """The key ``rank`` posted at ``index``, or None if it has not posted it or has rewritten the
+        entry since (its index is read before and after the key: a rewrite stores the index first)."""
+        if not lane.reached(self._words[rank * _LINE_WORDS + _POSTED], index):
+            return None
+        heads, h = self._heads, self._head(rank, index)
+        if heads[h] != index:
+            return None
+        key = heads[h + 1]
+        return key if heads[h] == index else None
+
     # -- entries ---------------------------------------------------------------
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:

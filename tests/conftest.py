@@ -116,3 +116,26 @@ def hosts(tmp_path: Path):  # type: ignore[no-untyped-def]
     finally:
         two.close()
 
+
+@pytest.fixture
+def lane_pair():
+    """Rank 0's FastPath over a fresh two-rank lane (4 slots of 4 KiB), rank 1's view of it, and
+    the list of entries rank 0 handed to the engine."""
+    import uuid
+
+    from ringcomm import fastpath, names, shm_lane
+    from ringcomm.handles import Entry
+
+    path = os.path.join(names.SHM_DIR, f"ringcomm-test-{uuid.uuid4().hex}-lane")
+    mine = shm_lane.ShmLane(path, 0, 2, 4, 4096, create=True)
+    peer = shm_lane.ShmLane(path, 1, 2, 4, 4096, create=False)
+    submitted: list[Entry] = []
+    fp = fastpath.FastPath(mine, submitted.append, lambda: None, lambda: False, 4096, 0.0, 0.0)
+    try:
+        yield fp, peer, submitted
+    finally:
+        fp.close(timeout=1.0)
+        peer.close()
+        fp.release()
+        if os.path.exists(path):
+            os.unlink(path)

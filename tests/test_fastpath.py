@@ -51,6 +51,21 @@ def test_async_ops_submitted_in_different_orders_complete(tmp_path, np_):
     assert proc.stdout.count("REORDER OK") == np_
 
 
+def test_a_small_op_behind_a_large_one_every_rank_started_takes_the_lane(tmp_path):
+    proc = run("behind", 2, tmp_path, RINGCOMM_LOG_LEVEL="DEBUG")
+    assert proc.stdout.count("BEHIND in flight") == 2
+    assert "BEHIND in flight 0" not in proc.stdout  # the large op was still running each time
+    fast = sum(proc.stderr.count(f"allreduce 'y{i}': 32 B, process set 0: small-op lane") for i in range(5))
+    assert fast >= 2, proc.stderr[-3000:]  # on both ranks at least once (both decide alike)
+
+
+def test_a_small_op_behind_a_large_one_a_peer_has_not_started_goes_to_the_engine(tmp_path):
+    # rank 1 blocks on the small op before it starts the large one: had rank 0 posted its small op
+    # fast, it would wait for rank 1's next post while rank 1 waits for it in the engine
+    proc = run("crossed", 2, tmp_path, RINGCOMM_SHM_LANE_BYTES="65536")
+    assert proc.stdout.count("CROSSED OK") == 2
+
+
 def test_a_mismatch_raises_on_every_rank_and_the_next_op_works(tmp_path):
     proc = run("mismatch", 2, tmp_path)
     assert proc.stdout.count("MISMATCH allreduce 'bad': ranks disagree on shape") == 2

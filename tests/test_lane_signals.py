@@ -8,22 +8,20 @@ otherwise the ``with`` around the wait releases the sweeper's lock, nobody holds
 more in name, and ``shutdown()`` waits for it forever (the rank neither ends nor fails,
 and its peers wait for its next post).
 
-One process plays rank 0 of a two-rank lane; the test holds the lock the way the
-sweeper does and plays rank 1 through a second view of the region.
+One process plays rank 0 of a two-rank lane (conftest's ``lane_pair``); the test holds
+the lock the way the sweeper does and plays rank 1 through a second view of the region.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
 
-from ringcomm import fastpath, futex, names, shm, shm_lane
+from ringcomm import fastpath, futex, shm
 from ringcomm.core import wire
 from ringcomm.errors import ShutdownError
 from ringcomm.handles import Entry
@@ -38,23 +36,6 @@ class Interrupted(Exception):
     pass
 
 
-@pytest.fixture
-def lane_pair():
-    path = os.path.join(names.SHM_DIR, f"ringcomm-test-{uuid.uuid4().hex}-lane")
-    mine = shm_lane.ShmLane(path, 0, 2, 4, 4096, create=True)
-    peer = shm_lane.ShmLane(path, 1, 2, 4, 4096, create=False)
-    submitted: list[Entry] = []
-    fp = fastpath.FastPath(mine, submitted.append, lambda: None, lambda: False, 4096, 0.0, 0.0)
-    try:
-        yield fp, peer, submitted
-    finally:
-        fp.close(timeout=1.0)
-        peer.close()
-        fp.release()
-        if os.path.exists(path):
-            os.unlink(path)
-
-
 def _allreduce(name: str) -> Entry:
     x = np.ones(16, np.float32)
     req = wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1)
@@ -64,7 +45,7 @@ def _allreduce(name: str) -> Entry:
 def test_a_handler_raising_while_the_waiter_takes_the_lock_back_leaves_the_lock_usable(lane_pair):
     fp, peer, submitted = lane_pair
     entry = _allreduce("x")
-    assert fp.submit(entry, idle=True)  # posted fast; rank 1 has not posted
+    assert fp.submit(entry, others=0)  # posted fast; rank 1 has not posted
     main = threading.get_ident()
     state: dict[str, object] = {}
 
@@ -102,7 +83,7 @@ def test_a_handler_raising_while_the_waiter_takes_the_lock_back_leaves_the_lock_
 def test_shutdown_after_an_interrupted_wait_returns_and_fails_what_the_peer_never_posted(lane_pair):
     fp, peer, submitted = lane_pair
     entry = _allreduce("y")
-    assert fp.submit(entry, idle=True)
+    assert fp.submit(entry, others=0)
     main = threading.get_ident()
 
     def raise_interrupted(signum, frame):

@@ -10,6 +10,9 @@ join      ranks run different numbers of allreduces, then join
 timeline  rank 0 writes a timeline while small ops run
 threads   four threads per rank run blocking small ops at once, each under its own names
 stalljoin rank 0 gives up a lonely op on a stall (its lane goes off), then every rank joins and goes on
+behind    every rank starts a large allreduce, then runs a small one while the large one is in flight
+crossed   rank 0 starts a large op and blocks on a small one; rank 1 blocks on the small one first
+          (run with a small lane limit, so the large op goes to the engine)
 """
 
 from __future__ import annotations
@@ -178,9 +181,38 @@ def stalljoin() -> None:
     print("STALLJOIN OK", flush=True)
 
 
+def behind() -> None:
+    r, n = rc.rank(), rc.size()
+    big = np.ones(16 << 20, np.float32)  # 64 MiB: through the engine, in flight for a while
+    in_flight = 0
+    for i in range(5):
+        rc.barrier()
+        hx = rc.allreduce_async(big, op=rc.Sum, name=f"x{i}")
+        time.sleep(0.005)  # every rank posts x first
+        in_flight += not rc.poll(hx)
+        assert rc.allreduce(np.full(4, r + 1.0), op=rc.Sum, name=f"y{i}")[0] == n * (n + 1) / 2
+        assert rc.synchronize(hx)[0] == n
+    print(f"BEHIND in flight {in_flight}", flush=True)
+
+
+def crossed() -> None:
+    r, n = rc.rank(), rc.size()
+    big = np.ones(1 << 16, np.float32)
+    for i in range(20):
+        if r == 0:
+            hx = rc.allreduce_async(big, op=rc.Sum, name=f"x{i}")
+            assert rc.allreduce(np.ones(4), op=rc.Sum, name=f"y{i}")[0] == n
+            assert rc.synchronize(hx)[0] == n
+        else:
+            time.sleep(0.002)  # rank 0's large op is posted first
+            assert rc.allreduce(np.ones(4), op=rc.Sum, name=f"y{i}")[0] == n
+            assert rc.allreduce(big, op=rc.Sum, name=f"x{i}")[0] == n
+    print("CROSSED OK", flush=True)
+
+
 init()
 start = time.monotonic()
 {"digests": digests, "sweep": sweep, "reorder": reorder, "mismatch": mismatch, "join": join,
  "timeline": timeline, "threads": threads,
- "stalljoin": stalljoin}[SCENARIO]()
+ "stalljoin": stalljoin, "behind": behind, "crossed": crossed}[SCENARIO]()
 rc.shutdown()
