@@ -178,7 +178,7 @@ def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
 
     s = Settings()
     assert [s.shm_lane_bytes_for(n) for n in (2, 3, 4, 8, 16, 64, 4096)] == [
-        1 << 20, 1 << 20, 1 << 20, 512 << 10, 256 << 10, 64 << 10, 64 << 10]
+        2 << 20, 1398101, 1 << 20, 512 << 10, 256 << 10, 64 << 10, 64 << 10]
     for n in range(2, 65):  # 4 entries per rank
         assert 4 * n * s.shm_lane_bytes_for(n) <= 16 << 20
     assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "4096"}).shm_lane_bytes_for(64) == 4096

@@ -245,7 +245,8 @@ def test_jobs_reduce_through_shared_memory_bitwise_identically(tmp_path, world: 
     path.write_text(json.dumps(shm_cases()))
     proc = launch(world, [str(WORKERS / "shm_allreduce_worker.py"), str(path)], timeout=110,
                   RINGCOMM_SHM_ALLREDUCE_MIN_BYTES="1", RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES="1024",
-                  RINGCOMM_SMALL_ALLREDUCE_BYTES="0")  # not reduced at rank 0: every case takes the shm path
+                  RINGCOMM_SMALL_ALLREDUCE_BYTES="0",  # not reduced at rank 0: every case takes the shm path
+                  RINGCOMM_SHM_LANE_BYTES="0")  # nor the small-op lane
     assert proc.returncode == 0, f"job failed (np={world}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for r in range(world):
         assert f"[{r}]<stdout>:SHM ALL OK" in proc.stdout
