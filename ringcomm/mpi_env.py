@@ -139,18 +139,50 @@ def hydra_control_port(pid: int, proc: str = "/proc", depth: int = 8) -> str:
     return ""
 
 
-def rank0_address_from_mpi4py(rank: int, size: int, mine: str) -> str | None:
+def library_matches(launcher: str, library_version: str) -> bool:
+    """Whether an MPI library (``MPI_Get_library_version``) belongs to a launcher family.
+
+    ``launcher`` is ``"OMPI"`` (Open MPI's ``mpirun``) or ``"PMI"`` (a hydra
+    ``mpiexec``: MPICH, Intel MPI, MVAPICH).  An Open MPI library under hydra
+    would start as a singleton, and several singletons at once race on Open
+    MPI's session directory, so the pairing is checked before ``MPI_Init``.
+    """
+    is_open_mpi = "Open MPI" in library_version
+    return is_open_mpi if launcher == "OMPI" else not is_open_mpi
+
+
+def rank0_address_from_mpi4py(rank: int, size: int, mine: str, launcher: str) -> str | None:
     """Rank 0's ``mine``, broadcast by MPI itself; None when mpi4py is absent or runs another MPI.
 
     Collective: every rank of the job calls it (they all took the same decision to).
-    Importing ``mpi4py.MPI`` initialises MPI; mpi4py finalises it at exit.
+    MPI is initialised only when mpi4py's library matches the ``launcher``
+    family (:func:`library_matches`); mpi4py then finalises it at exit.
     """
     import importlib.util
 
     if importlib.util.find_spec("mpi4py") is None:
         return None
     try:
-        from mpi4py import MPI
+        import mpi4py
+
+        initialize, finalize = mpi4py.rc.initialize, mpi4py.rc.finalize
+        mpi4py.rc.initialize = False
+        try:
+            from mpi4py import MPI
+        finally:
+            mpi4py.rc.initialize = initialize
+        if not MPI.Is_initialized():
+            if not library_matches(launcher, MPI.Get_library_version()):
+                return None
+            MPI.Init()
+            if finalize is not False:  # what mpi4py would have done had it initialised MPI itself
+                import atexit
+
+                def finalize_at_exit() -> None:
+                    if not MPI.Is_finalized():
+                        MPI.Finalize()
+
+                atexit.register(finalize_at_exit)
     except Exception:  # noqa: BLE001 - a broken or mismatched MPI library: fall back to the launcher's facts
         return None
     comm = MPI.COMM_WORLD

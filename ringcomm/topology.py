@@ -265,7 +265,7 @@ def _from_mpi(env: Mapping[str, str], hostname: str, prefix: str) -> Topology:
     control = "" if prefix == "OMPI" else mpi_env.hydra_control_port(os.getpid())
     where_from = mpi_env.plan(env, prefix, local_size if keys[2] in env else None, size, control)
     master, port = where_from.master, where_from.port
-    told = mpi_env.rank0_address_from_mpi4py(rank, size, pick_address(env, [master])) if (
+    told = mpi_env.rank0_address_from_mpi4py(rank, size, pick_address(env, [master]), prefix) if (
         where_from.check_on_rank0) else None
     if told:
         master = told

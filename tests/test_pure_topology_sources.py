@@ -352,3 +352,15 @@ def test_an_elastic_worker_is_not_read_from_the_environment_alone() -> None:
         topology.from_env(env)
     assert topology.hostname_of({"RINGCOMM_HOSTNAME": "node7"}) == "node7"
     assert topology.secret_of({"RINGCOMM_SECRET": "0a0b"}) == b"\n\x0b"
+
+
+@pytest.mark.parametrize(("launcher", "library", "matches"), [
+    ("OMPI", "Open MPI v4.1.4, package: Debian OpenMPI", True),
+    ("OMPI", "MPICH Version:\t4.0\nMPICH Release date: ...", False),
+    ("PMI", "MPICH Version:\t4.0", True),
+    ("PMI", "Intel(R) MPI Library 2021.10 for Linux* OS", True),
+    ("PMI", "Open MPI v4.1.4, package: Debian OpenMPI", False),
+])
+def test_mpi4py_is_used_only_when_its_library_belongs_to_the_launcher(
+        launcher: str, library: str, matches: bool) -> None:
+    assert mpi_env.library_matches(launcher, library) is matches
