@@ -148,6 +148,8 @@ def _check_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray
 
 
 def _scale(value: Any, label: str, what: str) -> float:
+    if type(value) is float:
+        return value
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -76,11 +76,15 @@ class LaneHandle(Handle):
 
 
 class _Pending:
-    __slots__ = ("entry", "key", "posted_at", "own")
+    __slots__ = ("entry", "key", "posted_at", "nbytes")
 
     def __init__(self, entry: Entry, key: int, posted_at: float, nbytes: int) -> None:
-        self.entry, self.key, self.posted_at = entry, key, posted_at
-        self.own = lane.Seen(True, False, True, key, nbytes)  # this rank's entry, as the others read it
+        self.entry, self.key, self.posted_at, self.nbytes = entry, key, posted_at, nbytes
+
+    @property
+    def own(self) -> lane.Seen:
+        """This rank's entry, as the others read it."""
+        return lane.Seen(True, False, True, self.key, self.nbytes)
 
 
 def reacquire(cond: threading.Condition) -> None:
@@ -132,8 +136,10 @@ class FastPath:
         self._spins = SPINS if spin_allowed(region.size) else 0
         self._yields = 0 if self._spins else YIELDS
         self._slice = futex.timespec(SLICE)
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly on the hot paths: `with` on the lock itself is cheaper
+        self._cond = threading.Condition(self._lock)
         self._next = 0  # the index of this rank's next post
+        self._free_below = 0  # every rank has finished reading every index below this one
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
         # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
         # the caller dropped is not kept alive here)
@@ -172,7 +178,7 @@ class FastPath:
         nbytes = lane.fast_nbytes(req, entry.arrays, self.rank, self._max) \
             if (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() else -1
         fast = nbytes >= 0
-        with self._cond:
+        with self._lock:
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
                 self._close_locked(None)
                 return False
@@ -241,7 +247,11 @@ class FastPath:
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
                 continue
-            if self._region.all_done(oldest):
+            if oldest < self._free_below:
+                return k
+            free = self._region.all_done_below(oldest)
+            if free > oldest:
+                self._free_below = free
                 return k
             self._cond.release()  # another thread may post meanwhile: k is read again
             try:
@@ -263,20 +273,28 @@ class FastPath:
 
     def drive(self, handle: LaneHandle, deadline: float | None, block: bool) -> None:
         """Resolve ``handle``'s index on this thread (waiting for the peers when ``block``)."""
-        with self._cond:
+        with self._lock:
             self._resolve(handle.index, deadline, block)
 
     def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
         """Resolve index ``k`` if it is still pending; the lock is held (and released while sleeping)."""
+        p = self._pending.get(k)
+        if p is None:
+            return True
+        sizes = self._region.fast_sizes(k, p.key, p.nbytes)
+        if sizes is not None:  # the common case, read in one pass
+            self._finish_fast(k, p, sizes)
+            return True
         started, warned = time.monotonic(), False
         while True:
             p = self._pending.get(k)
             if p is None:
                 return True
-            seen = [p.own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
+            own = p.own
+            seen = [own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
             decision = lane.decide(p.key, seen)
             if decision == lane.FAST:
-                self._finish_fast(k, p, seen)
+                self._finish_fast(k, p, [s.nbytes for s in seen])
                 return True
             if decision == lane.DIVERT:
                 self._divert(k, p)
@@ -301,29 +319,39 @@ class FastPath:
                 if not warned and waited >= self._stall_check:
                     warned = True
                     log.warning("stall: %s; every rank must run the same collectives in the end", stall.text())
-            self._await_post(missing[0], k)
+            self._await_posts(missing, k, p.key)
 
-    def _await_post(self, r: int, k: int) -> None:
-        """Wait (lock released) until rank ``r`` posts index ``k``, goes off, or a slice passes."""
+    def _await_posts(self, missing: list[int], k: int, key: int) -> None:
+        """Wait (lock released) until the ``missing`` ranks have posted index ``k`` fast with ``key``,
+        or one of them posts anything else or goes off (the index is decided then), or a slice passes.
+        Ranks that post the same op are checked off here, so the entries are read again only once."""
         region = self._region
         self._cond.release()
         try:
+            left: list[int] | None = missing
             for _ in range(self._spins):
-                if lane.reached(region.posted(r), k):
+                left = region.still_missing(left, k, key)
+                if not left:
                     return
-            for _ in range(self._yields):  # more ranks than cores: let the peer run on this core
-                if lane.reached(region.posted(r), k):
+            for _ in range(self._yields):  # more ranks than cores: let a peer run on this core
+                left = region.still_missing(left, k, key)
+                if not left:
                     return
                 os.sched_yield()
+            left = region.still_missing(left, k, key)
+            if not left:
+                return
+            r = left[0]
             seen = region.posted(r)
             if not lane.reached(seen, k) and not region.off(r):
                 region.sleep_on_posted(r, seen, self._slice)
         finally:
             reacquire(self._cond)
 
-    def _finish_fast(self, k: int, p: _Pending, seen: list[lane.Seen]) -> None:
+    def _finish_fast(self, k: int, p: _Pending, sizes: list[int]) -> None:
         e = p.entry
-        parts = [self._region.payload(r, k, s.nbytes) for r, s in enumerate(seen)]
+        payload = self._region.payload
+        parts = [payload(r, k, n) for r, n in enumerate(sizes)]
         try:
             result = lane.finish(e.req, e.arrays, e.outs, e.grouped, parts, self.size)
         except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
@@ -335,7 +363,7 @@ class FastPath:
         self._publish_done()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank reduces "
-                      "the posted payloads)", self.rank, e.req.kind, e.req.name, seen[self.rank].nbytes, k)
+                      "the posted payloads)", self.rank, e.req.kind, e.req.name, sizes[self.rank], k)
         e.handle.set_result(result)
 
     def _divert(self, k: int, p: _Pending) -> None:
@@ -420,7 +448,7 @@ class FastPath:
             ready = self._closing and not self._pending  # join closed it and resolved what it posted
             if ready:
                 self._region.reset()
-                self._next = 0
+                self._next = self._free_below = 0
                 self._engine_open.clear()
         self._sweeper.join(timeout=1.0)  # it ended when the lane closed
         barrier()  # on every rank, whatever happens here: the others wait for it

@@ -360,8 +360,10 @@ def layout(what: str) -> Runtime:
 
 def current(what: str) -> Runtime:
     """The runtime, for anything that needs its engine: refused in a process forked after init()."""
-    rt = layout(what)
-    if rt.pid != os.getpid():
+    rt = _runtime
+    if rt is None or rt.pid != _pid:
+        rt = layout(what)
+    if rt.pid != _pid:
         raise ForkedProcessError(
             f"ringcomm.{what}() on rank {rt.topo.rank}: this process (pid {os.getpid()}) was forked from the "
             f"rank's process (pid {rt.pid}) after init(), and the job's engine thread and sockets exist only "
@@ -374,8 +376,12 @@ def current(what: str) -> Runtime:
 
 def _after_fork_in_child() -> None:
     # a lock held by another thread at the moment of fork() stays held forever in the child
-    global _init_lock
+    global _init_lock, _pid
     _init_lock = threading.Lock()
+    _pid = os.getpid()
+
+
+_pid = os.getpid()  # this process's, kept up to date across fork(): current() runs on every op
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -3,7 +3,8 @@
 Layout (``size`` ranks, ``slots`` entries per rank, payloads up to ``payload_bytes``)::
 
     counters   one cache line per rank: posted (entries posted, a futex word), done
-               (indices this rank has finished reading), off (1: posts no more)
+               (indices this rank has finished reading), off (1: posts no more),
+               sleeping (how many of this rank's threads sleep on a posted word)
     entries    per rank, ``slots`` entries: a 64-byte head (index, key, fast, nbytes)
                and the payload; index k lives in entry k % slots
 
@@ -11,6 +12,11 @@ A rank writes only its own line and entries; it reads everyone's.  Posting
 index k writes the entry, then stores posted = k + 1 and wakes the futex
 sleepers on that word: a reader that sees the count sees the entry (x86-64
 keeps stores in order; :func:`ringcomm.futex.available` is False elsewhere).
+A poster skips the wake (a
+system call) while no other rank has a thread asleep: each side stores its
+word (posted / sleeping) and then reads the other's through a full fence
+(a lock's atomic instruction; the kernel's futex lock on the sleeper's
+side), so at least one of them sees the other's store: no wake is lost.
 An entry is rewritten (index k + slots) only once every rank's ``done`` shows
 it finished reading index k.  What the entries mean is decided in
 :mod:`ringcomm.core.lane`; this module only moves bytes and waits.
@@ -22,6 +28,7 @@ has posted (so nothing is left in /dev/shm), or at close.
 
 from __future__ import annotations
 
+import _thread
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +46,7 @@ log = logging.getLogger("ringcomm")
 LINE = shm_barrier.STRIDE
 #: Bytes of an entry's head.
 HEAD = 64
-_POSTED, _DONE, _OFF = 0, 1, 2
+_POSTED, _DONE, _OFF, _SLEEPING = 0, 1, 2, 3
 _LINE_WORDS = LINE // 4
 
 
@@ -69,6 +76,10 @@ class ShmLane(shm.MappedFile):
         self._words = self._view[: size * LINE].cast("I")
         self._heads = self._view[self._base:].cast("Q")
         self._addr = self._bytes.ctypes.data
+        self._peer_sleep_words = [r * _LINE_WORDS + _SLEEPING for r in range(size) if r != rank]
+        self._fence = _thread.allocate_lock()  # acquiring it is an atomic instruction: a full fence on x86-64
+        self._sleep_lock = _thread.allocate_lock()
+        self._sleepers = 0  # this rank's threads asleep in sleep_on_posted
 
     def _head(self, rank: int, index: int) -> int:
         """Where ``rank``'s entry for ``index`` starts in :attr:`_heads` (8-byte words)."""
@@ -87,13 +98,23 @@ class ShmLane(shm.MappedFile):
     def done(self, rank: int) -> int:
         return self._words[rank * _LINE_WORDS + _DONE]
 
+    def sleeping(self, rank: int) -> int:
+        """How many of ``rank``'s threads sleep on a posted word now."""
+        return self._words[rank * _LINE_WORDS + _SLEEPING]
+
     def off(self, rank: int) -> bool:
         return bool(self._words[rank * _LINE_WORDS + _OFF])
 
-    def all_done(self, index: int) -> bool:
-        """Whether every rank has finished reading ``index``."""
-        words = self._words
-        return all(lane.reached(words[at], index) for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS))
+    def all_done_below(self, index: int) -> int:
+        """The first index at or after ``index`` that some rank has not finished reading (``index``
+        itself when a rank has not finished it): every rank has finished every index below it."""
+        words, lo = self._words, 0x80000000
+        for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS):
+            ahead = (words[at] - index) & 0xFFFFFFFF  # a rank that finished index is ahead by >= 1
+            if ahead >= 0x80000000:
+                return index
+            lo = min(lo, ahead)
+        return index + lo
 
     def set_done(self, count: int) -> None:
         self._words[self.rank * _LINE_WORDS + _DONE] = count & 0xFFFFFFFF
@@ -151,8 +172,50 @@ class ShmLane(shm.MappedFile):
             pos += n
         heads = self._heads
         heads[h], heads[h + 1], heads[h + 2], heads[h + 3] = index, key, int(fast), pos - start
-        self._words[self.rank * _LINE_WORDS + _POSTED] = (index + 1) & 0xFFFFFFFF
-        futex.wake(self._addr + self.rank * LINE)
+        words = self._words
+        words[self.rank * _LINE_WORDS + _POSTED] = (index + 1) & 0xFFFFFFFF
+        fence = self._fence
+        fence.acquire()
+        fence.release()
+        for at in self._peer_sleep_words:
+            if words[at]:
+                futex.wake(self._addr + self.rank * LINE)
+                return
+
+    def still_missing(self, ranks: list[int], index: int, key: int) -> list[int] | None:
+        """Those of ``ranks`` that have not posted ``index`` yet, once the others posted it fast with
+        ``key``; None as soon as one posted something else there or went off (the index is decided
+        without waiting more)."""
+        words, heads, left = self._words, self._heads, []
+        for r in ranks:
+            at = r * _LINE_WORDS
+            if not lane.reached(words[at + _POSTED], index):
+                if words[at + _OFF]:
+                    return None
+                left.append(r)
+                continue
+            h = self._head(r, index)
+            if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
+                return None
+        return left
+
+    def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
+        """Every rank's payload length at ``index`` when every other rank has posted it fast with
+        ``key`` (this rank's own entry counts as ``own_nbytes``), else None: the common case of
+        :func:`ringcomm.core.lane.decide` read in one pass; anything else takes :meth:`seen`."""
+        words, heads, me = self._words, self._heads, self.rank
+        sizes = []
+        for r in range(self.size):
+            if r == me:
+                sizes.append(own_nbytes)
+                continue
+            if not lane.reached(words[r * _LINE_WORDS + _POSTED], index):
+                return None
+            h = self._head(r, index)
+            if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
+                return None
+            sizes.append(heads[h + 3])
+        return sizes
 
     def payload(self, rank: int, index: int, nbytes: int) -> np.ndarray:
         """``rank``'s payload at ``index``: a uint8 view into the region (valid until it is rewritten)."""
@@ -162,8 +225,19 @@ class ShmLane(shm.MappedFile):
     # -- waiting ---------------------------------------------------------------
 
     def sleep_on_posted(self, rank: int, seen: int, timeout: futex.Timespec) -> bool:
-        """Sleep while ``rank``'s post counter holds ``seen`` (a post or :meth:`set_off` wakes it)."""
-        return futex.wait(self._addr + rank * LINE, seen, timeout)
+        """Sleep while ``rank``'s post counter holds ``seen`` (a post or :meth:`set_off` wakes it).
+
+        This rank's sleeping word counts the sleep, so posters know to wake it."""
+        words, at = self._words, self.rank * _LINE_WORDS + _SLEEPING
+        with self._sleep_lock:  # its release is the fence between this store and the futex's read
+            self._sleepers += 1
+            words[at] = self._sleepers
+        try:
+            return futex.wait(self._addr + rank * LINE, seen, timeout)
+        finally:
+            with self._sleep_lock:
+                self._sleepers -= 1
+                words[at] = self._sleepers
 
 
 # -- setting up: rank 0 offers a region, every rank accepts it or none does ---------------

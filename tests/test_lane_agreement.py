@@ -70,3 +70,59 @@ def test_behind_ops_both_ranks_posted_alike_fast_or_not_a_small_op_goes_fast(lan
     assert fp.submit(small("c"), others=2)
     b.handle.set_result(None)  # a finished engine op no longer counts
     assert fp.submit(small("d"), others=2) is False  # c (index 2) is not posted by the peer
+
+
+def test_a_post_makes_the_wake_call_only_while_a_peer_sleeps_and_a_sleeper_wakes_at_once(lane_pair, monkeypatch):
+    import threading
+    import time
+
+    fp, peer, _ = lane_pair
+    calls: list[int] = []
+    real_wake = futex.wake
+    monkeypatch.setattr(futex, "wake", lambda addr: (calls.append(addr), real_wake(addr)))
+    x = np.ones(4, np.float32)
+    peer.post(0, 7, True, [x])  # rank 0 sleeps on nothing: no system call
+    assert calls == []
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        seen = fp._region.posted(1)  # rank 0's thread sleeps on rank 1's word
+        fp._region.sleep_on_posted(1, seen, futex.timespec(20.0))
+        woke.append(time.monotonic())
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not fp._region.sleeping(0) and time.monotonic() < deadline:
+        time.sleep(0.001)  # until rank 0's sleeping word says so
+    posted_at = time.monotonic()
+    peer.post(1, 7, True, [x])
+    t.join(10)
+    assert len(calls) == 1 and woke and woke[0] - posted_at < 5.0  # not the 20 s timeout
+    peer.post(2, 7, True, [x])
+    assert len(calls) == 1  # the sleeper has left: its word is back to 0
+
+
+def test_the_wait_checks_off_peers_that_posted_the_same_op_and_stops_at_anything_else(lane_pair):
+    fp, peer, _ = lane_pair
+    region, x = fp._region, np.ones(4, np.float32)
+    assert region.still_missing([1], 0, 7) == [1]
+    peer.post(0, 7, True, [x])
+    assert region.still_missing([1], 0, 7) == []
+    peer.post(1, 8, True, [x])  # another op at index 1
+    assert region.still_missing([1], 1, 7) is None
+    peer.post(2, 7, False, ())  # the same op, but for the engine
+    assert region.still_missing([1], 2, 7) is None
+    peer.set_off()
+    assert region.still_missing([1], 3, 7) is None
+
+
+def test_entries_are_free_below_the_slowest_ranks_done_count(lane_pair):
+    fp, peer, _ = lane_pair
+    region = fp._region
+    region.set_done(6)
+    peer.set_done(4)
+    assert region.all_done_below(2) == 4 and region.all_done_below(4) == 4 and region.all_done_below(5) == 5
+    region.set_done(2**32 - 1)  # counters wrap: index 2**32 - 2 finished, 2**32 - 1 not
+    peer.set_done(2**32 - 1)
+    assert region.all_done_below(2**32 - 3) == 2**32 - 1

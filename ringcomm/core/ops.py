@@ -61,7 +61,7 @@ def check_dtype(dtype: np.dtype, what: str) -> str:
 def check_op(op: object, dtype_name: str, what: str) -> ReduceOp:
     """Validate a reduce op for a dtype; returns it as :class:`ReduceOp`."""
     try:
-        rop = ReduceOp(op)  # type: ignore[arg-type]
+        rop = op if type(op) is ReduceOp else ReduceOp(op)  # type: ignore[arg-type]
     except ValueError:
         raise InvalidTypeError(
             f"{what}: op={op!r} is not a reduce op; use ringcomm.Sum, Average, Min, Max or Product"
