@@ -328,19 +328,14 @@ class FastPath:
         region = self._region
         self._cond.release()
         try:
-            left: list[int] | None = missing
-            for _ in range(self._spins):
-                left = region.still_missing(left, k, key)
-                if not left:
+            left = missing
+            for i in range(self._spins + self._yields + 1):
+                now_left = region.still_missing(left, k, key)
+                if not now_left:  # every one posted the op, or one decided the index otherwise
                     return
-            for _ in range(self._yields):  # more ranks than cores: let a peer run on this core
-                left = region.still_missing(left, k, key)
-                if not left:
-                    return
-                os.sched_yield()
-            left = region.still_missing(left, k, key)
-            if not left:
-                return
+                left = now_left
+                if i >= self._spins and i < self._spins + self._yields:
+                    os.sched_yield()  # more ranks than cores: let a peer run on this core
             r = left[0]
             seen = region.posted(r)
             if not lane.reached(seen, k) and not region.off(r):
