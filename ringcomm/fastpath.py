@@ -278,18 +278,17 @@ class FastPath:
 
     def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
         """Resolve index ``k`` if it is still pending; the lock is held (and released while sleeping)."""
-        p = self._pending.get(k)
-        if p is None:
-            return True
-        sizes = self._region.fast_sizes(k, p.key, p.nbytes)
-        if sizes is not None:  # the common case, read in one pass
-            self._finish_fast(k, p, sizes)
-            return True
-        started, warned = time.monotonic(), False
+        started, warned = 0.0, False
         while True:
             p = self._pending.get(k)
             if p is None:
                 return True
+            sizes = self._region.fast_sizes(k, p.key, p.nbytes)
+            if sizes is not None:  # the common case (also right after a wait), read in one pass
+                self._finish_fast(k, p, sizes)
+                return True
+            if not started:
+                started = time.monotonic()
             own = p.own
             seen = [own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
             decision = lane.decide(p.key, seen)

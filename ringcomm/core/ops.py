@@ -96,7 +96,7 @@ _BOOL_UFUNC = {
 
 def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
     """``dst = dst (op) src`` elementwise, in place.  ``dst`` and ``src`` share dtype and length."""
-    if dst.dtype == np.bool_:
+    if dst.dtype.kind == "b":
         _BOOL_UFUNC[op](dst, src, out=dst)
     else:
         _UFUNC[op](dst, src, out=dst)
@@ -104,7 +104,7 @@ def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray) -> None:
 
 def combine(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """``out = a (op) b`` elementwise (``out`` may alias neither)."""
-    if out.dtype == np.bool_:
+    if out.dtype.kind == "b":
         _BOOL_UFUNC[op](a, b, out=out)
     else:
         _UFUNC[op](a, b, out=out)
