@@ -126,7 +126,7 @@ class MappedHandle:
         return self._result
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
     """One op submitted on this rank: its request, its arrays and its handle."""
 
