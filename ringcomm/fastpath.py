@@ -52,6 +52,9 @@ YIELDS = 50
 SWEEP_SECONDS = 0.01
 #: After this long without a fast op the sweeper sleeps until the next one.
 IDLE_SECONDS = 1.0
+#: A small op behind ops in flight a peer has not posted yet waits this long for it at most, then
+#: goes to the engine.
+AGREE_SECONDS = 0.002
 #: Finished engine ops are dropped from the record of open ones once it holds this many.
 OPEN_PRUNE = 32
 
@@ -165,7 +168,8 @@ class FastPath:
         the caller hands it to the engine (posted as an engine entry, or the lane
         is closed).  ``others`` is how many other ops this rank has in flight.
         An op goes fast only when each of those sits at an index where every
-        rank posted the same op (:meth:`_agreed`; trivially so when there are
+        rank posted the same op (:meth:`_agreement`, waiting a moment for a peer that has not
+        posted them yet; trivially so when there are
         none).  Then every rank has submitted every op this rank has, finished
         or in flight, and nothing else: a peer that has not posted this index
         yet waits for nothing of this rank's but what comes later in its
@@ -184,12 +188,23 @@ class FastPath:
                 return False
             if self._closed:
                 return False
-            k = self._make_room()  # every post rewrites an entry: engine entries too
-            if self._closed:
-                return False
-            if fast and others and not self._agreed(others):
-                fast, nbytes = False, 0
-            key = lane.op_key(req)  # engine entries too: _agreed compares them
+            deadline: float | None = None
+            while True:
+                k = self._make_room()  # every post rewrites an entry: engine entries too
+                if self._closed:
+                    return False
+                if not (fast and others):
+                    break
+                agreement = self._agreement(others)
+                if agreement is True:
+                    break
+                if deadline is None:
+                    deadline = time.monotonic() + AGREE_SECONDS
+                if agreement is False or not self._await_agreement(agreement, deadline):
+                    fast, nbytes = False, 0
+                    break
+                # waited with the lock released: the next index and the ops in flight are read again
+            key = lane.op_key(req)  # engine entries too: _agreement compares them
             nbytes = max(nbytes, 0)
             self._region.post(k, key, fast, entry.arrays if nbytes else ())
             self._next = k + 1
@@ -216,24 +231,56 @@ class FastPath:
         for k in [k for k, (_, ref) in self._engine_open.items() if (h := ref()) is None or h.done()]:
             del self._engine_open[k]
 
-    def _agreed(self, others: int) -> bool:
+    def _agreement(self, others: int) -> bool | tuple[int, int]:
         """Whether this rank's ``others`` ops in flight are all ops it posted on the lane at indices
         where every rank posted the same op (the same key): fast ones still pending, or engine ones
-        not finished yet.  An engine index this rank has finished reading may have been rewritten
-        since: it then counts as not agreed."""
+        not finished yet.  True or False, or ``(rank, index)``: so far so good, but that rank has not
+        posted that index yet.  An engine index this rank has finished reading may have been
+        rewritten since: it then counts as not agreed."""
         self._prune_open()
         if len(self._engine_open) + len(self._pending) != others:
             return False  # ops of other process sets, or ops that left the lane: not known here
         region, me = self._region, self.rank
         peers = [r for r in range(self.size) if r != me]
+        unposted: tuple[int, int] | None = None
         for k, (key, _) in self._engine_open.items():
-            if any(region.key_at(r, k) != key for r in peers):
-                return False
+            for r in peers:
+                got = region.key_at(r, k)
+                if got is None and not lane.reached(region.posted(r), k) and not region.off(r):
+                    unposted = unposted or (r, k)
+                elif got != key:
+                    return False
         for k, p in self._pending.items():  # this rank still reads k: the entries are intact
             for r in peers:
                 s = region.seen(r, k)
-                if not (s.posted and s.fast and s.key == p.key):
+                if not s.posted and not s.off:
+                    unposted = unposted or (r, k)
+                elif not (s.posted and s.fast and s.key == p.key):
                     return False
+        return True if unposted is None else unposted
+
+    def _await_agreement(self, unposted: tuple[int, int], deadline: float) -> bool:
+        """Wait (lock released) until rank ``r`` posts index ``k`` (``unposted``), a little at most:
+        a peer a step behind in the same program posts the ops in flight in a moment, and an op
+        that would have gone to the engine for it goes fast.  False once :data:`AGREE_SECONDS` have
+        passed since the first look (``deadline``): the op goes to the engine (no rank waits long
+        for another here, so none can wait for one that waits for it)."""
+        if time.monotonic() >= deadline:
+            return False
+        r, k = unposted
+        region = self._region
+        self._cond.release()
+        try:
+            for _ in range(self._spins):
+                if lane.reached(region.posted(r), k):
+                    return True
+            seen = region.posted(r)
+            if not lane.reached(seen, k) and not region.off(r):
+                left = deadline - time.monotonic()
+                if left > 0:
+                    region.sleep_on_posted(r, seen, futex.timespec(left))
+        finally:
+            reacquire(self._cond)
         return True
 
     def _make_room(self) -> int:

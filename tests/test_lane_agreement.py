@@ -126,3 +126,34 @@ def test_entries_are_free_below_the_slowest_ranks_done_count(lane_pair):
     region.set_done(2**32 - 1)  # counters wrap: index 2**32 - 2 finished, 2**32 - 1 not
     peer.set_done(2**32 - 1)
     assert region.all_done_below(2**32 - 3) == 2**32 - 1
+
+
+def test_a_small_op_waits_a_moment_for_a_peer_to_post_the_op_in_flight_and_then_goes_fast(lane_pair, monkeypatch):
+    import threading
+    import time
+
+    fp, peer, submitted = lane_pair
+    monkeypatch.setattr(fastpath, "AGREE_SECONDS", 30.0)
+    a = small("a")
+    assert fp.submit(a, others=0)  # index 0, pending
+    poster = threading.Timer(0.05, lambda: peer.post(0, lane.op_key(a.req), True, [np.ones(4, np.float32)]))
+    poster.start()
+    started = time.monotonic()
+    assert fp.submit(small("b"), others=1)  # the peer posts index 0 while b waits: b goes fast
+    assert time.monotonic() - started < 20 and not submitted
+    poster.join()
+
+
+def test_the_wait_for_a_peer_that_does_not_post_is_bounded_and_the_op_goes_to_the_engine(lane_pair, monkeypatch):
+    import time
+
+    fp, peer, _ = lane_pair
+    monkeypatch.setattr(fastpath, "AGREE_SECONDS", 0.2)
+    assert fp.submit(small("a"), others=0)
+    started = time.monotonic()
+    assert not fp.submit(small("b"), others=1)
+    assert 0.2 <= time.monotonic() - started < 10
+    peer.post(0, lane.op_key(small("x").req), True, [np.ones(4, np.float32)])  # another op at index 0
+    started = time.monotonic()
+    assert not fp.submit(small("c"), others=2)  # decided at once: no wait for a peer that disagrees
+    assert time.monotonic() - started < 0.2
