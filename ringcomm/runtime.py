@@ -187,11 +187,12 @@ class Runtime:
         self.engine.shutdown(timeout=timeout)
 
 
-
 _runtime: Runtime | None = None
 _rounds = 0
 _init_lock = threading.Lock()
 _atexit_registered = False
+
+
 def _log_topology(topo: topology.Topology) -> None:
     """DEBUG: where this rank's place in the job came from, and where it will meet the others."""
     if not log.isEnabledFor(logging.DEBUG):
