@@ -380,7 +380,7 @@ class FastPath:
                 if not now_left:  # every one posted the op, or one decided the index otherwise
                     return
                 left = now_left
-                if i >= self._spins and i < self._spins + self._yields:
+                if self._spins <= i < self._spins + self._yields:
                     os.sched_yield()  # more ranks than cores: let a peer run on this core
             r = left[0]
             seen = region.posted(r)

@@ -361,9 +361,7 @@ def layout(what: str) -> Runtime:
 
 def current(what: str) -> Runtime:
     """The runtime, for anything that needs its engine: refused in a process forked after init()."""
-    rt = _runtime
-    if rt is None or rt.pid != _pid:
-        rt = layout(what)
+    rt = layout(what)
     if rt.pid != _pid:
         raise ForkedProcessError(
             f"ringcomm.{what}() on rank {rt.topo.rank}: this process (pid {os.getpid()}) was forked from the "

@@ -182,39 +182,40 @@ class ShmLane(shm.MappedFile):
                 futex.wake(self._addr + self.rank * LINE)
                 return
 
+    def _matched(self, rank: int, index: int, key: int) -> int | None:
+        """``rank``'s payload length if it posted ``index`` fast with ``key``; -1 if it has not
+        posted it yet (and is not off); None if it posted something else there or went off."""
+        at = rank * _LINE_WORDS
+        if not lane.reached(self._words[at + _POSTED], index):
+            return None if self._words[at + _OFF] else -1
+        heads, h = self._heads, self._head(rank, index)
+        if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
+            return None
+        return heads[h + 3]
+
     def still_missing(self, ranks: list[int], index: int, key: int) -> list[int] | None:
         """Those of ``ranks`` that have not posted ``index`` yet, once the others posted it fast with
         ``key``; None as soon as one posted something else there or went off (the index is decided
         without waiting more)."""
-        words, heads, left = self._words, self._heads, []
+        left = []
         for r in ranks:
-            at = r * _LINE_WORDS
-            if not lane.reached(words[at + _POSTED], index):
-                if words[at + _OFF]:
-                    return None
-                left.append(r)
-                continue
-            h = self._head(r, index)
-            if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
+            got = self._matched(r, index, key)
+            if got is None:
                 return None
+            if got < 0:
+                left.append(r)
         return left
 
     def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
         """Every rank's payload length at ``index`` when every other rank has posted it fast with
         ``key`` (this rank's own entry counts as ``own_nbytes``), else None: the common case of
         :func:`ringcomm.core.lane.decide` read in one pass; anything else takes :meth:`seen`."""
-        words, heads, me = self._words, self._heads, self.rank
         sizes = []
         for r in range(self.size):
-            if r == me:
-                sizes.append(own_nbytes)
-                continue
-            if not lane.reached(words[r * _LINE_WORDS + _POSTED], index):
+            got = own_nbytes if r == self.rank else self._matched(r, index, key)
+            if got is None or got < 0:
                 return None
-            h = self._head(r, index)
-            if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
-                return None
-            sizes.append(heads[h + 3])
+            sizes.append(got)
         return sizes
 
     def payload(self, rank: int, index: int, nbytes: int) -> np.ndarray:

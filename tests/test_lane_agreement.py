@@ -134,6 +134,9 @@ def test_a_small_op_waits_a_moment_for_a_peer_to_post_the_op_in_flight_and_then_
 
     fp, peer, submitted = lane_pair
     monkeypatch.setattr(fastpath, "AGREE_SECONDS", 30.0)
+    # the sweeper would otherwise finish "a" the moment the peer posts it, and "b" would then find
+    # fewer ops in flight than it was submitted behind: it goes to the engine, the safe side
+    monkeypatch.setattr(fastpath, "SWEEP_SECONDS", 60.0)
     a = small("a")
     assert fp.submit(a, others=0)  # index 0, pending
     poster = threading.Timer(0.05, lambda: peer.post(0, lane.op_key(a.req), True, [np.ones(4, np.float32)]))
