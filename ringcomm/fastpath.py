@@ -391,10 +391,11 @@ class FastPath:
 
     def _finish_fast(self, k: int, p: _Pending, sizes: list[int]) -> None:
         e = p.entry
-        payload = self._region.payload
-        parts = [payload(r, k, n) for r, n in enumerate(sizes)]
+        req = e.req
         try:
-            result = lane.finish(e.req, e.arrays, e.outs, e.grouped, parts, self.size)
+            result = None if req.kind == wire.BARRIER else lane.finish(
+                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size,
+                typed=True)
         except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
             del self._pending[k]
             self._publish_done()

@@ -46,6 +46,8 @@ log = logging.getLogger("ringcomm")
 LINE = shm_barrier.STRIDE
 #: Bytes of an entry's head.
 HEAD = 64
+#: Typed payload views kept for reuse (slot, dtype and sizes each): dropped all at once past this.
+TYPED_VIEWS = 512
 _POSTED, _DONE, _OFF, _SLEEPING = 0, 1, 2, 3
 _LINE_WORDS = LINE // 4
 
@@ -80,12 +82,16 @@ class ShmLane(shm.MappedFile):
         self._fence = _thread.allocate_lock()  # acquiring it is an atomic instruction: a full fence on x86-64
         self._sleep_lock = _thread.allocate_lock()
         self._sleepers = 0  # this rank's threads asleep in sleep_on_posted
+        # every rank's payload at one slot, viewed as one dtype: a training loop reads the same
+        # slots with the same sizes over and over, so the views are made once
+        self._typed: dict[tuple[int, np.dtype, tuple[int, ...]], list[np.ndarray]] = {}
 
     def _head(self, rank: int, index: int) -> int:
         """Where ``rank``'s entry for ``index`` starts in :attr:`_heads` (8-byte words)."""
         return (rank * self.slots + index % self.slots) * self._entry // 8
 
     def close(self) -> None:
+        self._typed.clear()  # its arrays view the map
         for view in (self._words, self._heads, self._view):  # no view may keep the map alive
             view.release()
         super().close()
@@ -222,6 +228,17 @@ class ShmLane(shm.MappedFile):
         """``rank``'s payload at ``index``: a uint8 view into the region (valid until it is rewritten)."""
         start = self._base + self._head(rank, index) * 8 + HEAD
         return self._bytes[start:start + nbytes]
+
+    def typed_parts(self, index: int, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's payload at ``index`` (``sizes[r]`` bytes each) as arrays of ``dtype``, in rank
+        order: views into the region, valid until the entries are rewritten."""
+        at = (index % self.slots, dtype, tuple(sizes))
+        parts = self._typed.get(at)
+        if parts is None:
+            if len(self._typed) >= TYPED_VIEWS:
+                self._typed.clear()
+            parts = self._typed[at] = [self.payload(r, index, n).view(dtype) for r, n in enumerate(sizes)]
+        return parts
 
     # -- waiting ---------------------------------------------------------------
 

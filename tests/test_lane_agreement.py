@@ -128,6 +128,18 @@ def test_entries_are_free_below_the_slowest_ranks_done_count(lane_pair):
     assert region.all_done_below(2**32 - 3) == 2**32 - 1
 
 
+def test_typed_payload_views_are_made_once_per_slot_and_show_each_rewrite(lane_pair):
+    fp, peer, _ = lane_pair
+    region, f32 = fp._region, np.dtype(np.float32)
+    for index, value in ((1, 1.0), (5, 2.0)):  # 4 slots: index 5 rewrites index 1's entries
+        region.post(index, 7, True, [np.full(4, value, np.float32)])
+        peer.post(index, 7, True, [np.full(4, -value, np.float32)])
+        parts = region.typed_parts(index, [16, 16], f32)
+        assert [p.tolist() for p in parts] == [[value] * 4, [-value] * 4]
+    assert region.typed_parts(1, [16, 16], f32) is parts  # the same views, not new ones
+    assert [p.dtype for p in region.typed_parts(1, [8, 8], np.dtype(np.float64))] == [np.float64] * 2
+
+
 def test_a_small_op_waits_a_moment_for_a_peer_to_post_the_op_in_flight_and_then_goes_fast(lane_pair, monkeypatch):
     import threading
     import time

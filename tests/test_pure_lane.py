@@ -119,6 +119,10 @@ def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size,
     r = req(dtype=dtype, shapes=((n,),), op=int(op), prescale=pre, postscale=post)
     parts = [a.view(np.uint8) for a in arrays]
     results = [lane.finish(r, [arrays[i]], [None], False, parts, size) for i in range(size)]
+    # payloads already viewed as the dtype (as the lane passes them): the same bytes, inputs untouched
+    before = [a.tobytes() for a in arrays]
+    assert lane.finish(r, [arrays[1 % size]], [None], False, arrays, size, typed=True).tobytes() == results[0].tobytes()
+    assert [a.tobytes() for a in arrays] == before
     for res in results:
         assert res.dtype == np.dtype(dtype) and res.shape == (n,)
         assert res.tobytes() == results[0].tobytes()
@@ -154,6 +158,10 @@ def _service_reduce(svc, r, arrays):
 
 def test_fast_broadcast_allgather_barrier_and_grouped_results():
     a = np.arange(6, dtype=np.int64).reshape(2, 3)
+    two_d = req(dtype="int64", shapes=((2, 3),), op=int(ReduceOp.SUM))
+    out2 = np.empty_like(a)  # a 2-D out= is reduced into through a flat view of it
+    flat = a.reshape(-1)
+    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2, typed=True) is out2 and (out2 == 2 * a).all()
     zeros = np.zeros_like(a)
     b = req(kind=wire.BROADCAST, dtype="int64", shapes=((2, 3),), root=1, op=0)
     parts = [np.zeros(0, np.uint8), a.view(np.uint8).reshape(-1)]

@@ -192,35 +192,42 @@ def split_out(flat: np.ndarray, arrays: Sequence[np.ndarray], outs: Sequence[np.
     return results if grouped else results[0]
 
 
+def dtype_of(req: wire.Request) -> np.dtype:
+    """``req``'s dtype (cached: one lookup per op)."""
+    return _DTYPES.get(req.dtype) or _DTYPES.setdefault(req.dtype, np.dtype(req.dtype))
+
+
 def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None], grouped: bool,
-           parts: Sequence[np.ndarray], size: int) -> Any:
+           parts: Sequence[np.ndarray], size: int, typed: bool = False) -> Any:
     """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload as raw
-    bytes (uint8), in rank order.  ``arrays``/``outs``/``grouped`` are this rank's submission.
+    bytes (uint8), in rank order, or already viewed as the op's dtype (``typed``).
+    ``arrays``/``outs``/``grouped`` are this rank's submission.
     """
-    if req.kind == wire.BARRIER:
+    kind = req.kind
+    if kind == wire.BARRIER:
         return None
-    dtype = _DTYPES.get(req.dtype) or _DTYPES.setdefault(req.dtype, np.dtype(req.dtype))
-    if req.kind == wire.ALLREDUCE:
+    dtype = dtype_of(req)
+    contribs = parts if typed else [p.view(dtype) for p in parts]
+    if kind == wire.ALLREDUCE:
         op = _REDUCE_OPS[req.op]
-        contribs = [p.view(dtype) for p in parts]
         post = ops.postscale(op, size, req.postscale)
         given = outs[0] if not grouped and outs else None
         if given is not None and given.flags.c_contiguous:  # reduced straight into the caller's buffer
-            reduce_ordered(op, contribs, req.prescale, post, given.reshape(-1))
+            reduce_ordered(op, contribs, req.prescale, post, given if given.ndim == 1 else given.reshape(-1))
             return given
         return split_out(reduce_ordered(op, contribs, req.prescale, post), arrays, outs, grouped)
     (arr,) = arrays
-    if req.kind == wire.BROADCAST:
+    if kind == wire.BROADCAST:
         out = outs[0] if outs and outs[0] is not None else None
-        src = parts[req.root].view(dtype).reshape(arr.shape)
+        src = contribs[req.root].reshape(arr.shape)
         if out is None:
             return src.copy()
         if out is not src:
             np.copyto(out, src)
         return out
-    if req.kind == wire.ALLGATHER:
+    if kind == wire.ALLGATHER:
         rest = arr.shape[1:]
-        joined = np.concatenate([p.view(dtype) for p in parts])
+        joined = np.concatenate(contribs)
         row = int(np.prod(rest, dtype=np.int64))
         return joined.reshape(joined.size // row, *rest)
-    raise ValueError(f"no fast path for {req.kind!r}")  # pragma: no cover - eligible() keeps them out
+    raise ValueError(f"no fast path for {kind!r}")  # pragma: no cover - eligible() keeps them out
