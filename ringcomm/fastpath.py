@@ -57,6 +57,8 @@ IDLE_SECONDS = 1.0
 AGREE_SECONDS = 0.002
 #: Finished engine ops are dropped from the record of open ones once it holds this many.
 OPEN_PRUNE = 32
+#: Requests whose key and fast size are kept (a training loop submits the same ones every step).
+PLANS = 4096
 
 
 class LaneHandle(Handle):
@@ -75,6 +77,10 @@ class LaneHandle(Handle):
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done and self._lane is not None:
             self._lane.drive(self, None if timeout is None else time.monotonic() + timeout, block=True)
+        if self._done:  # the usual case: resolved by this thread just now
+            if self._error is not None:
+                raise self._error
+            return self._result
         return super().wait(timeout)
 
 
@@ -144,6 +150,7 @@ class FastPath:
         self._next = 0  # the index of this rank's next post
         self._free_below = 0  # every rank has finished reading every index below this one
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
+        self._plans: dict[wire.Request, tuple[int, int]] = {}  # request -> (op key, fast bytes or -1)
         # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
         # the caller dropped is not kept alive here)
         self._engine_open: dict[int, tuple[int, weakref.ref[Handle]]] = {}
@@ -179,8 +186,12 @@ class FastPath:
         an index where this rank had posted another op.
         """
         req = entry.req
-        nbytes = lane.fast_nbytes(req, entry.arrays, self.rank, self._max) \
-            if (not entry.grouped or req.kind == wire.ALLREDUCE) and not self._slow() else -1
+        plan = self._plans.get(req)
+        if plan is None:
+            plan = self._plan(entry)
+        key, nbytes = plan
+        if nbytes >= 0 and ((entry.grouped and req.kind != wire.ALLREDUCE) or self._slow()):
+            nbytes = -1
         fast = nbytes >= 0
         with self._lock:
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
@@ -190,7 +201,9 @@ class FastPath:
                 return False
             deadline: float | None = None
             while True:
-                k = self._make_room()  # every post rewrites an entry: engine entries too
+                k = self._next
+                if k - self._region.slots >= self._free_below:  # its entry may still be read
+                    k = self._make_room()  # every post rewrites an entry: engine entries too
                 if self._closed:
                     return False
                 if not (fast and others):
@@ -204,8 +217,7 @@ class FastPath:
                     fast, nbytes = False, 0
                     break
                 # waited with the lock released: the next index and the ops in flight are read again
-            key = lane.op_key(req)  # engine entries too: _agreement compares them
-            nbytes = max(nbytes, 0)
+            nbytes = max(nbytes, 0)  # the key is posted for engine entries too: _agreement compares them
             self._region.post(k, key, fast, entry.arrays if nbytes else ())
             self._next = k + 1
             if not self._unlinked:
@@ -226,6 +238,14 @@ class FastPath:
                 self._sweeper_idle = False
                 self._cond.notify()
         return True
+
+    def _plan(self, entry: Entry) -> tuple[int, int]:
+        """``entry``'s op key and what this rank posts for it fast (-1: not fast), kept per request."""
+        req = entry.req
+        if len(self._plans) >= PLANS:
+            self._plans.clear()
+        plan = self._plans[req] = (lane.op_key(req), lane.fast_nbytes(req, entry.arrays, self.rank, self._max))
+        return plan
 
     def _prune_open(self) -> None:
         for k in [k for k, (_, ref) in self._engine_open.items() if (h := ref()) is None or h.done()]:

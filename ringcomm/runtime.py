@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -155,11 +156,9 @@ class Runtime:
                     "wait for it (synchronize) or use another name"
                 )
             self._names.add(key)
-
-        def release() -> None:
-            with self._lock:
-                self._names.discard(key)
-
+        # the name is free again once the op finishes: one set operation, atomic on its own (only
+        # the check and the add above must happen together)
+        release = functools.partial(self._names.discard, key)
         lane = self.lane if req.pset == 0 else None
         handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
         try:

@@ -79,6 +79,9 @@ class ShmLane(shm.MappedFile):
         self._heads = self._view[self._base:].cast("Q")
         self._addr = self._bytes.ctypes.data
         self._peer_sleep_words = [r * _LINE_WORDS + _SLEEPING for r in range(size) if r != rank]
+        # where each of this rank's entries starts: its head (in 8-byte words) and its payload (bytes)
+        self._own = [(h, self._base + h * 8 + HEAD) for h in (self._head(rank, s) for s in range(slots))]
+        self._words_per_entry = self._entry // 8
         self._fence = _thread.allocate_lock()  # acquiring it is an atomic instruction: a full fence on x86-64
         self._sleep_lock = _thread.allocate_lock()
         self._sleepers = 0  # this rank's threads asleep in sleep_on_posted
@@ -164,8 +167,7 @@ class ShmLane(shm.MappedFile):
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
         """Write this rank's entry ``index`` (its payload: the arrays, concatenated) and publish it."""
-        h = self._head(self.rank, index)
-        start = self._base + h * 8 + HEAD
+        h, start = self._own[index % self.slots]
         pos = start
         for a in payload:
             n = a.nbytes
@@ -216,12 +218,19 @@ class ShmLane(shm.MappedFile):
         """Every rank's payload length at ``index`` when every other rank has posted it fast with
         ``key`` (this rank's own entry counts as ``own_nbytes``), else None: the common case of
         :func:`ringcomm.core.lane.decide` read in one pass; anything else takes :meth:`seen`."""
+        words, heads, me, slots = self._words, self._heads, self.rank, self.slots
+        first, stride = index % slots * self._words_per_entry, slots * self._words_per_entry
         sizes = []
-        for r in range(self.size):
-            got = own_nbytes if r == self.rank else self._matched(r, index, key)
-            if got is None or got < 0:
+        for r in range(self.size):  # _matched, unrolled: this runs once per op
+            if r == me:
+                sizes.append(own_nbytes)
+                continue
+            if (words[r * _LINE_WORDS + _POSTED] - index - 1) & 0xFFFFFFFF >= 0x80000000:  # not reached
                 return None
-            sizes.append(got)
+            h = first + r * stride
+            if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:
+                return None
+            sizes.append(heads[h + 3])
         return sizes
 
     def payload(self, rank: int, index: int, nbytes: int) -> np.ndarray:
