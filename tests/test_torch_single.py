@@ -172,6 +172,22 @@ def test_autograd_at_size_one_is_identity():
         assert torch.allclose(x.grad, w, atol=1e-2), fn
 
 
+def test_a_result_is_in_the_graph_only_when_autograd_records_the_input():
+    ops = (hvd.allreduce, hvd.allgather, lambda a: hvd.broadcast(a, 0), lambda a: hvd.grouped_allreduce([a])[0])
+    for fn in ops:
+        plain = fn(torch.ones(3))  # grad mode on, the input needs no grad: no graph, a new tensor
+        assert plain.grad_fn is None and not plain.requires_grad and plain.tolist() == [1.0, 1.0, 1.0]
+        x = torch.ones(3, requires_grad=True)
+        assert fn(x).grad_fn is not None, fn
+        with torch.no_grad():
+            quiet = fn(x)
+        assert quiet.grad_fn is None and not quiet.requires_grad, fn
+        t = torch.ones(3)
+        y = fn(t)
+        y.add_(1)  # the result is the caller's own: changing it leaves the input alone
+        assert y.tolist() == [2.0, 2.0, 2.0] and t.tolist() == [1.0, 1.0, 1.0], fn
+
+
 def test_fp16_compression_round_trip():
     t = torch.randn(10, dtype=torch.float64)
     c, ctx = hvd.Compression.fp16.compress(t)
