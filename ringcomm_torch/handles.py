@@ -21,7 +21,7 @@ from typing import Any
 
 from ringcomm.errors import InvalidTypeError
 
-from .tensors import claim_pending_copies, copies_belong_to
+from .tensors import claim_pending_copies, copies_belong_to, has_pending_copies
 
 __all__ = ["Handle", "poll", "synchronize", "completed"]
 
@@ -43,7 +43,8 @@ class Handle:
         self._result: Any = _UNSET
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # held by wait() while it blocks
-        claim_pending_copies(self.core_name)  # CUDA staging copies made for this op (timeline)
+        if has_pending_copies():  # CUDA staging copies made for this op (timeline)
+            claim_pending_copies(self.core_name)
 
     @property
     def core_name(self) -> str | None:
