@@ -414,8 +414,7 @@ class FastPath:
         req = e.req
         try:
             result = None if req.kind == wire.BARRIER else lane.finish(
-                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size,
-                typed=True)
+                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size)
         except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
             del self._pending[k]
             self._publish_done()

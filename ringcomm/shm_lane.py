@@ -225,7 +225,7 @@ class ShmLane(shm.MappedFile):
             if r == me:
                 sizes.append(own_nbytes)
                 continue
-            if (words[r * _LINE_WORDS + _POSTED] - index - 1) & 0xFFFFFFFF >= 0x80000000:  # not reached
+            if not lane.reached(words[r * _LINE_WORDS + _POSTED], index):
                 return None
             h = first + r * stride
             if heads[h] != index or heads[h + 1] != key or not heads[h + 2]:

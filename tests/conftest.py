@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,11 @@ def remove_files_of(pids: list[int]) -> None:
                 pass
 
 
-def start_torchrun_job(args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
+def start_torchrun_job(args: list[str], world: int, rank_env: Sequence[dict[str, str]] = (),
+                       **env: str) -> list[subprocess.Popen]:
     """Start ``world`` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), no launcher.
+
+    ``rank_env[r]``, where given, is added to rank r's environment last (e.g. its own host name).
 
     Each process's stdout and stderr come back merged in ``proc.stdout`` (text); ``proc.job_id``
     is the job id ringcomm derives (the prefix of the job's socket and shared-memory names).
@@ -90,6 +94,7 @@ def start_torchrun_job(args: list[str], world: int, **env: str) -> list[subproce
     for r in range(world):
         penv = job_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), **env)
+        penv.update(rank_env[r] if r < len(rank_env) else {})
         proc = subprocess.Popen([sys.executable, *args], env=penv, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         proc.job_id = topology.from_env(penv).job_id  # type: ignore[attr-defined]

@@ -117,12 +117,10 @@ def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size,
     else:
         arrays = [rng.integers(0, 50, n).astype(dtype) for _ in range(size)]
     r = req(dtype=dtype, shapes=((n,),), op=int(op), prescale=pre, postscale=post)
-    parts = [a.view(np.uint8) for a in arrays]
-    results = [lane.finish(r, [arrays[i]], [None], False, parts, size) for i in range(size)]
-    # payloads already viewed as the dtype (as the lane passes them): the same bytes, inputs untouched
+    parts = [a.view(np.uint8).view(lane.dtype_of(r)) for a in arrays]  # as the lane reads them: raw bytes, typed
     before = [a.tobytes() for a in arrays]
-    assert lane.finish(r, [arrays[1 % size]], [None], False, arrays, size, typed=True).tobytes() == results[0].tobytes()
-    assert [a.tobytes() for a in arrays] == before
+    results = [lane.finish(r, [arrays[i]], [None], False, parts, size) for i in range(size)]
+    assert [a.tobytes() for a in arrays] == before  # the posted payloads are left as they are
     for res in results:
         assert res.dtype == np.dtype(dtype) and res.shape == (n,)
         assert res.tobytes() == results[0].tobytes()
@@ -161,22 +159,22 @@ def test_fast_broadcast_allgather_barrier_and_grouped_results():
     two_d = req(dtype="int64", shapes=((2, 3),), op=int(ReduceOp.SUM))
     out2 = np.empty_like(a)  # a 2-D out= is reduced into through a flat view of it
     flat = a.reshape(-1)
-    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2, typed=True) is out2 and (out2 == 2 * a).all()
+    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2) is out2 and (out2 == 2 * a).all()
     zeros = np.zeros_like(a)
     b = req(kind=wire.BROADCAST, dtype="int64", shapes=((2, 3),), root=1, op=0)
-    parts = [np.zeros(0, np.uint8), a.view(np.uint8).reshape(-1)]
+    parts = [np.zeros(0, np.int64), a.reshape(-1)]
     assert (lane.finish(b, [zeros], [None], False, parts, 2) == a).all()
     out = np.empty_like(a)
     assert lane.finish(b, [zeros], [out], False, parts, 2) is out and (out == a).all()
     g = req(kind=wire.ALLGATHER, dtype="int64", shapes=((1, 3),), op=0)
     rows = [a[:1], a[1:], np.zeros((0, 3), np.int64)]
-    got = lane.finish(g, [rows[0]], [None], False, [r.reshape(-1).view(np.uint8) for r in rows], 3)
+    got = lane.finish(g, [rows[0]], [None], False, [r.reshape(-1) for r in rows], 3)
     assert got.shape == (2, 3) and (got == a).all()
     assert lane.finish(req(kind=wire.BARRIER, shapes=()), [], [], False, [np.zeros(0, np.uint8)] * 2, 2) is None
     x, y = np.ones(3, np.float32), np.full(2, 2.0, np.float32)
     grouped = req(shapes=((3,), (2,)))
     flat = np.concatenate([x, y])
-    res = lane.finish(grouped, [x, y], [None, None], True, [flat.view(np.uint8)] * 2, 2)
+    res = lane.finish(grouped, [x, y], [None, None], True, [flat] * 2, 2)
     assert [r.tolist() for r in res] == [[2, 2, 2], [4, 4]]
 
 

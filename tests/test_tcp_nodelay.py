@@ -8,27 +8,17 @@ on, a small message written after another would wait for the peer's delayed ACK 
 from __future__ import annotations
 
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import WORKERS, job_env, remove_files_of
+from conftest import WORKERS, remove_files_of, start_torchrun_job
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_every_tcp_connection_between_ranks_on_two_hosts_has_nodelay() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = job_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port - 1), RINGCOMM_HOSTNAME=f"host{rank}")
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "nodelay_worker.py")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    hosts = [{"RINGCOMM_HOSTNAME": f"host{r}", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for r in range(2)]
+    procs = start_torchrun_job([str(WORKERS / "nodelay_worker.py")], 2, rank_env=hosts)
     try:
         outs = [p.communicate(timeout=60)[0] for p in procs]
     finally:

@@ -198,28 +198,26 @@ def dtype_of(req: wire.Request) -> np.dtype:
 
 
 def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None], grouped: bool,
-           parts: Sequence[np.ndarray], size: int, typed: bool = False) -> Any:
-    """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload as raw
-    bytes (uint8), in rank order, or already viewed as the op's dtype (``typed``).
-    ``arrays``/``outs``/``grouped`` are this rank's submission.
+           parts: Sequence[np.ndarray], size: int) -> Any:
+    """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload, flat,
+    viewed as the op's dtype (:func:`dtype_of`), in rank order.  ``arrays``/``outs``/``grouped``
+    are this rank's submission.  No result aliases a part (they are views of the lane's entries).
     """
     kind = req.kind
     if kind == wire.BARRIER:
         return None
-    dtype = dtype_of(req)
-    contribs = parts if typed else [p.view(dtype) for p in parts]
     if kind == wire.ALLREDUCE:
         op = _REDUCE_OPS[req.op]
         post = ops.postscale(op, size, req.postscale)
         given = outs[0] if not grouped and outs else None
         if given is not None and given.flags.c_contiguous:  # reduced straight into the caller's buffer
-            reduce_ordered(op, contribs, req.prescale, post, given if given.ndim == 1 else given.reshape(-1))
+            reduce_ordered(op, parts, req.prescale, post, given if given.ndim == 1 else given.reshape(-1))
             return given
-        return split_out(reduce_ordered(op, contribs, req.prescale, post), arrays, outs, grouped)
+        return split_out(reduce_ordered(op, parts, req.prescale, post), arrays, outs, grouped)
     (arr,) = arrays
     if kind == wire.BROADCAST:
         out = outs[0] if outs and outs[0] is not None else None
-        src = contribs[req.root].reshape(arr.shape)
+        src = parts[req.root].reshape(arr.shape)
         if out is None:
             return src.copy()
         if out is not src:
@@ -227,7 +225,7 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         return out
     if kind == wire.ALLGATHER:
         rest = arr.shape[1:]
-        joined = np.concatenate(contribs)
+        joined = np.concatenate(parts)
         row = int(np.prod(rest, dtype=np.int64))
         return joined.reshape(joined.size // row, *rest)
     raise ValueError(f"no fast path for {kind!r}")  # pragma: no cover - eligible() keeps them out
