@@ -185,8 +185,11 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     data = json.loads(out.read_text())["crosshost"]
     assert data["skipped"] is None
     assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
-        ("1gbit", 65536, ["gloo", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "ringcomm"])]
-    assert "gloo/ringcomm" in proc.stdout
+        ("1gbit", 65536, ["gloo", "raw", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "raw", "ringcomm"])]
+    for row in data["summary"]:  # the raw TCP round trip: the link's floor, timed in the same round
+        raw = row["systems"]["raw"]
+        assert 0 < raw["median_s"] <= raw["p99_s"] and row["ringcomm_over_raw"] > 0
+    assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout
 
 
 @pytest.mark.timeout(60)
@@ -199,3 +202,20 @@ def test_a_benchmark_worker_stuck_holding_the_gil_still_ends_after_its_deadline(
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=_env())
     assert proc.returncode != 0 and time.monotonic() - start < 20, (proc.returncode, proc.stderr[-2000:])
     assert "Timeout" in proc.stderr  # faulthandler's report: every thread's stack
+
+
+@pytest.mark.timeout(60)
+def test_raw_tcp_round_trip_echoes_every_size_of_the_plan() -> None:
+    import threading
+
+    from ringcomm.bench import _tcp_rtt
+
+    port = _util.free_port()
+    plan = [(1, 5), (4096, 7), (1 << 20, 2)]
+    server = threading.Thread(target=_tcp_rtt.serve, args=("127.0.0.1", port, plan, 2), daemon=True)
+    server.start()
+    results = _tcp_rtt.connect("127.0.0.1", port, plan, 2)
+    server.join(timeout=10)
+    assert not server.is_alive()
+    assert [(r["bytes"], len(r["times_s"])) for r in results] == [(1, 5), (4096, 7), (1 << 20, 2)]
+    assert all(t > 0 for r in results for t in r["times_s"])

@@ -7,7 +7,9 @@ host a with ``-H a:P,b:P`` and an ssh look-alike that starts host b's ranks
 inside its namespace; gloo runs ``P`` plain processes in each namespace
 meeting at host a's address.  Rounds alternate (ringcomm, gloo, ringcomm,
 ...) so the machine's drift hits both; each system's per-op times (slowest
-rank) are pooled over rounds.
+rank) are pooled over rounds.  Each round also times a raw TCP round trip of
+each size between the two hosts (``raw``: one connection, no collective,
+:mod:`ringcomm.bench._tcp_rtt`), the link's floor for a small allreduce.
 
 Link bounds, for 2 hosts and an allreduce of S bytes on a full-duplex link
 of rate R: a flat ring of N ranks pushes 2(N-1)/N x S across the link in
@@ -31,6 +33,8 @@ from typing import Any
 from . import _netns, _procs, _util
 
 SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece")
+#: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
+RAW = "raw"
 #: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
 FLAT = "ringcomm-flat"
 #: ringcomm's hierarchical allreduce in one piece (RINGCOMM_HIERARCHICAL_PIECE_BYTES=0): its phases one after another
@@ -83,6 +87,16 @@ def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> 
     return _procs.run_job(commands, env, cfg.job_timeout)
 
 
+def _raw(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
+    port = _util.free_port()
+    common = ["--port", str(port), "--plan", plan, "--warmup", str(max(cfg.warmup, 20)),
+              "--deadline", str(cfg.job_timeout + 30)]
+    worker = [sys.executable, "-m", "ringcomm.bench._tcp_rtt"]
+    commands = [hosts.exec_argv("b", [*worker, "--serve", hosts.addr["b"], *common]),
+                hosts.exec_argv("a", [*worker, "--connect", hosts.addr["b"], "--out", out, *common])]
+    return _procs.run_job(commands, _util.worker_env(False), cfg.job_timeout)
+
+
 def run(cfg: CrossHostConfig) -> dict[str, Any]:
     """Measure; returns the JSON-ready section (or one with ``skipped`` saying why nothing ran)."""
     why = _netns.unavailable_reason()
@@ -93,7 +107,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
         _util.log(f"crosshost skipped: {why}")
         return section
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
-    runners = {"ringcomm": _ringcomm, "gloo": _gloo,
+    runners = {RAW: _raw, "ringcomm": _ringcomm, "gloo": _gloo,
                FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
                ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
@@ -102,7 +116,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
             for rate in cfg.rates:
                 hosts.shape(rate)
                 for repeat in range(cfg.repeats):
-                    for system in cfg.systems:
+                    for system in (RAW, *cfg.systems):
                         _util.log(f"crosshost {rate} {system} (round {repeat + 1}/{cfg.repeats}) ...")
                         out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
                         result = runners[system](hosts, cfg, plan, out)
@@ -131,18 +145,32 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
         for size in cfg.sizes:
             row: dict[str, Any] = {"rate": rate, "bytes": size, "systems": {},
                                    **link_bounds(size, ranks, 2, _netns.tc_rate_bits(rate))}
-            for system in cfg.systems:
+            for system in (RAW, *cfg.systems):
                 times = [t for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system
                          for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
                 per_round = [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
                              for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system]
                 if times:
-                    row["systems"][system] = {"median_s": _util.median(times), "round_median_s": per_round}
+                    ordered = sorted(times)
+                    row["systems"][system] = {"median_s": _util.median(times), "round_median_s": per_round,
+                                              "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
             have = row["systems"]
             if "ringcomm" in have and "gloo" in have:
                 row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
+            if "ringcomm" in have and RAW in have:
+                row["ringcomm_over_raw"] = have["ringcomm"]["median_s"] / have[RAW]["median_s"]
             rows.append(row)
     return rows
+
+
+def _ms(seconds: float | None) -> str:
+    """Milliseconds to three significant figures (a 4 KiB op and a 64 MiB one in one table)."""
+    return "n/a" if not seconds else f"{seconds * 1e3:.3g} ms"
+
+
+def _with_p99(systems: dict[str, Any], system: str) -> str:
+    st = systems.get(system)
+    return "n/a" if not st else f"{_ms(st['median_s'])} ({_ms(st.get('p99_s'))})"
 
 
 def markdown(section: dict[str, Any]) -> str:
@@ -152,21 +180,22 @@ def markdown(section: dict[str, Any]) -> str:
     extra = [name for name in EXTRA if any(name in row["systems"] for row in section["summary"])]
     lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, "
              f"{section['repeats']} alternating rounds)", "",
-             "| link | size | ringcomm | gloo | gloo/ringcomm | ringcomm vs flat-ring bound | "
-             "ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
-             "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+             "| link | size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | raw TCP round trip | ringcomm/raw | "
+             "ringcomm vs flat-ring bound | ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for row in section["summary"]:
-        rc_ = row["systems"].get("ringcomm", {}).get("median_s")
-        gl = row["systems"].get("gloo", {}).get("median_s")
+        have = row["systems"]
+        rc_ = have.get("ringcomm", {}).get("median_s")
         ratio = f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a"
+        over_raw = f"{row['ringcomm_over_raw']:.1f}x" if "ringcomm_over_raw" in row else "n/a"
         flat = f"{row['flat_ring_s'] / rc_:.0%}" if rc_ else "n/a"
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
-        cells = [row["rate"], _util.format_size(row["bytes"]),
-                 f"{rc_ * 1e3:.1f} ms" if rc_ else "n/a", f"{gl * 1e3:.1f} ms" if gl else "n/a", ratio, flat, hier]
+        cells = [row["rate"], _util.format_size(row["bytes"]), _with_p99(have, "ringcomm"), _with_p99(have, "gloo"), ratio,
+                 _ms(have.get(RAW, {}).get("median_s")), over_raw, flat, hier]
         for name in extra:
-            t = row["systems"].get(name, {}).get("median_s")
-            cells.append(f"{t * 1e3:.1f} ms" if t else "n/a")
+            cells.append(_ms(have.get(name, {}).get("median_s")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
-              "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time."]
+              "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time.  raw: one TCP round "
+              "trip of the size between the hosts (no collective), the floor for a small allreduce."]
     return "\n".join(lines) + "\n"
