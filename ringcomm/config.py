@@ -48,6 +48,8 @@ def _flag(raw: str) -> bool:
 
 #: Most payload bytes rank 0 takes in for one op on the rank-0 path, summed over the ranks.
 SMALL_ALLREDUCE_RANK0_BYTES = 1024 * 1024
+#: Recursive doubling's default bound (see :meth:`Settings.doubling_allreduce_bytes_for`).
+DOUBLING_ALLREDUCE_BYTES = 256 * 1024
 #: The small-op lane by job size: its bound lies between these, its region within the last.
 LANE_MIN_BYTES, LANE_MAX_BYTES, LANE_REGION_BYTES = 64 * 1024, 2 * 1024 * 1024, 16 * 1024 * 1024
 
@@ -95,6 +97,11 @@ class Settings:
     #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
     #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
     small_allreduce_bytes: int = -1
+    #: Allreduces past the rank-0 path's bound and up to this many bytes take recursive doubling
+    #: (log2(ranks) exchanges of the whole buffer) instead of the ring's 2(ranks - 1) steps, where
+    #: no shared-memory or hierarchical path takes them (0: never; -1: by job size,
+    #: :meth:`doubling_allreduce_bytes_for`).
+    doubling_allreduce_bytes: int = -1
     #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
     #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
     hierarchical_allreduce: int = -1
@@ -182,6 +189,17 @@ class Settings:
             return self.small_allreduce_bytes
         return min(128 * 1024, (16 * 1024) << max(0, size - 2), SMALL_ALLREDUCE_RANK0_BYTES // max(1, size))
 
+    def doubling_allreduce_bytes_for(self, size: int) -> int:
+        """Recursive doubling's bound in a job of ``size`` ranks: the setting, or by default
+        :data:`DOUBLING_ALLREDUCE_BYTES` (a power of two of ranks or not: the extra ranks' hand-over
+        adds two exchanges, still fewer than the ring's steps from 3 ranks on).
+
+            Settings().doubling_allreduce_bytes_for(4) -> 262144
+        """
+        if self.doubling_allreduce_bytes >= 0:
+            return self.doubling_allreduce_bytes
+        return DOUBLING_ALLREDUCE_BYTES if size > 1 else 0
+
     def validate(self) -> None:
         """Raise :class:`InvalidInputError` for values that cannot work."""
         if self.fusion_threshold < 0:
@@ -215,6 +233,9 @@ class Settings:
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")
+        if self.doubling_allreduce_bytes < -1:
+            raise InvalidInputError(
+                f"RINGCOMM_DOUBLING_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.doubling_allreduce_bytes}")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
 
@@ -222,7 +243,7 @@ class Settings:
 #: Settings that decide how an op's data is cut and which path it takes.  Ranks that held different
 #: values would wait for segments, pieces or paths their peers never use: ``init()`` compares them.
 AGREED = ("segment_bytes", "hierarchical_allreduce", "hierarchical_piece_bytes", "shm_allreduce_min_bytes",
-          "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes")
+          "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes", "doubling_allreduce_bytes")
 
 
 def agreed(settings: Settings) -> dict[str, int]:

@@ -64,6 +64,7 @@ class Executor:
         self.rank, self.size, self.settings = rank, size, settings
         self._link = link
         self._shm_ar = shm_ar
+        self._doubling_bytes = settings.doubling_allreduce_bytes_for(size)
         self._hosts = hosts if hosts is not None else [""] * size
         self._fusion = np.empty(0, dtype=np.uint8)
         self._links: dict[int, Any] = {}  # process set -> its SubLink
@@ -229,7 +230,7 @@ class Executor:
                     pos += a.size
         t1 = time.perf_counter()
         marks: list[float] | None = [] if self._timed else None
-        hier = used_shm = False
+        hier = used_shm = doubled = False
         if not resp.data:
             ops.scale_inplace(buf, resp.prescale)
             shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
@@ -244,12 +245,16 @@ class Executor:
                         buf.nbytes, self.settings.hierarchical_piece_bytes))
                     if isinstance(self._link, DataPlane):
                         self._link.stats["hierarchical_allreduce"] += 1
+                elif buf.nbytes <= self._doubling_bytes:
+                    doubled = True
+                    algorithms.doubling_allreduce(link, buf, op, seq, seg, post, src_buf=src)
                 else:
                     algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if log.isEnabledFor(logging.DEBUG):
             path = ("reduced at rank 0 (small)" if resp.data else "shared memory" if used_shm
-                    else "hierarchical (host, then across hosts)" if hier else "ring")
+                    else "hierarchical (host, then across hosts)" if hier
+                    else "recursive doubling" if doubled else "ring")
             log.debug("rank %d: allreduce %s: %d B in %d op(s), process set %d: %s", self.rank, resp.names,
                       buf.nbytes, len(resp.names), resp.pset, path)
         if marks is not None:
@@ -258,6 +263,8 @@ class Executor:
                 phases.append(("RANK0_REDUCE", t0 if self._reduced_at is None else self._reduced_at, t2))
             elif hier:
                 phases.append(("HIERARCHICAL_ALLREDUCE", t1, t2))
+            elif doubled:
+                phases.append(("DOUBLING_ALLREDUCE", t1, t2))
             elif marks:
                 phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]
             else:  # one rank, or nothing to move

@@ -136,6 +136,72 @@ def test_ring_allreduce_matches_numpy(size, n, dtype, op, seg, separate_input, s
         assert all(np.array_equal(a, b) for a, b in zip(inputs, make_inputs(size, n, dtype, seed)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40))
+def test_doubling_plan_pairs_every_rank_and_reaches_everyone(size) -> None:
+    plans = [algorithms.doubling_plan(r, size) for r in range(size)]
+    p = 1 << (size.bit_length() - 1)
+    for r, (fold, folds_in, partners) in enumerate(plans):
+        if fold is not None:  # a fold is one pair seen from both ends: one gives, one takes
+            assert plans[fold][0] == r and plans[fold][1] != folds_in and (r < p) == folds_in
+        for i, partner in enumerate(partners):  # each exchange is mutual
+            assert plans[partner][2][i] == r
+        assert (r >= p) == (not partners and size > 1 and fold is not None)
+    # what each rank has folded in after the exchanges: the data of every rank
+    held = [{r} for r in range(size)]
+    for r, (fold, folds_in, _) in enumerate(plans):
+        if folds_in:
+            held[r] |= {fold}
+    for step in range(len(plans[0][2])):
+        held = [held[r] | held[plans[r][2][step]] if r < p else held[r] for r in range(size)]
+    assert all(held[r] == set(range(size)) for r in range(p))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(0, 50), st.sampled_from(DTYPES), st.sampled_from(list(REF)),
+       st.integers(1, 8), st.booleans(), st.integers(0, 2**16))
+def test_doubling_allreduce_matches_numpy_bitwise_alike_on_every_rank(size, n, dtype, op, seg, separate_input,
+                                                                        seed) -> None:
+    inputs = make_inputs(size, n, dtype, seed)
+    if dtype.startswith("float") and n and op in (ReduceOp.MIN, ReduceOp.MAX):
+        inputs[0][0], inputs[-1][0] = 0.0, -0.0  # equal values min/max could tell apart by order
+    kept = [a.copy() for a in inputs]
+    expected = REF[op](np.stack(inputs), axis=0).astype(dtype) if n else np.zeros(0, dtype)
+
+    def fn(link, r):
+        if separate_input:
+            out = np.empty(n, dtype)
+            algorithms.doubling_allreduce(link, out, op, 0, seg, 0.5 if dtype.startswith("float") else 1.0,
+                                          src_buf=inputs[r])
+            return out
+        buf = inputs[r].copy()
+        algorithms.doubling_allreduce(link, buf, op, 0, seg, 0.5 if dtype.startswith("float") else 1.0)
+        return buf
+
+    outs = run_ranks(queue_links(size), fn)
+    for out in outs:
+        assert out.tobytes() == outs[0].tobytes()  # the same bits everywhere, -0.0 included
+        if dtype.startswith("float"):
+            np.testing.assert_allclose(out, expected * 0.5, rtol=1e-2 if dtype == "float16" else 1e-5, atol=1e-2)
+        else:
+            np.testing.assert_array_equal(out, expected)
+    if separate_input:  # the input arrays are never written
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(inputs, kept))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+@pytest.mark.parametrize("op", [ReduceOp.MIN, ReduceOp.MAX])
+def test_doubling_allreduce_of_signed_zeros_is_the_same_bits_on_every_rank(size: int, op: ReduceOp) -> None:
+    inputs = [np.array([0.0 if r % 2 else -0.0, -0.0 if r % 2 else 0.0]) for r in range(size)]
+
+    def fn(link, r):
+        buf = inputs[r].copy()
+        algorithms.doubling_allreduce(link, buf, op, 0, 8)
+        return buf.tobytes()
+
+    assert len(set(run_ranks(queue_links(size), fn))) == 1
+
+
 def test_bool_allreduce_is_logical() -> None:
     ins = [np.array([True, False, False]), np.array([True, True, False])]
     for op, exp in [(ReduceOp.SUM, [1, 1, 0]), (ReduceOp.MIN, [1, 0, 0]), (ReduceOp.PRODUCT, [1, 0, 0])]:
@@ -273,6 +339,26 @@ def test_zmq_dataplane_allreduce_many_ops_back_to_back(zmq_links, size: int, shm
         assert stats["shm"] > 0 and (size == 2 or stats["shm_direct"] > 0)
     else:
         assert stats["shm"] == stats["shm_direct"] == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shm_slots", [0, 2])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_zmq_dataplane_doubling_allreduce_back_to_back(zmq_links, size: int, shm_slots: int) -> None:
+    links = zmq_links(size, zero_copy_min=256, shm_slots=shm_slots)
+
+    def fn(link, r):
+        outs = []
+        for seq, n in enumerate([0, 1, 5, 1000, 70_000, 3]):
+            buf = np.full(n, r + 1, np.float64)
+            src = np.full(n, r + 1, np.float64) if seq % 2 else None
+            algorithms.doubling_allreduce(link, buf, ReduceOp.SUM, seq, 256, src_buf=src)  # 2 KiB segments
+            outs.append(buf)
+        return outs
+
+    for outs in run_ranks(links, fn):
+        for out in outs:
+            assert (out == size * (size + 1) / 2).all()
 
 
 @pytest.mark.timeout(30)

@@ -87,3 +87,17 @@ def test_coordination_fusion_join_and_recovery(tmp_path, world: int) -> None:
 def test_small_fusion_threshold_and_no_cache(tmp_path) -> None:
     case_list = [{"kind": "concurrent", "count": 30, "seed": 7}, {"kind": "concurrent", "count": 30, "seed": 7}]
     run_cases(tmp_path, 3, case_list, RINGCOMM_FUSION_THRESHOLD="4096", RINGCOMM_CACHE_CAPACITY="0")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_medium_allreduces_take_recursive_doubling_and_agree_bitwise(np_: int) -> None:
+    # the lane off: these sizes go through the engine, past the rank-0 path's bound
+    proc = launch(np_, [str(WORKERS / "doubling_worker.py")], timeout=110, RINGCOMM_SHM_LANE_BYTES="0",
+                  RINGCOMM_LOG_LEVEL="DEBUG")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(line.split()[-1] for line in proc.stdout.splitlines() if "DOUBLING OK" in line) == \
+        [str(r) for r in range(np_)]
+    logged = proc.stdout + proc.stderr
+    assert "recursive doubling" in logged and ": ring" in logged  # both paths ran, each where its bound says
