@@ -99,7 +99,7 @@ class Settings:
     small_allreduce_bytes: int = -1
     #: Allreduces past the rank-0 path's bound and up to this many bytes take recursive doubling
     #: (log2(ranks) exchanges of the whole buffer) instead of the ring's 2(ranks - 1) steps, where
-    #: no shared-memory or hierarchical path takes them (0: never; -1: by job size,
+    #: no shared-memory or hierarchical path takes them (0: never; -1: the default, 256 KiB,
     #: :meth:`doubling_allreduce_bytes_for`).
     doubling_allreduce_bytes: int = -1
     #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
@@ -191,8 +191,8 @@ class Settings:
 
     def doubling_allreduce_bytes_for(self, size: int) -> int:
         """Recursive doubling's bound in a job of ``size`` ranks: the setting, or by default
-        :data:`DOUBLING_ALLREDUCE_BYTES` (a power of two of ranks or not: the extra ranks' hand-over
-        adds two exchanges, still fewer than the ring's steps from 3 ranks on).
+        :data:`DOUBLING_ALLREDUCE_BYTES` whatever the size (with a size that is not a power of two, the
+        extra ranks' hand-over adds two exchanges: at 3 ranks 3 in all against the ring's 4 steps).
 
             Settings().doubling_allreduce_bytes_for(4) -> 262144
         """
@@ -235,7 +235,7 @@ class Settings:
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")
         if self.doubling_allreduce_bytes < -1:
             raise InvalidInputError(
-                f"RINGCOMM_DOUBLING_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.doubling_allreduce_bytes}")
+                f"RINGCOMM_DOUBLING_ALLREDUCE_BYTES must be >= 0 (or -1: the default), got {self.doubling_allreduce_bytes}")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
 

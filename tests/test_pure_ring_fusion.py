@@ -105,3 +105,15 @@ def test_small_allreduce_bound_grows_with_the_job_then_caps_rank0s_share_unless_
     assert Settings.from_env({"RINGCOMM_SMALL_ALLREDUCE_BYTES": "4096"}).small_allreduce_bytes_for(8) == 4096
     with pytest.raises(InvalidInputError):
         Settings.from_env({"RINGCOMM_SMALL_ALLREDUCE_BYTES": "-2"})
+
+
+def test_doubling_bound_is_256_kib_by_default_off_at_zero_and_agreed_across_ranks() -> None:
+    from ringcomm.config import AGREED, Settings
+    from ringcomm.errors import InvalidInputError
+
+    assert [Settings().doubling_allreduce_bytes_for(p) for p in (1, 2, 3, 64)] == [0, 262144, 262144, 262144]
+    assert Settings.from_env({"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}).doubling_allreduce_bytes_for(4) == 0
+    assert Settings.from_env({"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "65536"}).doubling_allreduce_bytes_for(4) == 65536
+    with pytest.raises(InvalidInputError, match="RINGCOMM_DOUBLING_ALLREDUCE_BYTES"):
+        Settings.from_env({"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "-2"})
+    assert "doubling_allreduce_bytes" in AGREED  # ranks that chose differently would wait for each other
