@@ -29,6 +29,7 @@ def test_timeline_shows_queue_negotiation_copies_and_ring_phases_in_order(tmp_pa
         "fused": ["QUEUE", "NEGOTIATE_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "RING_REDUCE_SCATTER", "RING_ALLGATHER",
                   "MEMCPY_OUT_FUSION_BUFFER"],
         "small": ["QUEUE", "NEGOTIATE_ALLREDUCE", "RANK0_REDUCE", "MEMCPY_OUT_FUSION_BUFFER"],
+        "medium": ["QUEUE", "NEGOTIATE_ALLREDUCE", "DOUBLING_ALLREDUCE"],
         "gathered": ["QUEUE", "NEGOTIATE_ALLGATHER", "RANK0_GATHER"],
     }
     for op, names in expected.items():
