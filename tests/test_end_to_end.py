@@ -125,13 +125,16 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("victim,elems", [(0, 1000), (1, 1000), (2, 4 << 20)])
-def test_survivors_of_a_killed_rank_raise_naming_it(victim: int, elems: int) -> None:
+@pytest.mark.parametrize("victim,elems,lane", [(0, 1000, "-1"), (1, 1000, "-1"), (2, 4 << 20, "-1"),
+                                                (1, 25_000, "0"), (2, 25_000, "0")])
+def test_survivors_of_a_killed_rank_raise_naming_it(victim: int, elems: int, lane: str) -> None:
     """Without a launcher to stop them, the survivors notice within seconds and name the lost rank
-    (also when they wait for it at the shared-memory allreduce's barriers: 32 MiB allreduces)."""
+    (also when they wait for it at the shared-memory allreduce's barriers: 32 MiB allreduces; and
+    in recursive doubling's exchanges: 200 KB with the lane off, rank 2 handing its data to rank 0)."""
     import signal
 
-    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, PEER_LOSS_ELEMS=str(elems))
+    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, PEER_LOSS_ELEMS=str(elems),
+                               RINGCOMM_SHM_LANE_BYTES=lane)
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
