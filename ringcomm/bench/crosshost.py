@@ -32,15 +32,18 @@ from typing import Any
 
 from . import _netns, _procs, _util
 
-SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
 #: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
 FLAT = "ringcomm-flat"
 #: ringcomm's hierarchical allreduce in one piece (RINGCOMM_HIERARCHICAL_PIECE_BYTES=0): its phases one after another
 ONEPIECE = "ringcomm-onepiece"
+#: ringcomm with recursive doubling off (RINGCOMM_DOUBLING_ALLREDUCE_BYTES=0): medium sizes take the ring
+RING = "ringcomm-ring"
 #: the extra systems' columns in the table
-EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece"}
+EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
+         RING: "ring instead of recursive doubling"}
 
 
 @dataclasses.dataclass
@@ -109,7 +112,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
     runners = {RAW: _raw, "ringcomm": _ringcomm, "gloo": _gloo,
                FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
-               ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"})}
+               ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}),
+               RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:
