@@ -11,7 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 #: Directory holding the ``ringcomm`` package; put on workers' PYTHONPATH so a plain checkout works too.
@@ -47,6 +47,15 @@ def median(values: Iterable[float]) -> float:
     """Median of ``values`` (NaN when empty)."""
     data = list(values)
     return statistics.median(data) if data else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank) of ``values``; NaN for none."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    k = max(0, min(len(data) - 1, round(q / 100 * (len(data) - 1))))
+    return data[k]
 
 
 def free_port() -> int:

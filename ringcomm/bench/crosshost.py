@@ -155,9 +155,8 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
                 per_round = [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
                              for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system]
                 if times:
-                    ordered = sorted(times)
                     row["systems"][system] = {"median_s": _util.median(times), "round_median_s": per_round,
-                                              "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+                                              "p99_s": _util.percentile(times, 99)}
             have = row["systems"]
             if "ringcomm" in have and "gloo" in have:
                 row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]

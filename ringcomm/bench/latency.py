@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _launch, _procs, _util
+from ._util import percentile
 
 SYSTEMS = ("ringcomm", "gloo", "mpi")
 PERCENTILES = (10, 50, 90, 99)
@@ -45,15 +46,6 @@ class LatencyConfig:
     idle: float = 2.0
     systems: Sequence[str] = SYSTEMS
     job_timeout: float = 300.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (nearest rank) of ``values``; NaN for none."""
-    if not values:
-        return float("nan")
-    data = sorted(values)
-    k = max(0, min(len(data) - 1, round(q / 100 * (len(data) - 1))))
-    return data[k]
 
 
 def mpi_status() -> tuple[list[str] | None, str]:
