@@ -52,6 +52,9 @@ SMALL_ALLREDUCE_RANK0_BYTES = 1024 * 1024
 DOUBLING_ALLREDUCE_BYTES = 256 * 1024
 #: The small-op lane by job size: its bound lies between these, its region within the last.
 LANE_MIN_BYTES, LANE_MAX_BYTES, LANE_REGION_BYTES = 64 * 1024, 2 * 1024 * 1024, 16 * 1024 * 1024
+#: The lane across hosts sends each payload to every other rank: by default it runs in jobs of up to
+#: this many ranks, for payloads up to NET_LANE_RANK_BYTES / ranks.
+NET_LANE_MAX_RANKS, NET_LANE_RANK_BYTES = 8, 128 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,10 @@ class Settings:
     #: every rank computes the result from the others' posted payloads, no engine, no rank 0
     #: (``fastpath.py``; 0: never; -1: by job size, :meth:`shm_lane_bytes_for`).
     shm_lane_bytes: int = -1
+    #: In a job that spans hosts, the same ops up to this many bytes go through the lane across
+    #: hosts: each rank sends its entry to every other rank over TCP and computes the result
+    #: itself (``net_lane.py``; 0: never; -1: by job size, :meth:`net_lane_bytes_for`).
+    net_lane_bytes: int = -1
     #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
     #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
     #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
@@ -172,6 +179,17 @@ class Settings:
             return self.shm_lane_bytes
         return max(LANE_MIN_BYTES, min(LANE_MAX_BYTES, LANE_REGION_BYTES // (4 * max(1, size))))
 
+    def net_lane_bytes_for(self, size: int) -> int:
+        """The lane's bound across hosts in a job of ``size`` ranks: the setting, or by default
+        128 KiB / ``size`` up to 8 ranks (each rank sends every payload to each of the others, so its
+        bytes on the wire grow with the size) and off past 8 ranks.
+
+            Settings().net_lane_bytes_for(2) -> 65536    ...(4) -> 32768    ...(16) -> 0
+        """
+        if self.net_lane_bytes >= 0:
+            return self.net_lane_bytes
+        return NET_LANE_RANK_BYTES // size if 1 < size <= NET_LANE_MAX_RANKS else 0
+
     def small_allreduce_bytes_for(self, size: int) -> int:
         """The rank-0 path's bound in a job of ``size`` ranks: the setting, or by default 16 KiB at
         2 ranks, doubling with each rank up to 128 KiB, and from 8 ranks on 1 MiB / ``size``.
@@ -230,6 +248,10 @@ class Settings:
             raise InvalidInputError(
                 f"RINGCOMM_SHM_LANE_BYTES must be between 0 (off) and 64 MiB (or -1: by job size), got "
                 f"{self.shm_lane_bytes}")
+        if self.net_lane_bytes < -1 or self.net_lane_bytes > 4 * 1024 * 1024:
+            raise InvalidInputError(
+                f"RINGCOMM_NET_LANE_BYTES must be between 0 (off) and 4 MiB (or -1: by job size), got "
+                f"{self.net_lane_bytes}")
         if self.small_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, config, hierarchical, shm_allreduce, shm_lane
+from . import auth, config, hierarchical, net_lane, shm_allreduce, shm_lane
 from .core import wire
 from .config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
@@ -133,7 +133,9 @@ class Engine:
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
         self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
-        self.lane_region: shm_lane.ShmLane | None = None  # all ranks on one host: small ops (fastpath.py)
+        # small ops (fastpath.py): a shared region when all ranks share one host, else TCP between ranks
+        self.lane_region: shm_lane.ShmLane | net_lane.NetLane | None = None
+        self._net_listener: Any = None  # until the lane across hosts is connected
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
         if self.size > 1:
             try:
@@ -165,11 +167,14 @@ class Engine:
         data_eps = link.bind(base + "-data", topo.addr)
         self.lane_region, lane_offer = shm_lane.offer(topo.job_id, round_, self.rank, self.size, LANE_SLOTS,
                                                       st.shm_lane_bytes_for(self.size))
+        self._net_listener, net_offer = net_lane.offer(self.rank, self.size, topo.addr, st.net_lane_bytes_for(self.size),
+                                                       st.encrypt)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
             "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
             "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
             "lane": lane_offer,  # rank 0: the small-op lane's path; the others: whether they can map one
+            "net_lane": net_offer,  # where this rank listens for the lane across hosts, or False
         }
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
@@ -215,6 +220,12 @@ class Engine:
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                                        st.peer_timeout)
         self.lane_region = shm_lane.accept(self.lane_region, table, self.rank, LANE_SLOTS)
+        listener, self._net_listener = self._net_listener, None
+        if self.lane_region is None:
+            self.lane_region = net_lane.accept(listener, table, self.rank, topo.secret, topo.job_id, round_,
+                                               st.start_timeout, st.peer_timeout, lambda: self._failed)
+        elif listener is not None:
+            listener.close()
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -292,6 +303,9 @@ class Engine:
         self._queue.clear()
         if self._shm_ar is not None:
             self._shm_ar.close()
+        if self._net_listener is not None:
+            self._net_listener.close()
+            self._net_listener = None
         if self.lane_region is not None:
             self.lane_region.unlink()  # gone already unless setup was cut short
             self.lane_region.close()

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import futex, shm_lane
+from . import futex, net_lane, shm_lane
 from .core import lane, wire
 from .core.coordinator import Stall
 from .errors import ShutdownError, StallError
@@ -132,7 +132,7 @@ class FastPath:
     True while this rank must not post fast (e.g. a timeline is being written).
     """
 
-    def __init__(self, region: shm_lane.ShmLane, engine_submit: Callable[[Entry], Handle],
+    def __init__(self, region: shm_lane.ShmLane | net_lane.NetLane, engine_submit: Callable[[Entry], Handle],
                  failure: Callable[[], BaseException | None], slow: Callable[[], bool], max_bytes: int,
                  stall_check: float, stall_shutdown: float) -> None:
         self._region = region
@@ -142,8 +142,9 @@ class FastPath:
         self._slow = slow
         self._max = max_bytes
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
-        self._spins = SPINS if spin_allowed(region.size) else 0
-        self._yields = 0 if self._spins else YIELDS
+        # re-reads and yields help only where a peer's post lands in this host's memory
+        self._spins = SPINS if region.SPIN and spin_allowed(region.size) else 0
+        self._yields = YIELDS if region.SPIN and not self._spins else 0
         self._slice = futex.timespec(SLICE)
         self._lock = threading.Lock()  # taken directly on the hot paths: `with` on the lock itself is cheaper
         self._cond = threading.Condition(self._lock)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import config, fastpath, horovod_env, logsetup, topology
+from . import config, fastpath, horovod_env, logsetup, net_lane, topology
 from .core import wire
 from .elastic import worker as elastic_worker
 from .engine import Engine
@@ -73,10 +73,14 @@ class Runtime:
                   self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
         self.engine.start()
         engine = self.engine
-        region = engine.lane_region  # every rank on one host: small ops of the global set skip the engine
+        region = engine.lane_region  # small ops of the global set skip the engine
+        if isinstance(region, net_lane.NetLane):
+            lane_bytes = region.payload_bytes  # this rank's own bound
+        else:  # the region's entries are rank 0's size; this rank posts fast what its setting allows
+            lane_bytes = 0 if region is None else min(self.settings.shm_lane_bytes_for(self.topo.size),
+                                                      region.payload_bytes)
         self.lane = None if region is None else fastpath.FastPath(
-            region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active,
-            min(self.settings.shm_lane_bytes_for(self.topo.size), region.payload_bytes),
+            region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active, lane_bytes,
             self.settings.stall_check_seconds,
             self.settings.stall_shutdown_seconds)
         self._lock = threading.Lock()

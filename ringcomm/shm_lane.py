@@ -67,6 +67,9 @@ def _entry_bytes(payload_bytes: int) -> int:
 class ShmLane(shm.MappedFile):
     """One rank's view of the job's lane region."""
 
+    #: A peer's post lands in this host's memory: re-reading a counter sees it at once.
+    SPIN = True
+
     def __init__(self, path: str, rank: int, size: int, slots: int, payload_bytes: int, create: bool) -> None:
         super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create)
         self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes

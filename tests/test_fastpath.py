@@ -14,7 +14,14 @@ from conftest import WORKERS, launch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 WORKER = str(WORKERS / "lane_worker.py")
-OFF = {"RINGCOMM_SHM_LANE_BYTES": "0"}
+OFF = {"RINGCOMM_SHM_LANE_BYTES": "0", "RINGCOMM_NET_LANE_BYTES": "0"}
+
+
+@pytest.fixture(params=["one host", "two hosts"], autouse=True)
+def hosts(request, monkeypatch):
+    """Every scenario runs with the lane in shared memory (one host) and over TCP (two hosts)."""
+    monkeypatch.setenv("LANE_TEST_HOSTS", "1" if request.param == "one host" else "2")
+    return request.param
 
 
 def run(scenario: str, np_: int, out, **env: str):
@@ -62,7 +69,7 @@ def test_a_small_op_behind_a_large_one_every_rank_started_takes_the_lane(tmp_pat
 def test_a_small_op_behind_a_large_one_a_peer_has_not_started_goes_to_the_engine(tmp_path):
     # rank 1 blocks on the small op before it starts the large one: had rank 0 posted its small op
     # fast, it would wait for rank 1's next post while rank 1 waits for it in the engine
-    proc = run("crossed", 2, tmp_path, RINGCOMM_SHM_LANE_BYTES="65536")
+    proc = run("crossed", 2, tmp_path, RINGCOMM_SHM_LANE_BYTES="65536", RINGCOMM_NET_LANE_BYTES="65536")
     assert proc.stdout.count("CROSSED OK") == 2
 
 

@@ -1,4 +1,5 @@
-"""Scenarios for the small-op lane (run under ringcomm-run; argv[1] names one, argv[2] is an output dir).
+"""Scenarios for the small-op lane (run under ringcomm-run; argv[1] names one, argv[2] is an output dir;
+with LANE_TEST_HOSTS=N the ranks name N hosts, rank % N each, so the lane runs across hosts).
 
 digests   a fixed list of small ops with seeded inputs; each rank writes the sha256 of every result
           (the test runs it with the lane on and off and compares)
@@ -35,10 +36,13 @@ DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "float32", "flo
 
 
 def init() -> None:
-    settings = Settings.from_env()
     rank = int(os.environ.get("RINGCOMM_RANK", "0"))
+    hosts = int(os.environ.get("LANE_TEST_HOSTS", "1"))
+    if hosts > 1:  # ranks that name different hosts: the lane runs over TCP between them
+        os.environ["RINGCOMM_HOSTNAME"] = f"lanehost{rank % hosts}"
+    settings = Settings.from_env()
     if SCENARIO == "sweep" and rank == 1:
-        settings = dataclasses.replace(settings, shm_lane_bytes=1)
+        settings = dataclasses.replace(settings, shm_lane_bytes=1, net_lane_bytes=1)
     rc.init(settings=settings)
 
 
