@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     xh.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
     xh.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
     xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=["ringcomm", "gloo"],
-                    help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off)")
+                    help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off; ringcomm-lane: the small-op lane across hosts on)")
 
     ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
     ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")

@@ -32,7 +32,7 @@ from typing import Any
 
 from . import _netns, _procs, _util
 
-SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
 #: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
@@ -41,9 +41,11 @@ FLAT = "ringcomm-flat"
 ONEPIECE = "ringcomm-onepiece"
 #: ringcomm with recursive doubling off (RINGCOMM_DOUBLING_ALLREDUCE_BYTES=0): medium sizes take the ring
 RING = "ringcomm-ring"
+#: ringcomm with the small-op lane across hosts on (RINGCOMM_NET_LANE_BYTES=-1: bound by job size)
+LANE = "ringcomm-lane"
 #: the extra systems' columns in the table
 EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
-         RING: "ring instead of recursive doubling"}
+         RING: "ring instead of recursive doubling", LANE: "small-op lane on"}
 
 
 @dataclasses.dataclass
@@ -113,7 +115,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
     runners = {RAW: _raw, "ringcomm": _ringcomm, "gloo": _gloo,
                FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
                ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}),
-               RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"})}
+               RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}),
+               LANE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_NET_LANE_BYTES": "-1"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:

@@ -40,6 +40,7 @@ def init() -> None:
     hosts = int(os.environ.get("LANE_TEST_HOSTS", "1"))
     if hosts > 1:  # ranks that name different hosts: the lane runs over TCP between them
         os.environ["RINGCOMM_HOSTNAME"] = f"lanehost{rank % hosts}"
+        os.environ.setdefault("RINGCOMM_NET_LANE_BYTES", "-1")  # on (off by default), unless the test says
     settings = Settings.from_env()
     if SCENARIO == "sweep" and rank == 1:
         settings = dataclasses.replace(settings, shm_lane_bytes=1, net_lane_bytes=1)
