@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     xh.add_argument("--iters", type=_positive, default=5, help="timed ops per size and job (default: 5)")
     xh.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
     xh.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    xh.add_argument("--loop", action="store_true",
+                    help="time ops back to back after one barrier, as a training loop runs them (default: a "
+                         "barrier before each op)")
     xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=["ringcomm", "gloo"],
                     help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off; ringcomm-lane: the small-op lane across hosts on)")
 
@@ -178,7 +181,8 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     elif args.command == "crosshost":
         results["crosshost"] = crosshost.run(crosshost.CrossHostConfig(
             rates=args.rates, sizes=args.sizes, ranks_per_host=args.ranks_per_host, iters=args.iters,
-            warmup=args.warmup, repeats=args.repeats, systems=args.systems, job_timeout=max(args.job_timeout, 600.0)))
+            warmup=args.warmup, repeats=args.repeats, systems=args.systems, job_timeout=max(args.job_timeout, 600.0),
+            loop=args.loop))
     elif args.command == "ceiling":
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
                                                                repeats=args.repeats, job_timeout=args.job_timeout))

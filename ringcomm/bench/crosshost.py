@@ -58,6 +58,8 @@ class CrossHostConfig:
     repeats: int = 3
     systems: Sequence[str] = ("ringcomm", "gloo")
     job_timeout: float = 600.0
+    #: time ops back to back after one barrier (as a training loop runs them), not each after its own
+    loop: bool = False
 
 
 def link_bounds(nbytes: int, ranks: int, hosts: int, rate_bits: int) -> dict[str, float]:
@@ -74,7 +76,8 @@ def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
             "-H", f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", "--ssh-command", str(hosts.ssh),
             "--network-interface", hosts.interface,
             sys.executable, "-m", "ringcomm.bench._rc_worker", "--op", "allreduce", "--plan", plan,
-            "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+            "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30),
+            *(["--loop"] if cfg.loop else [])]
     return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True, extra), cfg.job_timeout)
 
 
@@ -87,7 +90,8 @@ def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> 
         side = "a" if rank < p else "b"
         argv = [sys.executable, "-m", "ringcomm.bench._gloo_worker", "--rank", str(rank), "--world-size", str(2 * p),
                 "--port", str(port), "--master-addr", hosts.addr["a"], "--op", "allreduce", "--plan", plan,
-                "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+                "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30),
+                *(["--loop"] if cfg.loop else [])]
         commands.append(hosts.exec_argv(side, argv))
     return _procs.run_job(commands, env, cfg.job_timeout)
 
@@ -106,7 +110,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
     """Measure; returns the JSON-ready section (or one with ``skipped`` saying why nothing ran)."""
     why = _netns.unavailable_reason()
     section: dict[str, Any] = {"rates": list(cfg.rates), "sizes": list(cfg.sizes), "hosts": 2,
-                               "ranks_per_host": cfg.ranks_per_host, "iters": cfg.iters, "repeats": cfg.repeats,
+                               "ranks_per_host": cfg.ranks_per_host, "iters": cfg.iters, "repeats": cfg.repeats, "loop": cfg.loop,
                                "runs": [], "summary": [], "skipped": why}
     if why is not None:
         _util.log(f"crosshost skipped: {why}")
@@ -184,7 +188,8 @@ def markdown(section: dict[str, Any]) -> str:
         return f"### Across two hosts\n\nskipped: {section['skipped']}\n"
     p = section["ranks_per_host"]
     extra = [name for name in EXTRA if any(name in row["systems"] for row in section["summary"])]
-    lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, "
+    timing = "ops back to back" if section.get("loop") else "a barrier before each op"
+    lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, {timing}, "
              f"{section['repeats']} alternating rounds)", "",
              "| link | size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | raw TCP round trip | ringcomm/raw | "
              "ringcomm vs flat-ring bound | ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
