@@ -191,3 +191,17 @@ def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
     assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "0"}).shm_lane_bytes_for(2) == 0
     with pytest.raises(InvalidInputError, match="by job size"):
         Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "-2"})
+
+
+def test_the_lane_across_hosts_is_off_by_default_and_by_job_size_when_asked_for() -> None:
+    from ringcomm.config import Settings
+    from ringcomm.errors import InvalidInputError
+
+    assert Settings().net_lane_bytes_for(2) == 0
+    sized = Settings.from_env({"RINGCOMM_NET_LANE_BYTES": "-1"})
+    # each rank sends every payload to each of the others: the bound shrinks with the size, off past 8
+    assert [sized.net_lane_bytes_for(n) for n in (1, 2, 4, 8, 9, 64)] == [0, 64 << 10, 32 << 10, 16 << 10, 0, 0]
+    assert Settings.from_env({"RINGCOMM_NET_LANE_BYTES": "4096"}).net_lane_bytes_for(64) == 4096
+    for bad in ("-2", str(4 * 1024 * 1024 + 1)):
+        with pytest.raises(InvalidInputError, match="RINGCOMM_NET_LANE_BYTES must be between 0"):
+            Settings.from_env({"RINGCOMM_NET_LANE_BYTES": bad})
