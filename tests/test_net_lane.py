@@ -7,6 +7,7 @@ drops what was sent before it; a broken connection is not an error of the lane's
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -222,3 +223,15 @@ def test_a_peer_that_never_connects_is_named_with_the_fix():
                                                    r".*RINGCOMM_NET_LANE_BYTES=0"):
         net_lane.accept(listener, table, 1, b"s", "job", 0, 2.0, 1.0)
     gone.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_killed_while_a_peer_waits_in_the_lane_is_reported_by_name():
+    from conftest import WORKERS, launch
+
+    proc = launch(2, [str(WORKERS / "net_lane_kill_worker.py")], timeout=60)
+    found = re.search(r"\[0\]<stdout>:RAISED (\w+) after ([\d.]+) s: (.*)", proc.stdout)
+    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kind, seconds, text = found.groups()
+    assert kind == "PeerLostError" and "rank 1" in text and float(seconds) < 15, found.group(0)
