@@ -81,6 +81,23 @@ def test_two_hosts_by_two_ranks_pass_the_collectives_across_the_link(hosts: TwoH
     assert_nothing_left(hosts, err)
 
 
+@pytest.mark.timeout(60)
+def test_the_lane_across_hosts_carries_the_small_collectives_over_the_link(hosts: TwoHosts) -> None:
+    """With RINGCOMM_NET_LANE_BYTES set, small ops of the global set go through the lane between the
+    hosts (every rank computes them); the large ones and the rest still pass through the engine."""
+    proc = start(hosts, *two_by_two(hosts), sys.executable, str(WORKERS / "placement_worker.py"),
+                 RINGCOMM_NET_LANE_BYTES="-1", RINGCOMM_LOG_LEVEL="DEBUG")
+    out, err = proc.communicate(timeout=50)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    for rank in range(4):
+        for case in range(8):
+            assert f"[{rank}]<stdout>:CASE {case} OK" in out, out[-3000:] + err[-3000:]
+        # case 0 (28 B) and the barrier go through the lane on every rank, on both hosts
+        assert re.search(rf"\[{rank}\]<stderr>:.*rank {rank}: allreduce .*: 28 B, process set 0: small-op lane", err), \
+            err[-3000:]
+    assert_nothing_left(hosts, err)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode,piece", [("1", "0"), ("-1", "0"), ("1", "65536")])
 def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_rank(hosts: TwoHosts, mode: str,
