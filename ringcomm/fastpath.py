@@ -115,6 +115,18 @@ def reacquire(cond: threading.Condition) -> None:
         raise raised
 
 
+def naming(err: BaseException, req: wire.Request, missing: list[int]) -> BaseException:
+    """The engine's failure, for an op it ends while the op waits in the lane: the engine's message
+    lists only the ops it holds, so this one adds the lane's op and the ranks it waited for."""
+    try:
+        named = type(err)(f"{err}; {req.kind} {req.name!r} was waiting in the small-op lane for "
+                          f"rank(s) {missing}")
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments: keep it as it is
+        return err
+    named.__cause__ = err.__cause__
+    return named
+
+
 def spin_allowed(local_ranks: int) -> bool:
     """Re-read before sleeping only when every local rank has a core of its own."""
     try:
@@ -368,7 +380,7 @@ class FastPath:
                 return True
             err = self._failure()
             if err is not None:
-                self._fail(k, p, err)
+                self._fail(k, p, naming(err, p.entry.req, [r for r, s in enumerate(seen) if not s.posted]))
                 return True
             if not block or (deadline is not None and time.monotonic() >= deadline):
                 return False

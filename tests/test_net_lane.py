@@ -235,3 +235,4 @@ def test_a_rank_killed_while_a_peer_waits_in_the_lane_is_reported_by_name():
     assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
     kind, seconds, text = found.groups()
     assert kind == "PeerLostError" and "rank 1" in text and float(seconds) < 15, found.group(0)
+    assert "allreduce 'y' was waiting in the small-op lane for rank(s) [1]" in text, found.group(0)
