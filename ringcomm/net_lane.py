@@ -162,9 +162,6 @@ class NetLane:
     def set_done(self, count: int) -> None:
         self._done = count
 
-    def sleeping(self, rank: int) -> int:
-        return 0
-
     # -- posting --------------------------------------------------------------------
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
