@@ -169,7 +169,15 @@ class PeerWatch:
                 root = nxt
             return root
         # a peer that never connected failed before any op could run: it comes first (its notice of
-        # the loss may not have reached this rank, whose connection to the notifier was not yet made)
+        # the loss may not have reached this rank, whose connection to the notifier was not yet made,
+        # or whose notifier left before the notice went out).  A same-host peer still awaited whose
+        # process has ended counts too: the rank that lost it may leave before this rank's next check.
+        for peer in sorted(self.unconnected):
+            pid = self.local_pids.get(peer)
+            if pid is not None and not process_alive(pid):
+                del self.unconnected[peer]
+                self.never_connected.add(peer)
+                self.lost[peer] = self.peer_names.get(peer, "?")
         never = sorted(p for p in self.lost if p in self.never_connected)
         if never:
             return never[0]
