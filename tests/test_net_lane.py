@@ -18,6 +18,7 @@ import pytest
 from ringcomm import futex, net_lane
 from ringcomm.core import lane
 from ringcomm.errors import HorovodInternalError, ProtocolError
+from test_algorithms_inprocess import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,31 +161,13 @@ def test_a_peer_whose_connection_breaks_is_read_no_more(three):
     wait_posted(three[2], 0, 0)
 
 
-def _accept_all(tables: list[dict], listeners, secret=b"s" * 32):
-    lanes: list = [None] * len(listeners)
-    errors: list = []
-
-    def one(r: int) -> None:
-        try:
-            lanes[r] = net_lane.accept(listeners[r], tables, r, secret, "job", 0, 10.0, 10.0)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(listeners))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    return lanes, errors
-
-
 def test_accept_connects_every_pair_and_refuses_a_stranger_first():
     offers = [net_lane.offer(r, 3, "127.0.0.1", 4096, encrypt=False) for r in range(3)]
     table = [{"rank": r, "host": f"h{r % 2}", "net_lane": o} for r, (_, o) in enumerate(offers)]
     stranger = socket.create_connection(("127.0.0.1", offers[0][1][1]))
     stranger.sendall(b"\x01\x00\x00\x00" + b"x" * 32)  # claims to be rank 1, without the secret
-    lanes, errors = _accept_all(table, [lst for lst, _ in offers])
-    assert not errors, errors
+    lanes = run_ranks([lst for lst, _ in offers],  # every rank connects at once, each on its thread
+                      lambda listener, r: net_lane.accept(listener, table, r, b"s" * 32, "job", 0, 10.0, 10.0))
     try:
         assert stranger.recv(10) == b""  # closed unanswered
         for r, x in enumerate(lanes):
