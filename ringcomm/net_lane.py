@@ -165,9 +165,8 @@ class NetLane:
     # -- posting --------------------------------------------------------------------
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
-        """Keep this rank's entry ``index`` and send it to every peer (reading theirs first: ranks
-        whose ops all go to the engine read nothing else, and unread frames would fill the buffers)."""
-        self._read_now()
+        """Keep this rank's entry ``index`` and send it to every peer (a peer's full buffer is read
+        from meanwhile: :meth:`_drain`)."""
         own = b"".join([a.tobytes() for a in payload if a.nbytes]) if payload else b""
         self._entries[self.rank][index] = (key, fast, own)
         self._count[self.rank] = index + 1
