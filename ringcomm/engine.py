@@ -219,7 +219,7 @@ class Engine:
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                                        st.peer_timeout)
-        self.lane_region = shm_lane.accept(self.lane_region, table, self.rank, LANE_SLOTS)
+        self.lane_region = shm_lane.accept(self.lane_region, table, self.rank, LANE_SLOTS, st.peer_timeout)
         listener, self._net_listener = self._net_listener, None
         if self.lane_region is None:
             self.lane_region = net_lane.accept(listener, table, self.rank, topo.secret, topo.job_id, round_,
@@ -399,7 +399,7 @@ class Engine:
     def _poll_timeout(self) -> int | None:
         if isinstance(self._link, DataPlane) and (self._link.suspects or self._link.unconnected):
             return 200  # re-check a peer whose connection closed while its process ran, or not yet made
-        return self._service.wait_ms() if self._service is not None else None
+        return self._service.wait_ms(time.monotonic()) if self._service is not None else None
 
     @property
     def failure(self) -> BaseException | None:

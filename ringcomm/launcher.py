@@ -318,6 +318,9 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
     for worker in failed:
         if blamed_rank(worker) is None and not any("PeerLostError" in line for line in worker.last_lines()):
             return worker
+    # Two ranks that lost each other while both ran: the link broke; name the one that saw it first.
+    if failed and link_lost_between(failed[0], workers) is not None:
+        return failed[0]
     # Every failed rank only failed because of another one: the cause is the rank they name (one
     # stopped, or one that ended its program early with code 0: not a failure in the launcher's eyes).
     by_rank = {w.rank: w for w in workers}
@@ -340,11 +343,33 @@ def blamed_rank(worker: Worker) -> int | None:
     return None
 
 
+def link_lost_between(root: Worker, workers: list[Worker]) -> Worker | None:
+    """The rank whose connection to ``root`` broke while both ran, if that is what failed the job.
+
+    Each of the two names the other as lost, and each exited with its own error (neither was
+    killed, nor stopped by the launcher): both processes were alive, so what died is the link
+    between them (a network split, a firewall), not a rank.
+    """
+    other = next((w for w in workers if w.rank == blamed_rank(root) and w is not root), None)
+    if other is None or blamed_rank(other) != root.rank:
+        return None
+    if any(w.stopped_by_launcher or w.returncode is None or w.returncode <= 0 for w in (root, other)):
+        return None
+    return other
+
+
 def _report_failure(root: Worker, workers: list[Worker]) -> None:
     """Print the torchrun-style root-cause block to stderr."""
     reporters = [str(w.rank) for w in workers if w is not root and blamed_rank(w) == root.rank]
     because = f"rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} failed because of it"
-    if reporters and root.stopped_by_launcher:
+    other = link_lost_between(root, workers)
+    if other is not None:
+        where = f" ({root.host} - {other.host})" if root.host != other.host else ""
+        cause = (f"lost its connection to rank {other.rank}, and rank {other.rank} lost its connection to it "
+                 f"while both processes ran: the link between them{where} broke (a network split, a firewall or "
+                 f"a host that stopped routing); rank {root.rank} {describe_exit(root.returncode or 0)}, rank "
+                 f"{other.rank} {describe_exit(other.returncode or 0)}")
+    elif reporters and root.stopped_by_launcher:
         cause = f"stopped answering ({because}); {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
     elif reporters:
         cause = f"{describe_exit(root.returncode or 0)}; {because}"

@@ -21,15 +21,21 @@ An entry is rewritten (index k + slots) only once every rank's ``done`` shows
 it finished reading index k.  What the entries mean is decided in
 :mod:`ringcomm.core.lane`; this module only moves bytes and waits.
 
-Rank 0 creates the file (mode 0600, exclusively) before the ranks meet; the
-others map it once they know its name, and rank 0 unlinks it once every rank
-has posted (so nothing is left in /dev/shm), or at close.
+Rank 0 creates the file (mode 0600, exclusively) before the ranks meet, but
+without a name: a rank 0 killed while it waits for the others leaves nothing
+in /dev/shm.  Once every rank has met, rank 0 names it and the others map it
+(waiting the moment it may take rank 0 to get there); rank 0 unlinks it once
+every rank has posted (so nothing is left in /dev/shm), or at close.  A name
+left by a rank 0 killed in between is reclaimed by the next job (see
+:class:`ringcomm.shm.MappedFile`).
 """
 
 from __future__ import annotations
 
 import _thread
 import logging
+import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,8 +76,9 @@ class ShmLane(shm.MappedFile):
     #: A peer's post lands in this host's memory: re-reading a counter sees it at once.
     SPIN = True
 
-    def __init__(self, path: str, rank: int, size: int, slots: int, payload_bytes: int, create: bool) -> None:
-        super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create)
+    def __init__(self, path: str, rank: int, size: int, slots: int, payload_bytes: int, create: bool,
+                 named: bool = True) -> None:
+        super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create, named=named)
         self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes
         self._entry = _entry_bytes(payload_bytes)
         self._base = shm_barrier.header_bytes(size)
@@ -275,39 +282,74 @@ class ShmLane(shm.MappedFile):
 
 def offer(job_id: str, round_: int, rank: int, size: int, slots: int,
           payload_bytes: int) -> tuple[ShmLane | None, Any]:
-    """Before the ranks meet: rank 0 creates the region and offers ``[path, payload bytes]`` (False
-    if it could not); the others say whether they could map one.  Returns (rank 0's region, the offer).
-    The region's entries are rank 0's size; each rank posts fast only what its own setting allows."""
+    """Before the ranks meet: rank 0 creates the region (with no name yet) and offers ``[path, payload
+    bytes]`` (False if it could not); the others say whether they could map one.  Returns (rank 0's
+    region, the offer).  The region's entries are rank 0's size; each rank posts fast only what its own
+    setting allows."""
     able = size > 1 and payload_bytes > 0 and shm.available() and futex.available()
     if rank != 0 or not able:
         return None, able
     path = region_path(job_id, round_)
     try:
-        return ShmLane(path, 0, size, slots, payload_bytes, create=True), [path, payload_bytes]
+        return ShmLane(path, 0, size, slots, payload_bytes, create=True, named=False), [path, payload_bytes]
     except OSError as exc:
         log.warning("rank 0: small-op lane disabled: cannot create %s (%s)", path, exc)
         return None, False
 
 
-def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots: int) -> ShmLane | None:
+def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots: int,
+           wait_seconds: float = 30.0) -> ShmLane | None:
     """Once every rank's offer is in ``table``: the lane runs when all ranks share one host and
-    could map it and rank 0 made it; then the others map it.  Otherwise rank 0 removes it."""
+    could map it and rank 0 made it; then rank 0 names it and the others map it (waiting up to
+    ``wait_seconds`` for the name, less if rank 0's process ends).  Otherwise rank 0 drops it."""
     if len({p["host"] for p in table}) != 1 or not all(p.get("lane") for p in table):
         if region is not None:
-            region.unlink()
             region.close()
         return None
     if rank == 0:
+        assert region is not None
+        try:
+            region.name()
+        except OSError as exc:
+            region.close()
+            raise HorovodInternalError(
+                f"rank 0: cannot name the small-op lane {region.path} ({exc}); stop the other job with "
+                "this job id, or set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run without the lane") from exc
         return region
     path, payload_bytes = str(table[0]["lane"][0]), int(table[0]["lane"][1])
+    deadline = time.monotonic() + wait_seconds
+    pause = 0.0002
+    root_pid = int(table[0].get("pid") or 0)
+    watch_root = root_pid > 0 and _visible(root_pid)  # in another pid namespace: only the deadline
+    while True:
+        try:
+            return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
+        except FileNotFoundError:
+            # rank 0 names it right after the ranks meet: it may not be there yet
+            if watch_root and not _visible(root_pid):
+                # rank 0 left (it died, or named, used and removed it and shut down): the job is
+                # ending, and the engine reports why; go on without the lane
+                log.debug("rank %d: the small-op lane %s is gone: rank 0 has left the job", rank, path)
+                return None
+            if time.monotonic() > deadline:
+                raise HorovodInternalError(
+                    f"rank {rank}: rank 0 did not make the small-op lane {path} within {wait_seconds:g} s "
+                    "of the ranks meeting (did it die?); set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run "
+                    "without the lane") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        except OSError as exc:  # rank 0 made it moments ago: only a broken /dev/shm gets here
+            raise HorovodInternalError(
+                f"rank {rank}: cannot map the small-op lane {path} that rank 0 created ({exc}); "
+                "set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run without it") from exc
+
+
+def _visible(pid: int) -> bool:
+    """Whether process ``pid`` exists in this process's view."""
     try:
-        return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
-    except FileNotFoundError:
-        # rank 0 removes it only once every rank has posted, or when it leaves: the job is ending
-        # (a rank died or rank 0 shut down); the engine reports that, so go on without the lane
-        log.debug("rank %d: the small-op lane %s is gone: rank 0 has left the job", rank, path)
-        return None
-    except OSError as exc:  # rank 0 made it moments ago: only a broken /dev/shm gets here
-        raise HorovodInternalError(
-            f"rank {rank}: cannot map the small-op lane {path} that rank 0 created ({exc}); "
-            "set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run without it") from exc
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -129,6 +129,29 @@ time.sleep(60)
 
 
 @pytest.mark.timeout(30)
+def test_two_ranks_that_lost_each_other_while_both_ran_are_reported_as_a_lost_link():
+    # what two ranks print when the network between them breaks: each names the other as lost, and
+    # each ends with its own error code (the first exits a moment before the second)
+    code = """
+import os, sys, time
+rank = int(os.environ["RINGCOMM_RANK"])
+time.sleep(0.2 * (1 - rank))
+print(f"ringcomm.errors.PeerLostError: rank {rank}: lost rank {1 - rank} (no data for 3 s)", file=sys.stderr)
+sys.exit(3)
+"""
+    result, _ = run_launcher("-v", "-np", "2", *worker(code))
+    pids = spawned_pids(result.stderr)
+    try:
+        assert result.returncode == 3, result.stderr
+        cause = result.stderr.split("root cause:")[1].splitlines()[0]
+        assert "rank 1 (pid" in cause and "lost its connection to rank 0" in cause, result.stderr
+        assert "the link between them" in cause and "failed because of it" not in cause, result.stderr
+        assert "rank 1 exited with code 3, rank 0 exited with code 3" in cause, result.stderr
+    finally:
+        kill_leftovers(pids.values())
+
+
+@pytest.mark.timeout(30)
 def test_a_rank_killed_by_a_signal():
     code = """
 import os, signal, time

@@ -2,8 +2,10 @@
 
 Hypothesis picks the ops (names, sizes, a process set, a repeat that hits the
 response caches, join and shutdown at the end) and the interleaving: which rank
-submits next, which rank's frames rank 0 reads next, when rank 0 answers and
-when each rank reads its answers.  Whatever the interleaving, every member of a
+submits next, which rank's frames rank 0 reads next, when rank 0 answers (also
+from inside a transfer of its own, where it answers only the sets without
+itself) and when each rank reads its answers.  After every answer, an op left
+ready must not make the loop wait for a timer.  Whatever the interleaving, every member of a
 set must execute the same responses in the same order with the same sequence
 numbers, and every allreduce (small ones finished at rank 0, fused ones, ring
 ones computed here from every rank's contribution) must give the sum.
@@ -59,11 +61,14 @@ class Cluster:
             self.announced += frames
             self.to_root[rank].extend(frames)
 
-    def serve(self, rank: int) -> None:
-        """Rank 0 reads what ``rank`` sent, then answers whatever is ready."""
+    def serve(self, rank: int, nested: bool = False) -> None:
+        """Rank 0 reads what ``rank`` sent, then answers whatever is ready (``nested``: as it does
+        while it waits inside a transfer of its own, only the sets without rank 0)."""
         while self.to_root.get(rank):
             self.service.receive(self.to_root[rank].popleft(), 0.0)
-        out = self.service.take(0.0)
+        out = self.service.take(0.0, nested)
+        # the engine loop sleeps for wait_ms() after every turn: an op left ready must not wait
+        assert not self.service.has_ready() or self.service.wait_ms(0.0) == 0, "a ready op waits for a timer"
         if out is None:
             return
         for r, frames in out.frames.items():
@@ -149,13 +154,15 @@ def test_any_interleaving_gives_every_rank_the_same_order_and_the_sum(size: int,
             arr = np.full(n, value[r], dtype=np.float32) + np.arange(n, dtype=np.float32)
             cluster.submit(r, Request(name, wire.ALLREDUCE, "float32", ((n,),), SUM, pset=pset), [arr])
 
-    actions = st.sampled_from(["submit", "serve", "step"])
+    actions = st.sampled_from(["submit", "serve", "nested", "step"])
     for _ in range(data.draw(st.integers(0, 200), label="steps")):
         what, r = data.draw(actions), data.draw(st.integers(0, size - 1))
         if what == "submit" and can_submit(r):
             submit(r)
         elif what == "serve":
             cluster.serve(r)
+        elif what == "nested":  # rank 0 serves the control socket from inside a transfer
+            cluster.serve(r, nested=True)
         elif what == "step" and cluster.inbox[r]:
             cluster.step(r)
     # then run to the end in a fixed order

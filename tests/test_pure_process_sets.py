@@ -53,6 +53,7 @@ def test_ranks_must_agree_on_the_set_to_add() -> None:
     ctl.submit(2, Request("a", wire.ADD_PSET, set_ranks=(0, 2)))
     (resp, _), = ctl.take_responses()
     assert "disagree on the ranks" in resp.error and "rank 2 has [0, 2]" in resp.error
+    assert "Pass the same ranks on every rank." in resp.error
     assert list(ctl.sets) == [0]
 
 

@@ -8,6 +8,7 @@ Tier 3: real jobs (np 3 and 4) through ringcomm-run with the shared-memory path 
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import itertools
 import os
@@ -196,8 +197,8 @@ def test_setup_failure_is_agreed_and_falls_back() -> None:
     keeps returning False (the engine then runs the ring)."""
     job = new_job()
     squatter = shm_allreduce.region_path(job, 0)
-    with open(squatter, "wb"):
-        pass
+    held = open(squatter, "wb")  # a live process's file under that name: held as its creator holds it
+    fcntl.flock(held, fcntl.LOCK_SH)
     try:
         links = queue_links(3)
         algs = [ShmAllreduce(job, 0, 1024) for _ in links]
@@ -213,6 +214,7 @@ def test_setup_failure_is_agreed_and_falls_back() -> None:
             assert (buf == r).all()
             assert algs[r].broken and algs[r].region is None
     finally:
+        held.close()
         os.unlink(squatter)
 
 

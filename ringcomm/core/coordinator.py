@@ -129,7 +129,7 @@ def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str
             label = _KIND_FIELD_LABEL.get((kind, field), _FIELD_LABEL.get(field, field))
             return (
                 f"{kind} '{name}'{where}: ranks disagree on {label}: {_describe(values)}. "
-                f"Pass the same {label} on every rank."
+                f"Pass the same {label.removeprefix('the ')} on every rank."
             )
     if kind in (wire.ALLGATHER, wire.ALLTOALL):
         trailing = {r: tuple(q.shapes[0][1:]) if q.shapes and q.shapes[0] else () for r, q in reqs.items()}

@@ -106,12 +106,22 @@ class Service:
     def has_pending(self) -> bool:
         return self.controller.has_pending()
 
-    def wait_ms(self) -> int | None:
-        """How long the loop may sleep before the service needs another turn (None: until an event)."""
-        if self._cycle > 0 and self.controller.has_ready():
-            return max(1, int(self._cycle))
+    def wait_ms(self, now: float | None = None) -> int | None:
+        """How long the loop may sleep before the service needs another turn (None: until an event).
+
+        An op that is ready never waits for a timer: 0 with no cycle time, else what is left of the
+        cycle (``now``, in the clock of :meth:`take`; without it, a whole cycle).  Ops can become ready
+        outside the loop's own turn (rank 0 takes requests while it waits inside a transfer, and
+        answers only the sets without itself there), so the loop asks after every turn.
+        """
+        if self.controller.has_ready():
+            if self._cycle <= 0:
+                return 0
+            if now is None:
+                return max(1, int(self._cycle))
+            return max(0, int(self._cycle - (now - self._last_emit) * 1000 + 0.999))
         if self.controller.has_pending():
-            return 1000  # stall checks
+            return 1000  # stall checks: nothing can become ready without a message, which wakes the loop
         return None
 
     def take(self, now: float, nested: bool = False) -> Emission | None:
