@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _slurm import SlurmCluster, missing_tools, mpi_plugin_missing
+from _slurm import SlurmCluster, cluster_unavailable, missing_tools, mpi_plugin_missing
 from _tools import PYTHON, WORKER, assert_job_ok, env, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
@@ -21,15 +21,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:
-    missing = missing_tools()
-    if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)")
-    if os.geteuid() != 0:
-        pytest.skip("starting slurmd and munged for the test needs root")
-    try:
-        socket.gethostbyname(socket.gethostname())
-    except OSError:
-        pytest.skip(f"this machine's name {socket.gethostname()!r} does not resolve: Slurm's node list names it")
+    why = cluster_unavailable(missing_tools(), os.geteuid() == 0, socket.gethostname())
+    if why is not None:
+        pytest.skip(why)
     # the daemons may still write a last log line while the directory goes
     with tempfile.TemporaryDirectory(prefix="ringcomm-slurm-", ignore_cleanup_errors=True) as root:
         with SlurmCluster(Path(root)) as c:
