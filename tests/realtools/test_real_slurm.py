@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from _slurm import SlurmCluster, cluster_unavailable, missing_tools, mpi_plugin_missing
-from _tools import PYTHON, WORKER, assert_job_ok, env, run
+from _tools import HERE, PYTHON, WORKER, assert_job_ok, env, module_missing, results, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
@@ -59,3 +59,26 @@ def test_a_killed_rank_under_srun_is_named(cluster: SlurmCluster) -> None:
     both = proc.stdout + proc.stderr
     assert proc.returncode != 0, both
     assert "PeerLostError: rank 0: lost rank 1" in both and "PeerLostError: rank 2: lost rank 1" in both, both
+
+
+@pytest.mark.timeout(240)
+def test_lightning_under_srun_matches_gloo(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """srun --ntasks-per-node 2 python lightning_job.py (Lightning refuses a bare -n): ringcomm trains as gloo."""
+    why = module_missing("lightning", "frameworks")
+    if why is not None:
+        pytest.skip(why)
+    digests = {}
+    for backend in ("ringcomm", "gloo"):
+        out = tmp_path / backend
+        out.mkdir()
+        proc = run(["srun", "--mpi=none", "-N", "1", "--ntasks-per-node", "2", PYTHON, str(HERE / "lightning_job.py"),
+                    "--devices", "2", "--backend", backend, "--out", str(out)], timeout=100,
+                   env=cluster.env(env(OMP_NUM_THREADS="1")), cwd=tmp_path)
+        both = f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-5000:]}"
+        recs = results(proc.stdout)
+        assert proc.returncode == 0 and [r["rank"] for r in recs] == [0, 1], both
+        for r in recs:
+            assert r["backend"] == backend and r["gathered"] == [0, 1] and r["rank_mean"] == 0.5, both
+            assert r["restored"] == r["digest"] and r["resumed_epoch"] == 3, both
+        digests[backend] = {r["digest"] for r in recs}
+    assert digests["ringcomm"] == digests["gloo"] and len(digests["gloo"]) == 1, digests
