@@ -64,6 +64,13 @@ def test_accelerate_launch_np2_trains_bitwise_like_gloo(gloo_np2: tuple[list[dic
 
 
 @pytest.mark.timeout(240)
+def test_torchrun_np2_trains_bitwise_like_gloo(gloo_np2: tuple[list[dict], dict], tmp_path: Path) -> None:
+    recs = run_job(torchrun(2, ACCELERATE_JOB, *job_args(tmp_path)), 2, tmp_path)
+    check_features(recs, 2, "ringcomm")
+    assert recs[0]["digest"] == gloo_np2[0][0]["digest"]
+
+
+@pytest.mark.timeout(240)
 def test_ringcomm_run_np3_matches_gloo_under_accelerate_launch(tmp_path: Path) -> None:
     mine, gloo = tmp_path / "ringcomm", tmp_path / "gloo"
     check_features(run_job(ringcomm_run(3, ACCELERATE_JOB, *job_args(mine)), 3, tmp_path), 3, "ringcomm")
