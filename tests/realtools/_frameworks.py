@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -93,9 +95,7 @@ def killed_job(cmd: list[str], tmp: Path, timeout: float = 100) -> tuple[int, st
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import os
-
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise AssertionError(f"the job did not end within {timeout} s of its start:\n{''.join(lines)[-6000:]}") from None
     ended = time.monotonic()
