@@ -43,3 +43,22 @@ def test_ddp_bench_runs_both_backends(tmp_path: Path) -> None:
     assert 29 < section["runs"][0]["grad_bytes"] / 2**20 < 31  # the MLP's ~30 MiB of gradients
     assert section["summary"][0]["ratio_median"] > 0
     assert '## DDP: backend "ringcomm" vs gloo' in proc.stdout
+
+
+def test_framework_summary_pairs_rounds_and_compares_parameters():
+    from ringcomm.bench import frameworks
+
+    rows = [(0, "ringcomm", 300.0, "aa"), (0, "gloo", 200.0, "aa"), (1, "gloo", 100.0, "bb"),
+            (1, "ringcomm", 150.0, "cc"), (2, "ringcomm", 90.0, "dd")]
+    runs = [{"round": r, "backend": b, "ok": True, "samples_s": v, "digest": d} for r, b, v, d in rows]
+    runs.append({"round": 2, "backend": "gloo", "ok": False})
+    s = frameworks.summarize(runs)
+    assert s["rounds"] == 2 and s["ratio_min"] == 1.5 and s["ratio_median"] == 1.5 and s["same_parameters"] == 1
+    assert s["samples_s_median"] == {"ringcomm": 150.0, "gloo": 150.0}
+    cfg = {"framework": "lightning", "np_": 2, "batch": 64, "epochs": 4, "steps": 20, "repeats": 3}
+    text = frameworks.markdown({"config": cfg, "runs": runs, "summary": s})
+    assert '## Lightning: backend "ringcomm" vs gloo (np=2, torchrun' in text
+    assert "| 150 | 150 | 1.50x | 1.50..1.50 | 1 of 2 |" in text
+    assert frameworks.example("accelerate").endswith("examples/accelerate_ringcomm.py")
+    with pytest.raises(ValueError, match="'keras' is not one of lightning, accelerate"):
+        frameworks.example("keras")

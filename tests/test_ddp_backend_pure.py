@@ -97,7 +97,7 @@ def test_single_process_group_through_a_hash_store():
 
 def test_entry_point_registers_the_backend_at_import_torch(tmp_path):
     # run outside the checkout: a stale ringcomm.egg-info there would hide the installed metadata
-    probe = ("from importlib import metadata; print(any(ep.value == 'ringcomm.torch_plugin:load' "
+    probe = ("from importlib import metadata; print(any(ep.value == 'ringcomm_torch_plugin:load' "
              "for ep in metadata.entry_points(group='torch.backends')))")
     has = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     if has.stdout.strip() != "True":

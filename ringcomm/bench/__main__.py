@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, coordination, crosshost, ddp, latency, report, resources, training
+from . import _launch, _util, ceiling, collectives, coordination, crosshost, ddp, frameworks, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     ddpp.add_argument("--warmup", type=int, default=15, help="untimed steps per job (default: 15)")
     ddpp.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     ddpp.add_argument("--repeats", type=_positive, default=5, help="alternating rounds (default: 5)")
+    ddpp.add_argument("--framework", choices=frameworks.FRAMEWORKS,
+                      help="instead of the models: the framework's example (examples/FRAMEWORK_ringcomm.py) under "
+                           "torchrun on each backend; --np, --batch and --repeats apply, --steps is per epoch")
+    ddpp.add_argument("--epochs", type=_positive, default=4,
+                      help="with --framework: epochs per job, the first untimed (default: 4)")
 
     res = sub.add_parser("resources", parents=[output],
                          help="RSS growth over many allreduces and CPU of an idle job, ringcomm vs gloo")
@@ -190,6 +195,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
             job_timeout=args.job_timeout))
+    elif args.command == "ddp" and args.framework:
+        results["frameworks"] = frameworks.run(frameworks.FrameworkConfig(
+            framework=args.framework, np_=args.np, epochs=args.epochs, steps=args.steps, batch=args.batch,
+            repeats=args.repeats, job_timeout=args.job_timeout))
     elif args.command == "ddp":
         results["ddp"] = ddp.run(ddp.DDPConfig(np_=args.np, models=args.models, batch=args.batch, steps=args.steps,
                                                warmup=args.warmup, repeats=args.repeats, job_timeout=args.job_timeout))
@@ -216,6 +225,7 @@ def _failures(results: dict[str, Any]) -> int:
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
     runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
     runs += results.get("crosshost", {}).get("runs", []) + results.get("ddp", {}).get("runs", [])
+    runs += results.get("frameworks", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

@@ -148,6 +148,10 @@ def markdown(results: dict[str, Any]) -> str:
         from . import ddp
 
         parts.append(ddp.markdown(results["ddp"]))
+    if "frameworks" in results:
+        from . import frameworks
+
+        parts.append(frameworks.markdown(results["frameworks"]))
     if "resources" in results:
         from .resources import markdown as resources_markdown
 

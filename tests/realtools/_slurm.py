@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 #: The daemons and client commands the cluster needs; a missing one skips the tests that use it.
@@ -24,20 +25,42 @@ PMIX_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu/pmix2", "/usr/lib/aarch64-linux-gnu/
                  "/usr/lib/aarch64-linux-gnu", "/usr/lib")
 
 
-def missing_tools() -> list[str]:
-    return [t for t in TOOLS if shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
+def missing_tools(which: Callable[[str], str | None] = shutil.which, sbin: str = "/usr/sbin") -> list[str]:
+    """The cluster's tools found neither on PATH (``which``) nor in ``sbin``."""
+    return [t for t in TOOLS if which(t) is None and not Path(sbin, t).exists()]
 
 
-def mpi_plugin_missing(name: str) -> str | None:
+def cluster_unavailable(missing: Sequence[str], is_root: bool, host: str,
+                        resolve: Callable[[str], str] = socket.gethostbyname) -> str | None:
+    """Why a cluster cannot be started here (what to install or change), or None when it can."""
+    if missing:
+        return f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)"
+    if not is_root:
+        return "starting slurmd and munged for the test needs root"
+    try:
+        resolve(host)
+    except OSError:
+        return f"this machine's name {host!r} does not resolve: Slurm's node list names it"
+    return None
+
+
+def _holds_file(directory: str, name: str) -> bool:
+    """Whether ``name`` is in ``directory`` or any folder below it."""
+    root = Path(directory)
+    return root.is_dir() and next(root.glob(f"**/{name}"), None) is not None
+
+
+def mpi_plugin_missing(name: str, plugin_dirs: Sequence[str] = PLUGIN_DIRS,
+                       pmix_dirs: Sequence[str] = PMIX_LIB_DIRS) -> str | None:
     """Why ``srun --mpi=<name>`` cannot work here (a package to install), or None if it can.
 
     Slurm's ``mpi/pmix`` plugin loads the unversioned ``libpmix.so``, which only
     Debian's ``libpmix-dev`` provides; without it srun fails with "can not load
     PMIx library" although the plugin file is present.
     """
-    if not any(Path(d, f"mpi_{name}.so").exists() for d in PLUGIN_DIRS):
+    if not any(Path(d, f"mpi_{name}.so").exists() for d in plugin_dirs):
         return f"Slurm's mpi/{name} plugin is not installed"
-    if name == "pmix" and not any(Path(d).glob("**/libpmix.so") for d in PMIX_LIB_DIRS if Path(d).is_dir()):
+    if name == "pmix" and not any(_holds_file(d, "libpmix.so") for d in pmix_dirs):
         return "Slurm's mpi/pmix plugin cannot load libpmix.so (Debian: apt-get install libpmix-dev)"
     return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,12 +20,30 @@ ROOT = HERE.parent.parent
 WORKER = str(HERE / "job_worker.py")
 
 
+def tool_missing(tool: str, package: str, which: Callable[[str], str | None] = shutil.which) -> str | None:
+    """Why ``tool`` cannot be run here (the Debian package to install), or None when it is on PATH."""
+    if which(tool) is None:
+        return f"{tool} is not installed (apt-get install {package}); .ci/run installs it"
+    return None
+
+
+def module_missing(module: str, extra: str, find_spec: Callable[[str], object] = importlib.util.find_spec) -> str | None:
+    """Why ``module`` cannot be imported here (the ringcomm extra that brings it), or None when it can."""
+    try:
+        found = find_spec(module)
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        found = None
+    if found is None:
+        return f"{module} is not installed (pip install 'ringcomm[{extra}]'); .ci/run installs it"
+    return None
+
+
 def need(tool: str, package: str) -> str:
     """The path of ``tool``; skips the test, naming the package to install, when it is absent."""
-    path = shutil.which(tool)
-    if path is None:
-        pytest.skip(f"{tool} is not installed (apt-get install {package}); .ci/run installs it")
-    return path
+    why = tool_missing(tool, package)
+    if why is not None:
+        pytest.skip(why)
+    return shutil.which(tool) or tool
 
 
 def env(**extra: str) -> dict[str, str]:

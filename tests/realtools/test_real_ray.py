@@ -8,11 +8,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from _tools import HERE, ROOT
+from _tools import HERE, ROOT, module_missing
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
-ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ringcomm[ray]')")
+_MISSING = module_missing("ray", "ray")
+if _MISSING is not None:
+    pytest.skip(_MISSING, allow_module_level=True)
+import ray  # noqa: E402
 
 from ringcomm.ray import RayExecutor, plan_ranks  # noqa: E402
 

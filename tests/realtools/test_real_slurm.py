@@ -13,23 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from _slurm import SlurmCluster, missing_tools, mpi_plugin_missing
-from _tools import PYTHON, WORKER, assert_job_ok, env, run
+from _slurm import SlurmCluster, cluster_unavailable, missing_tools, mpi_plugin_missing
+from _tools import HERE, PYTHON, WORKER, assert_job_ok, env, module_missing, results, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:
-    missing = missing_tools()
-    if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing: apt-get install slurm-wlm munge)")
-    if os.geteuid() != 0:
-        pytest.skip("starting slurmd and munged for the test needs root")
-    try:
-        socket.gethostbyname(socket.gethostname())
-    except OSError:
-        pytest.skip(f"this machine's name {socket.gethostname()!r} does not resolve: Slurm's node list names it")
+    why = cluster_unavailable(missing_tools(), os.geteuid() == 0, socket.gethostname())
+    if why is not None:
+        pytest.skip(why)
     # the daemons may still write a last log line while the directory goes
     with tempfile.TemporaryDirectory(prefix="ringcomm-slurm-", ignore_cleanup_errors=True) as root:
         with SlurmCluster(Path(root)) as c:
@@ -65,3 +59,26 @@ def test_a_killed_rank_under_srun_is_named(cluster: SlurmCluster) -> None:
     both = proc.stdout + proc.stderr
     assert proc.returncode != 0, both
     assert "PeerLostError: rank 0: lost rank 1" in both and "PeerLostError: rank 2: lost rank 1" in both, both
+
+
+@pytest.mark.timeout(240)
+def test_lightning_under_srun_matches_gloo(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """srun --ntasks-per-node 2 python lightning_job.py (Lightning refuses a bare -n): ringcomm trains as gloo."""
+    why = module_missing("lightning", "frameworks")
+    if why is not None:
+        pytest.skip(why)
+    digests = {}
+    for backend in ("ringcomm", "gloo"):
+        out = tmp_path / backend
+        out.mkdir()
+        proc = run(["srun", "--mpi=none", "-N", "1", "--ntasks-per-node", "2", PYTHON, str(HERE / "lightning_job.py"),
+                    "--devices", "2", "--backend", backend, "--out", str(out)], timeout=100,
+                   env=cluster.env(env(OMP_NUM_THREADS="1")), cwd=tmp_path)
+        both = f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-5000:]}"
+        recs = results(proc.stdout)
+        assert proc.returncode == 0 and [r["rank"] for r in recs] == [0, 1], both
+        for r in recs:
+            assert r["backend"] == backend and r["gathered"] == [0, 1] and r["rank_mean"] == 0.5, both
+            assert r["restored"] == r["digest"] and r["resumed_epoch"] == 3, both
+        digests[backend] = {r["digest"] for r in recs}
+    assert digests["ringcomm"] == digests["gloo"] and len(digests["gloo"]) == 1, digests

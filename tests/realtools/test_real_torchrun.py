@@ -6,13 +6,15 @@ import socket
 
 import pytest
 
-from _tools import PYTHON, WORKER, assert_job_ok, env, run
+from _tools import PYTHON, WORKER, assert_job_ok, env, module_missing, run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.realtools]
 
 
 def torchrun(*args: str) -> list[str]:
-    pytest.importorskip("torch.distributed.run", reason="torch is not installed (pip install 'ringcomm[torch]')")
+    why = module_missing("torch.distributed.run", "torch")
+    if why is not None:
+        pytest.skip(why)
     return [PYTHON, "-m", "torch.distributed.run", *args]
 
 
