@@ -116,3 +116,24 @@ def test_below_min_np_waits_for_the_elastic_timeout_then_fails_cleanly(tmp_path)
     assert "RuntimeError: worker on 127.0.0.2 fails on purpose" in err  # the root cause's last lines
     assert elapsed >= 3.0
     assert "DONE" not in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_sees_the_drivers_notice_and_workers_are_told_where_they_started(tmp_path):
+    """Horovod's elastic scenario scripts: ``state._host_messages.empty()`` turns False once the driver has
+    seen a new host, and HOROVOD_HOSTNAME / HOROVOD_RANK / HOROVOD_SIZE give each worker's start."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    result, _ = run_launcher(
+        "-v", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+        "--elastic-timeout", "30", sys.executable, str(HERE / "workers" / "elastic_notice_worker.py"),
+        "--hosts-file", str(hosts), "--add", "127.0.0.2:1", timeout=110,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert re.search(r"NOTICED after=\d", result.stdout), out
+    ends = sorted(re.findall(r"END host=(\S+) start_rank=(\d) start_size=(\d) rank=(\d) size=(\d) epochs=(\d)",
+                             result.stdout))
+    assert ends == [("127.0.0.2", "2", "3", "2", "3", "3"), ("localhost", "0", "2", "0", "3", "3"),
+                    ("localhost", "1", "2", "1", "3", "3")], out

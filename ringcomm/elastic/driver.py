@@ -53,7 +53,7 @@ from ..supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emi
 from ..errors import InvalidInputError
 from ..rendezvous import RendezvousServer, kv_set
 from .discovery import DiscoveryError, HostDiscoveryScript
-from .plan import Blacklist, Member, assign_ranks, new_worker_hosts
+from .plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
 from .starter import WorkerStarter
 from .worker import World, pack, unpack
 
@@ -178,10 +178,10 @@ class ElasticDriver:
         kv_set(f"tcp://127.0.0.1:{self.store.port}" if self._bind == "0.0.0.0" else self.store.address,
                self.secret, key, value, 10.0)
 
-    def _start_worker(self, host: str) -> Member:
+    def _start_worker(self, host: str, place: Assignment) -> Member:
         wid = len(self.workers)
         try:
-            worker = self.starter.start(wid, host, self.exits)
+            worker = self.starter.start(wid, host, self.exits, place)
         except InvalidInputError as exc:
             raise JobFailed(f"elastic job failed: cannot start worker {wid} on {host}: {exc}") from None
         except OSError as exc:
@@ -200,7 +200,7 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ forming worlds
 
-    def _publish(self, members: list[Member]) -> None:
+    def _publish(self, members: list[Member]) -> list[Assignment]:
         self.gen += 1
         server = RendezvousServer(size=len(members), secret=self.secret, host=self._bind)
         self._servers.append(server)
@@ -218,6 +218,7 @@ class ElasticDriver:
         self._kv("world/current", pack(self.gen))
         ranks = ", ".join(f"worker {a.wid}@{a.host} -> rank {a.rank}" for a in assignments)
         self.say(f"generation {self.gen}: {len(members)} workers ({ranks})")
+        return assignments
 
     def _form(self, survivors: list[Member], target: int) -> bool:
         """Publish the next world: survivors first, then new workers; False while below --min-np."""
@@ -236,9 +237,9 @@ class ElasticDriver:
             return False
         new_members = [Member(len(self.workers) + i, h) for i, h in enumerate(new_hosts)]
         # publish before starting the new workers, so their first init() finds the world
-        self._publish(kept + new_members)
+        seats = {a.wid: a for a in self._publish(kept + new_members)}
         for m in new_members:
-            started = self._start_worker(m.host)
+            started = self._start_worker(m.host, seats[m.wid])
             assert started.wid == m.wid
         return True
 
