@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,41 @@ def test_rank_0_sees_the_drivers_notice_and_workers_are_told_where_they_started(
                              result.stdout))
     assert ends == [("127.0.0.2", "2", "3", "2", "3", "3"), ("localhost", "0", "2", "0", "3", "3"),
                     ("localhost", "1", "2", "1", "3", "3")], out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("discovery", ["script", "fixed hosts"])
+def test_a_failed_worker_takes_its_hosts_other_workers_out_of_the_job(tmp_path, discovery):
+    """As Horovod: the failure blacklists the host, and the job goes on with the other host's workers only.
+    With -H and --min-np instead of a discovery script (horovodrun's fault tolerance without scaling) too."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    where = ["--host-discovery-script", f"cat {hosts}"] if discovery == "script" else ["-H", "localhost:2,127.0.0.2:2"]
+    result, _ = run_launcher(
+        "-v", "-np", "4", "--min-np", "2", *where, "--elastic-timeout", "30",
+        sys.executable, NP_WORKER, "--steps", "8", "--fail-start-ranks", "0", timeout=110,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert "host localhost blacklisted" in result.stderr, out
+    assert "worker 1 on localhost removed from the job: its host is blacklisted" in result.stderr, out
+    assert "generation 1: 2 workers (worker 2@127.0.0.2 -> rank 0, worker 3@127.0.0.2 -> rank 1)" in result.stderr
+    done = sorted(re.findall(r"\[(\d)\]<stdout>:DONE rank=(\d) size=(\d) step=8", result.stdout))
+    assert done == [("2", "0", "2"), ("3", "1", "2")], out
+
+
+@pytest.mark.timeout(120)
+def test_the_job_fails_at_once_when_every_survivor_is_on_a_blacklisted_host(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    start = time.monotonic()
+    result, _ = run_launcher(
+        "-v", "-np", "4", "--min-np", "2", "--host-discovery-script", f"cat {hosts}", "--elastic-timeout", "100",
+        sys.executable, NP_WORKER, "--steps", "8", "--fail-start-ranks", "0", "2", timeout=110,
+    )
+    assert result.returncode != 0
+    check_all_gone(result.stderr)
+    assert ("elastic job failed: every surviving worker ran on a blacklisted host (127.0.0.2, localhost), so none "
+            "is left to pass the state on") in result.stderr, result.stdout + result.stderr
+    assert time.monotonic() - start < 80  # not after --elastic-timeout

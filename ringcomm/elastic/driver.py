@@ -52,7 +52,7 @@ import time
 from ..supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
 from ..errors import InvalidInputError
 from ..rendezvous import RendezvousServer, kv_set
-from .discovery import DiscoveryError, HostDiscoveryScript
+from .discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
 from .plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
 from .starter import WorkerStarter
 from .worker import World, pack, unpack
@@ -90,7 +90,10 @@ class ElasticDriver:
         self.min_np: int = args.min_np if args.min_np is not None else args.num_proc
         self.max_np: int | None = args.max_np
         self.timeout: float = args.elastic_timeout
-        self.discovery = HostDiscoveryScript(args.host_discovery_script, args.slots_per_host)
+        fixed = getattr(args, "fixed_hosts", None)  # -H/--hostfile with --min-np and no discovery script
+        self.discovery: HostDiscoveryScript | FixedHosts = (
+            FixedHosts(fixed) if fixed is not None else HostDiscoveryScript(args.host_discovery_script,
+                                                                            args.slots_per_host))
         self.blacklist = Blacklist(args.blacklist_failures, args.blacklist_cooldown)
         self.job_id = secrets.token_hex(4)
         self.secret = secrets.token_bytes(32)
@@ -225,13 +228,22 @@ class ElasticDriver:
         self._refresh_hosts()
         with self._discovery_lock:
             hosts = dict(self.hosts)
-        kept = []
-        for m in survivors:
-            if m.host in hosts:
-                kept.append(m)
-            else:
-                self._remove(m, "its host is no longer in the discovery output")
         now = time.monotonic()
+        kept, banned = [], []
+        for m in survivors:
+            if m.wid in self.removed:
+                continue
+            if m.host not in hosts:
+                self._remove(m, "its host is no longer in the discovery output")
+            elif self.blacklist.blacklisted(m.host, now):  # as Horovod: the job goes on without the host
+                self._remove(m, "its host is blacklisted")
+                banned.append(m)
+            else:
+                kept.append(m)
+        if banned and not kept:
+            raise JobFailed(f"elastic job failed: every surviving worker ran on a blacklisted host "
+                            f"({', '.join(sorted({m.host for m in banned}))}), so none is left to pass the state "
+                            "on to new workers; raise --blacklist-failures to keep a host after a failure")
         new_hosts = new_worker_hosts(hosts, kept, self.blacklist, now, max(target, len(kept)))
         if len(kept) + len(new_hosts) < self.min_np:
             return False
