@@ -176,3 +176,21 @@ def test_the_job_fails_at_once_when_every_survivor_is_on_a_blacklisted_host(tmp_
     assert ("elastic job failed: every surviving worker ran on a blacklisted host (127.0.0.2, localhost), so none "
             "is left to pass the state on") in result.stderr, result.stdout + result.stderr
     assert time.monotonic() - start < 80  # not after --elastic-timeout
+
+
+@pytest.mark.timeout(90)
+def test_the_first_generation_takes_every_offered_slot_up_to_max_np(tmp_path):
+    """As Horovod: -np is the least to start with; 4 slots offered and --max-np 3 give 3 workers at once."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    result, _ = run_launcher(
+        "-v", "-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}", "--elastic-timeout", "30",
+        sys.executable, NP_WORKER, "--steps", "3", timeout=80,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert "generation 0: 3 workers (worker 0@localhost -> rank 0, worker 1@localhost -> rank 1, " \
+           "worker 2@127.0.0.2 -> rank 2)" in result.stderr, out
+    assert "generation 1" not in result.stderr, out
+    assert len(re.findall(r"DONE rank=\d size=3 step=3", result.stdout)) == 3, out

@@ -400,7 +400,8 @@ class ElasticDriver:
                 if self._discovery_error is not None:
                     raise JobFailed(f"elastic job failed: {self._discovery_error}")
             threading.Thread(target=self._discovery_loop, name="ringcomm-discovery", daemon=True).start()
-            self._wait_to_form([], min(self.args.num_proc, self._limit()), "starting")
+            # as Horovod: the first generation takes every slot offered, up to --max-np (-np is the default --min-np)
+            self._wait_to_form([], self._limit(), "starting")
             while True:
                 result = self._loop()
                 if result is not None:
