@@ -11,4 +11,5 @@ Submodules: :mod:`.mpi_ops`, :mod:`.compression`, :mod:`.elastic`, :mod:`.functi
 from ringcomm_torch import *  # noqa: F403 - the whole public API, listed in ringcomm_torch.__all__
 from ringcomm_torch import __all__ as __all__
 
-from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm  # noqa: F401
+# horovod.torch.elastic (this package's, re-exporting ringcomm_torch.elastic) replaces the star import's `elastic`
+from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm  # type: ignore[no-redef]  # noqa: F401
