@@ -123,6 +123,13 @@ def test_horovods_names_are_ringcomms_objects() -> None:
         from horovod.common.elastic import ObjectState, State, run_fn
         from horovod.runner import run as runner_run
         from horovod.runner.util.threads import in_thread
+        from horovod.common import util
+        import os
+
+        os.environ["COMPAT_KEPT"] = "before"
+        with util.env(COMPAT_SET="1", COMPAT_KEPT="inside", COMPAT_NONE=None):
+            inside = [os.environ.get(k) for k in ("COMPAT_SET", "COMPAT_KEPT", "COMPAT_NONE")]
+        after = [os.environ.get(k) for k in ("COMPAT_SET", "COMPAT_KEPT")]
 
         different = [n for n in ringcomm_torch.__all__ if getattr(hvd, n) is not getattr(ringcomm_torch, n)]
         mpi_ops_different = [n for n in mpi_ops.__all__ if getattr(mpi_ops, n) is not getattr(ringcomm_torch, n)]
@@ -152,6 +159,8 @@ def test_horovods_names_are_ringcomms_objects() -> None:
                        sync_batch_norm.SyncBatchNorm is hvd.SyncBatchNorm, callable(in_thread)],
             "built": [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(),
                       hvd.cuda_built() == torch.backends.cuda.is_built()],
+            "util_built": [util.mpi_built(), util.gloo_built(), util.nccl_built(), util.ddl_built(), util.ccl_built()],
+            "env": [inside, after],
         }))
     """
     out = _python(code, COMPAT)
@@ -165,6 +174,8 @@ def test_horovods_names_are_ringcomms_objects() -> None:
     for key in ("submodules", "errors", "process_sets", "elastic", "compression", "others"):
         assert all(got[key]), (key, got[key])
     assert got["built"] == [False, False, False, False, 0, True]
+    assert got["util_built"] == [False, False, 0, False, False]
+    assert got["env"] == [["1", "inside", None], [None, "before"]]
 
 
 def test_distribution_version_and_pin_follow_ringcomm() -> None:
@@ -260,7 +271,9 @@ def _setuptools_77() -> None:
         pytest.skip("setuptools is not installed")
     if int(version.split(".")[0]) < 77:
         pytest.skip(f"setuptools {version} < 77 (the compat pyproject's build requirement)")
-    if importlib.util.find_spec("pip") is None:
+    try:  # not importlib.util.find_spec("pip"): setuptools' distutils shim reacts to it and breaks later imports
+        metadata.version("pip")
+    except metadata.PackageNotFoundError:
         pytest.skip("pip is not installed")
 
 

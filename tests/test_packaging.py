@@ -128,7 +128,7 @@ def test_compat_wheel_holds_horovods_names_and_horovodrun(tmp_path: Path) -> Non
     archive = zipfile.ZipFile(wheel)
     names = archive.namelist()
     for module in ("__init__.py", "_ringcomm_compat.py", "torch/__init__.py", "torch/mpi_ops.py",
-                   "torch/compression.py", "torch/elastic/__init__.py", "common/exceptions.py",
+                   "torch/compression.py", "torch/elastic/__init__.py", "common/exceptions.py", "common/util.py",
                    "common/process_sets.py", "runner/__init__.py", "runner/util/threads.py"):
         assert f"horovod/{module}" in names, module
     assert [n for n in names if not n.startswith(("horovod/", "horovod-"))] == []
