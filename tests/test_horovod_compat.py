@@ -41,7 +41,7 @@ def _python(code: str, *path: str | Path, timeout: float = 120) -> subprocess.Co
     env = job_env()
     env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in path), str(ROOT)])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(COMPAT.parent))
+                          timeout=timeout, env=env, cwd=str(ROOT))
 
 
 def _fake_package(root: Path, files: dict[str, str]) -> Path:
