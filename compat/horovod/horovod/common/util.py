@@ -1,6 +1,6 @@
 """``horovod.common.util``: Horovod's helpers that scripts and test suites import: ``env`` and the build queries.
 
-    with env(HOROVOD_TIMELINE="/tmp/t.json", HOROVOD_CYCLE_TIME=None):   # None: left as it is
+    with env(HOROVOD_TIMELINE="timeline.json", HOROVOD_CYCLE_TIME=None):   # None: left as it is
         ...                                                              # the variables are restored after
 """
 
