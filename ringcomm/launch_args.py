@@ -363,7 +363,7 @@ def notices(args: argparse.Namespace) -> list[str]:
     if args.network_interfaces and len(args.network_interfaces) > 1:
         out.append(f"--network-interface: ringcomm uses one interface; using {args.network_interfaces[0]}, "
                    f"not {', '.join(args.network_interfaces[1:])}")
-    if args.host_discovery_script is not None:
+    if is_elastic(args):
         for flag, given in (("--output-filename", args.output_filename),
                             ("--prefix-output-with-timestamp", args.prefix_output_with_timestamp)):
             if given:
@@ -465,6 +465,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.blacklist_cooldown_range is not None:
         args.blacklist_cooldown = args.blacklist_cooldown_range[0]
     _check_elastic_arguments(parser, args)
+    # -H/--hostfile were read above (plan_hosts): reading them again cannot fail
+    args.fixed_hosts = fixed_elastic_hosts(args) if is_elastic(args) and not args.host_discovery_script else None
     if not args.command:
         parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
     args.settings_env = settings_env(args)
@@ -472,14 +474,41 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _elastic_flags(args: argparse.Namespace) -> list[str]:
+    return [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
+                                     ("--reset-limit", args.reset_limit)) if value is not None]
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Elastic mode: a discovery script, or (horovodrun's fault tolerance without scaling) fixed hosts from
+    -H/--hostfile with --min-np, --max-np or --reset-limit."""
+    if getattr(args, "host_discovery_script", None) is not None:
+        return True
+    fixed = getattr(args, "hosts", None) is not None or getattr(args, "hostfile", None) is not None
+    return fixed and bool(_elastic_flags(args))
+
+
+def fixed_elastic_hosts(args: argparse.Namespace) -> dict[str, int]:
+    """``{host: slots}`` of -H/--hostfile, for an elastic job without a discovery script."""
+    if args.hosts is not None:
+        listed = _hosts.parse_hosts(args.hosts)
+    else:
+        with open(args.hostfile, encoding="utf-8") as f:
+            listed = _hosts.parse_hostfile(f.read(), args.hostfile)
+    out: dict[str, int] = {}
+    for host in listed:
+        out[host.name] = out.get(host.name, 0) + host.slots
+    return out
+
+
 def _check_elastic_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.host_discovery_script is None:
-        given = [flag for flag, value in (("--min-np", args.min_np), ("--max-np", args.max_np),
-                                          ("--reset-limit", args.reset_limit)) if value is not None]
-        if given:
-            parser.error(f"{', '.join(given)} need --host-discovery-script (elastic mode)")
-        return
-    if args.hosts is not None or args.hostfile is not None:
+        given = _elastic_flags(args)
+        if given and args.hosts is None and args.hostfile is None:
+            parser.error(f"{', '.join(given)} need --host-discovery-script or -H/--hostfile (elastic mode)")
+        if not given:
+            return
+    elif args.hosts is not None or args.hostfile is not None:
         parser.error("-H/--hostfile and --host-discovery-script exclude each other: in elastic mode the script "
                      "names the hosts")
     min_np = args.min_np if args.min_np is not None else args.num_proc

@@ -41,7 +41,7 @@ from .supervise import (
     stop_all,
 )
 from .errors import InvalidInputError
-from .launch_args import build_parser, parse_args, plan_hosts
+from .launch_args import build_parser, is_elastic, parse_args, plan_hosts
 from .rendezvous import RendezvousServer
 
 __all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
@@ -149,7 +149,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
     for notice in getattr(args, "notices", []):
         _say(f"warning: {notice}")
     base_env = {**os.environ, **getattr(args, "settings_env", {})}
-    if getattr(args, "host_discovery_script", None) is not None:
+    if is_elastic(args):
         from .elastic import driver
 
         return driver.ElasticDriver(args, base_env).run()

@@ -118,18 +118,18 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """True: ringcomm plays the role of Horovod's Gloo (CPU) controller and data plane."""
-    return True
+    """ringcomm does not use Gloo (its own controller and data plane take Gloo's place): always False."""
+    return False
 
 
 def gloo_built() -> bool:
-    """True, see :func:`gloo_enabled`."""
-    return True
-
-
-def nccl_built() -> bool:
-    """False: CUDA tensors are reduced on the host, never with NCCL."""
+    """ringcomm does not use Gloo: always False (``ringcomm-run --check-build`` shows the same)."""
     return False
+
+
+def nccl_built() -> int:
+    """0, Horovod's answer without NCCL: CUDA tensors are reduced on the host, never with NCCL."""
+    return 0
 
 
 def ddl_built() -> bool:
@@ -145,8 +145,12 @@ def rocm_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """True when PyTorch sees a CUDA device (CUDA tensors are staged through pinned host memory)."""
-    return bool(torch.cuda.is_available())
+    """True when PyTorch is built with CUDA: CUDA tensors are then supported (staged through pinned host memory).
+
+    As in Horovod, this tells what the build supports, not whether a GPU is present now
+    (``torch.cuda.is_available()``).
+    """
+    return bool(torch.backends.cuda.is_built())
 
 
 def check_process_set(process_set: Any, what: str) -> None:

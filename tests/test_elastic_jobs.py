@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,80 @@ def test_below_min_np_waits_for_the_elastic_timeout_then_fails_cleanly(tmp_path)
     assert "RuntimeError: worker on 127.0.0.2 fails on purpose" in err  # the root cause's last lines
     assert elapsed >= 3.0
     assert "DONE" not in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_rank_0_sees_the_drivers_notice_and_workers_are_told_where_they_started(tmp_path):
+    """Horovod's elastic scenario scripts: ``state._host_messages.empty()`` turns False once the driver has
+    seen a new host, and HOROVOD_HOSTNAME / HOROVOD_RANK / HOROVOD_SIZE give each worker's start."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    result, _ = run_launcher(
+        "-v", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+        "--elastic-timeout", "30", sys.executable, str(HERE / "workers" / "elastic_notice_worker.py"),
+        "--hosts-file", str(hosts), "--add", "127.0.0.2:1", timeout=110,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert re.search(r"NOTICED after=\d", result.stdout), out
+    ends = sorted(re.findall(r"END host=(\S+) start_rank=(\d) start_size=(\d) rank=(\d) size=(\d) epochs=(\d)",
+                             result.stdout))
+    assert ends == [("127.0.0.2", "2", "3", "2", "3", "3"), ("localhost", "0", "2", "0", "3", "3"),
+                    ("localhost", "1", "2", "1", "3", "3")], out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("discovery", ["script", "fixed hosts"])
+def test_a_failed_worker_takes_its_hosts_other_workers_out_of_the_job(tmp_path, discovery):
+    """As Horovod: the failure blacklists the host, and the job goes on with the other host's workers only.
+    With -H and --min-np instead of a discovery script (horovodrun's fault tolerance without scaling) too."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    where = ["--host-discovery-script", f"cat {hosts}"] if discovery == "script" else ["-H", "localhost:2,127.0.0.2:2"]
+    result, _ = run_launcher(
+        "-v", "-np", "4", "--min-np", "2", *where, "--elastic-timeout", "30",
+        sys.executable, NP_WORKER, "--steps", "8", "--fail-start-ranks", "0", timeout=110,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert "host localhost blacklisted" in result.stderr, out
+    assert "worker 1 on localhost removed from the job: its host is blacklisted" in result.stderr, out
+    assert "generation 1: 2 workers (worker 2@127.0.0.2 -> rank 0, worker 3@127.0.0.2 -> rank 1)" in result.stderr
+    done = sorted(re.findall(r"\[(\d)\]<stdout>:DONE rank=(\d) size=(\d) step=8", result.stdout))
+    assert done == [("2", "0", "2"), ("3", "1", "2")], out
+
+
+@pytest.mark.timeout(120)
+def test_the_job_fails_at_once_when_every_survivor_is_on_a_blacklisted_host(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    start = time.monotonic()
+    result, _ = run_launcher(
+        "-v", "-np", "4", "--min-np", "2", "--host-discovery-script", f"cat {hosts}", "--elastic-timeout", "100",
+        sys.executable, NP_WORKER, "--steps", "8", "--fail-start-ranks", "0", "2", timeout=110,
+    )
+    assert result.returncode != 0
+    check_all_gone(result.stderr)
+    assert ("elastic job failed: every surviving worker ran on a blacklisted host (127.0.0.2, localhost), so none "
+            "is left to pass the state on") in result.stderr, result.stdout + result.stderr
+    assert time.monotonic() - start < 80  # not after --elastic-timeout
+
+
+@pytest.mark.timeout(90)
+def test_the_first_generation_takes_every_offered_slot_up_to_max_np(tmp_path):
+    """As Horovod: -np is the least to start with; 4 slots offered and --max-np 3 give 3 workers at once."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.2:2\n")
+    result, _ = run_launcher(
+        "-v", "-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}", "--elastic-timeout", "30",
+        sys.executable, NP_WORKER, "--steps", "3", timeout=80,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert "generation 0: 3 workers (worker 0@localhost -> rank 0, worker 1@localhost -> rank 1, " \
+           "worker 2@127.0.0.2 -> rank 2)" in result.stderr, out
+    assert "generation 1" not in result.stderr, out
+    assert len(re.findall(r"DONE rank=\d size=3 step=3", result.stdout)) == 3, out

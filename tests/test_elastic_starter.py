@@ -138,3 +138,15 @@ def test_a_completed_round_still_answers_a_late_retry_after_abort() -> None:
                                              for r in (0, 1)]]
         server.abort("too late to matter")
         assert register(server.address, SECRET, 1, 2, {"r": 1}, 5.0, 0) == tables[1] == [{"r": 0}, {"r": 1}]
+
+
+def test_a_worker_is_told_horovodruns_variables_for_the_seat_it_starts_in(starter: WorkerStarter) -> None:
+    from ringcomm.elastic.plan import Assignment
+
+    seat = Assignment(wid=5, host="127.0.0.2", rank=3, size=4, local_rank=1, local_size=2, cross_rank=1, cross_size=2)
+    env = starter.env(5, "127.0.0.2", seat)
+    told = {k: env[k] for k in env if k.startswith("HOROVOD_")}
+    assert told == {"HOROVOD_HOSTNAME": "127.0.0.2", "HOROVOD_ELASTIC": "1", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4",
+                    "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1",
+                    "HOROVOD_CROSS_SIZE": "2"}
+    assert not any(k.startswith("HOROVOD_") for k in starter.env(5, "127.0.0.2"))  # no seat given: none

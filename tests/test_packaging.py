@@ -103,3 +103,36 @@ def test_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
     assert "ringcomm/__main__.py" in names and "ringcomm_torch/elastic/__init__.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert [n for n in names if n.startswith(("tests/", "ringcomm/bench/", "examples/", "docs/"))] == []
+
+
+def test_compat_wheel_holds_horovods_names_and_horovodrun(tmp_path: Path) -> None:
+    """compat/horovod's wheel: the horovod packages, the horovodrun script, ringcomm pinned; not its build backend."""
+    import zipfile
+    from importlib import metadata
+
+    import ringcomm
+
+    try:
+        setuptools_version = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        pytest.skip("setuptools is not installed")
+    if int(setuptools_version.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools_version} < 77 (the compat pyproject's build requirement)")
+    source = tmp_path / "src"  # built from a copy: the in-tree build leaves build/ and *.egg-info behind
+    shutil.copytree(ROOT / "compat" / "horovod", source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = (tmp_path / "dist").glob("horovod-*.whl")
+    assert wheel.name.startswith(f"horovod-0.28.1+ringcomm.{ringcomm.__version__}-py3-none-any")
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
+    for module in ("__init__.py", "_ringcomm_compat.py", "torch/__init__.py", "torch/mpi_ops.py",
+                   "torch/compression.py", "torch/elastic/__init__.py", "common/exceptions.py", "common/util.py",
+                   "common/process_sets.py", "runner/__init__.py", "runner/util/threads.py"):
+        assert f"horovod/{module}" in names, module
+    assert [n for n in names if not n.startswith(("horovod/", "horovod-"))] == []
+    info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert f"Requires-Dist: ringcomm=={ringcomm.__version__}" in archive.read(info).decode()
+    entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "horovodrun = ringcomm.launcher:main" in entry_points

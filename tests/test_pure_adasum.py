@@ -9,14 +9,17 @@ from hypothesis import strategies as st
 
 from ringcomm.core import adasum
 
+#: Horovod's bound on a squared norm below which a coefficient stays 1: sqrt(DBL_MIN).
+SQRT_DBL_MIN = 2.0 ** -511
+
 
 def reference_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, sums in float64, the result in a's dtype."""
     dot = sum(float(x) * float(y) for x, y in zip(a, b))
     na = sum(float(x) * float(x) for x in a)
     nb = sum(float(y) * float(y) for y in b)
-    ca = 1.0 - dot / (2.0 * na) if na >= 1e-8 else 1.0
-    cb = 1.0 - dot / (2.0 * nb) if nb >= 1e-8 else 1.0
+    ca = 1.0 - dot / (2.0 * na) if na >= SQRT_DBL_MIN else 1.0
+    cb = 1.0 - dot / (2.0 * nb) if nb >= SQRT_DBL_MIN else 1.0
     return np.array([ca * float(x) + cb * float(y) for x, y in zip(a, b)], dtype=np.float64).astype(a.dtype)
 
 
@@ -55,7 +58,7 @@ def test_tree_matches_the_pairwise_reference(n, counts, dtype, data):
 @given(st.lists(floats, min_size=1, max_size=8))
 def test_identical_vectors_average_and_orthogonal_ones_add(xs):
     a = np.array(xs, dtype=np.float64)
-    assume(float(a @ a) >= 1e-6)  # below 1e-8 the coefficients stay 1 (see the zero-vector test)
+    assume(float(a @ a) >= 1e-6)  # far from the bound below which the coefficients stay 1 (zero-vector test)
     np.testing.assert_allclose(adasum.combine(a, a.copy()), a, rtol=1e-12, atol=1e-9)
     e1, e2 = np.array([3.0, 0.0]), np.array([0.0, -2.0])
     np.testing.assert_array_equal(adasum.combine(e1, e2), e1 + e2)
@@ -67,6 +70,18 @@ def test_tensors_of_a_fused_buffer_are_combined_each_on_its_own():
     # first tensor orthogonal: summed; second identical: averaged (a joint dot product would mix them)
     np.testing.assert_allclose(adasum.combine(a, b, [2, 2]), [1.0, 1.0, 2.0, 2.0])
     assert not np.allclose(adasum.combine(a, b), [1.0, 1.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_parallel_vectors_of_tiny_normal_values_are_averaged(dtype):
+    """Squared norms far below 1e-8 but above sqrt(DBL_MIN) still get their coefficients (Horovod's bound)."""
+    assert adasum.NORM_EPSILON == SQRT_DBL_MIN
+    tiny = float(np.finfo(dtype).tiny)
+    ramp = np.linspace(1.0, 2.0, 64)
+    a, b = (ramp * tiny * 3).astype(dtype), (ramp * tiny * 5).astype(dtype)
+    assert float(a.astype(np.float64) @ a.astype(np.float64)) < 1e-8 or dtype == "float16"
+    got = adasum.tree_reduce([a, b]).astype(np.float64)
+    np.testing.assert_allclose(got, (a.astype(np.float64) + b.astype(np.float64)) / 2, rtol=2e-3)
 
 
 def test_a_zero_vector_keeps_coefficient_one_and_inputs_are_untouched():

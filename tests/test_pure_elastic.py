@@ -120,7 +120,8 @@ def test_local_hosts():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["-np", "2", "--min-np", "1", "python"], "--min-np need --host-discovery-script"),
+    (["-np", "2", "--min-np", "1", "python"], "--min-np need --host-discovery-script or -H/--hostfile"),
+    (["-np", "3", "-H", "localhost:2,127.0.0.2:2", "--min-np", "4", "python"], "--min-np 4 is larger than -np 3"),
     (["-np", "2", "--host-discovery-script", "x", "--min-np", "3", "python"], "--min-np 3 is larger than -np 2"),
     (["-np", "4", "--host-discovery-script", "x", "--max-np", "3", "python"], "--max-np 3 is smaller than -np 4"),
     (["-np", "2", "--host-discovery-script", "x", "--elastic-timeout", "0", "python"], "--elastic-timeout must be > 0"),
@@ -131,6 +132,24 @@ def test_elastic_flags_are_validated(argv, message, capsys):
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fixed_hosts_with_min_np_are_an_elastic_job_over_those_hosts(tmp_path):
+    """horovodrun's fault tolerance without scaling: -H (or --hostfile) with --min-np, no discovery script."""
+    from ringcomm.elastic.discovery import FixedHosts
+    from ringcomm.launch_args import is_elastic
+    from ringcomm.launcher import parse_args
+
+    args = parse_args(["-np", "2", "--min-np", "2", "-H", "localhost:2,127.0.0.2:2", "python", "train.py"])
+    assert is_elastic(args) and args.fixed_hosts == {"localhost": 2, "127.0.0.2": 2}
+    assert FixedHosts(args.fixed_hosts).find() == {"localhost": 2, "127.0.0.2": 2}
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.2 slots=3\n")
+    args = parse_args(["-np", "2", "--reset-limit", "1", "--hostfile", str(hostfile), "python", "train.py"])
+    assert is_elastic(args) and args.fixed_hosts == {"localhost": 1, "127.0.0.2": 3}
+    static = parse_args(["-np", "2", "-H", "localhost:2", "python", "train.py"])
+    assert not is_elastic(static) and static.fixed_hosts is None
+    assert parse_args(["-np", "2", "--host-discovery-script", "./h.sh", "python"]).fixed_hosts is None
 
 
 def test_elastic_flags_parse():

@@ -46,13 +46,16 @@ def horovod_commands(np_: int, module: str, args: Sequence[str]) -> list[list[st
 def horovod_status() -> str | None:
     """``None`` if ``import horovod.torch`` works and horovodrun exists, else why Horovod is skipped."""
     try:
-        probe = subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True, text=True,
-                               timeout=120, env=_util.worker_env(False))
+        probe = subprocess.run([sys.executable, "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
+                               capture_output=True, text=True, timeout=120, env=_util.worker_env(False))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot check for Horovod: {exc}"
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
         return f"horovod.torch not importable ({last})"
+    version = probe.stdout.strip()
+    if "+ringcomm" in version:
+        return f"horovod {version} is ringcomm's compat distribution (compat/horovod), not Horovod"
     if _horovodrun() is None:
         return "horovod.torch imports but horovodrun is not on PATH"
     return None

@@ -4,7 +4,7 @@ Two ranks' gradients ``a`` and ``b`` are combined as::
 
     adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
 
-(a coefficient stays 1 where its vector's squared norm is below 1e-8).  Orthogonal
+(a coefficient stays 1 where its vector's squared norm is below ``NORM_EPSILON``, about 1.5e-154).  Orthogonal
 gradients are summed, identical ones averaged.  A job of ``2^k`` ranks reduces in
 the order of the vector-halving distance-doubling (VHDD) algorithm: at level 1 rank
 pairs ``(0, 1), (2, 3), ...`` combine, at level 2 the pairs of pairs ``(01, 23), ...``,
@@ -32,8 +32,9 @@ __all__ = ["ADASUM_DTYPES", "NORM_EPSILON", "coefficients", "combine", "is_power
 #: dtypes Adasum reduces (by NumPy name).
 ADASUM_DTYPES: tuple[str, ...] = ("float16", "float32", "float64")
 
-#: below this squared norm a vector's coefficient stays 1.
-NORM_EPSILON = 1e-8
+#: below this squared norm a vector's coefficient stays 1: the square root of the smallest normal float64
+#: (about 1.5e-154), Horovod's bound, so that vectors of tiny but normal values are still averaged.
+NORM_EPSILON = float(np.sqrt(np.finfo(np.float64).tiny))
 
 
 def is_power_of_two(n: int) -> bool:

@@ -28,7 +28,7 @@ import subprocess
 
 from ..errors import InvalidInputError
 
-__all__ = ["parse_hosts", "HostDiscoveryScript", "DiscoveryError", "is_local_host"]
+__all__ = ["parse_hosts", "HostDiscoveryScript", "FixedHosts", "DiscoveryError", "is_local_host"]
 
 
 class DiscoveryError(InvalidInputError):
@@ -100,3 +100,18 @@ class HostDiscoveryScript:
                 + (": " + " | ".join(tail) if tail else "")
             )
         return parse_hosts(done.stdout, self.default_slots)
+
+
+class FixedHosts:
+    """The hosts of ``-H``/``--hostfile`` in an elastic job without a discovery script (Horovod's fault
+    tolerance without scaling): always the same; a failed worker's host is blacklisted as usual.
+
+        >>> FixedHosts({"localhost": 2, "127.0.0.2": 2}).find()
+        {'localhost': 2, '127.0.0.2': 2}
+    """
+
+    def __init__(self, hosts: dict[str, int]) -> None:
+        self.hosts = dict(hosts)
+
+    def find(self) -> dict[str, int]:
+        return dict(self.hosts)

@@ -52,8 +52,8 @@ import time
 from ..supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
 from ..errors import InvalidInputError
 from ..rendezvous import RendezvousServer, kv_set
-from .discovery import DiscoveryError, HostDiscoveryScript
-from .plan import Blacklist, Member, assign_ranks, new_worker_hosts
+from .discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
+from .plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
 from .starter import WorkerStarter
 from .worker import World, pack, unpack
 
@@ -90,7 +90,10 @@ class ElasticDriver:
         self.min_np: int = args.min_np if args.min_np is not None else args.num_proc
         self.max_np: int | None = args.max_np
         self.timeout: float = args.elastic_timeout
-        self.discovery = HostDiscoveryScript(args.host_discovery_script, args.slots_per_host)
+        fixed = getattr(args, "fixed_hosts", None)  # -H/--hostfile with --min-np and no discovery script
+        self.discovery: HostDiscoveryScript | FixedHosts = (
+            FixedHosts(fixed) if fixed is not None else HostDiscoveryScript(args.host_discovery_script,
+                                                                            args.slots_per_host))
         self.blacklist = Blacklist(args.blacklist_failures, args.blacklist_cooldown)
         self.job_id = secrets.token_hex(4)
         self.secret = secrets.token_bytes(32)
@@ -178,10 +181,10 @@ class ElasticDriver:
         kv_set(f"tcp://127.0.0.1:{self.store.port}" if self._bind == "0.0.0.0" else self.store.address,
                self.secret, key, value, 10.0)
 
-    def _start_worker(self, host: str) -> Member:
+    def _start_worker(self, host: str, place: Assignment) -> Member:
         wid = len(self.workers)
         try:
-            worker = self.starter.start(wid, host, self.exits)
+            worker = self.starter.start(wid, host, self.exits, place)
         except InvalidInputError as exc:
             raise JobFailed(f"elastic job failed: cannot start worker {wid} on {host}: {exc}") from None
         except OSError as exc:
@@ -200,7 +203,7 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ forming worlds
 
-    def _publish(self, members: list[Member]) -> None:
+    def _publish(self, members: list[Member]) -> list[Assignment]:
         self.gen += 1
         server = RendezvousServer(size=len(members), secret=self.secret, host=self._bind)
         self._servers.append(server)
@@ -218,27 +221,37 @@ class ElasticDriver:
         self._kv("world/current", pack(self.gen))
         ranks = ", ".join(f"worker {a.wid}@{a.host} -> rank {a.rank}" for a in assignments)
         self.say(f"generation {self.gen}: {len(members)} workers ({ranks})")
+        return assignments
 
     def _form(self, survivors: list[Member], target: int) -> bool:
         """Publish the next world: survivors first, then new workers; False while below --min-np."""
         self._refresh_hosts()
         with self._discovery_lock:
             hosts = dict(self.hosts)
-        kept = []
-        for m in survivors:
-            if m.host in hosts:
-                kept.append(m)
-            else:
-                self._remove(m, "its host is no longer in the discovery output")
         now = time.monotonic()
+        kept, banned = [], []
+        for m in survivors:
+            if m.wid in self.removed:
+                continue
+            if m.host not in hosts:
+                self._remove(m, "its host is no longer in the discovery output")
+            elif self.blacklist.blacklisted(m.host, now):  # as Horovod: the job goes on without the host
+                self._remove(m, "its host is blacklisted")
+                banned.append(m)
+            else:
+                kept.append(m)
+        if banned and not kept:
+            raise JobFailed(f"elastic job failed: every surviving worker ran on a blacklisted host "
+                            f"({', '.join(sorted({m.host for m in banned}))}), so none is left to pass the state "
+                            "on to new workers; raise --blacklist-failures to keep a host after a failure")
         new_hosts = new_worker_hosts(hosts, kept, self.blacklist, now, max(target, len(kept)))
         if len(kept) + len(new_hosts) < self.min_np:
             return False
         new_members = [Member(len(self.workers) + i, h) for i, h in enumerate(new_hosts)]
         # publish before starting the new workers, so their first init() finds the world
-        self._publish(kept + new_members)
+        seats = {a.wid: a for a in self._publish(kept + new_members)}
         for m in new_members:
-            started = self._start_worker(m.host)
+            started = self._start_worker(m.host, seats[m.wid])
             assert started.wid == m.wid
         return True
 
@@ -387,7 +400,8 @@ class ElasticDriver:
                 if self._discovery_error is not None:
                     raise JobFailed(f"elastic job failed: {self._discovery_error}")
             threading.Thread(target=self._discovery_loop, name="ringcomm-discovery", daemon=True).start()
-            self._wait_to_form([], min(self.args.num_proc, self._limit()), "starting")
+            # as Horovod: the first generation takes every slot offered, up to --max-np (-np is the default --min-np)
+            self._wait_to_form([], self._limit(), "starting")
             while True:
                 result = self._loop()
                 if result is not None:

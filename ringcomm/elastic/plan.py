@@ -78,9 +78,10 @@ class Blacklist:
 
     A host is blacklisted once ``failures`` of its workers have failed since it
     was last let back in; it stays out for ``cooldown`` seconds, doubled each
-    further time it is blacklisted (capped at ``max_cooldown``).  Workers
-    already running there keep running.  Times are whatever clock the caller
-    passes (the driver uses ``time.monotonic()``).
+    further time it is blacklisted (capped at ``max_cooldown``).  The driver
+    also stops the workers still running there when the job next re-forms, as
+    Horovod does.  Times are whatever clock the caller passes (the driver uses
+    ``time.monotonic()``).
 
         >>> bl = Blacklist(failures=2, cooldown=10.0)
         >>> bl.record_failure("h", now=0.0), bl.blacklisted("h", now=0.0)

@@ -34,6 +34,7 @@ from .. import netaddr, remote
 from ..supervise import REMOTE_GRACE_SECONDS, Worker, spawn
 from ..errors import InvalidInputError
 from .discovery import is_local_host
+from .plan import Assignment
 from .worker import TIMEOUT_VAR, WORKER_VAR
 
 __all__ = ["WorkerStarter", "REMOTE_GRACE_SECONDS"]
@@ -98,8 +99,13 @@ class WorkerStarter:
 
     # ------------------------------------------------------------------ what
 
-    def env(self, wid: int, host: str) -> dict[str, str]:
-        """The environment of worker ``wid`` on ``host`` (the secret included; it goes over ssh's input)."""
+    def env(self, wid: int, host: str, place: Assignment | None = None) -> dict[str, str]:
+        """The environment of worker ``wid`` on ``host`` (the secret included; it goes over ssh's input).
+
+        ``place``, the worker's seat in the generation it starts into, gives it horovodrun's
+        ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ... and ``HOROVOD_HOSTNAME`` (its host as discovered), as
+        Horovod's elastic driver does: they tell where the worker started, ``rank()`` where it is now.
+        """
         env = dict(self.environ)
         for key in _PLACE_VARS:
             env.pop(key, None)
@@ -112,6 +118,13 @@ class WorkerStarter:
             "RINGCOMM_HOSTNAME": host,
             "PYTHONUNBUFFERED": "1",
         })
+        if place is not None:
+            env.update({
+                "HOROVOD_HOSTNAME": host, "HOROVOD_ELASTIC": "1",
+                "HOROVOD_RANK": str(place.rank), "HOROVOD_SIZE": str(place.size),
+                "HOROVOD_LOCAL_RANK": str(place.local_rank), "HOROVOD_LOCAL_SIZE": str(place.local_size),
+                "HOROVOD_CROSS_RANK": str(place.cross_rank), "HOROVOD_CROSS_SIZE": str(place.cross_size),
+            })
         if "OMP_NUM_THREADS" not in self.environ and self.most_workers > 1:
             env["OMP_NUM_THREADS"] = "1"
         if self.args.start_timeout is not None:
@@ -122,9 +135,9 @@ class WorkerStarter:
             env["RINGCOMM_NETWORK_INTERFACE"] = self.interface
         return env
 
-    def start(self, wid: int, host: str, exits: "queue.Queue[Worker]") -> Worker:
+    def start(self, wid: int, host: str, exits: "queue.Queue[Worker]", place: Assignment | None = None) -> Worker:
         """Start worker ``wid`` on ``host``; raises OSError (ssh or the program missing), InvalidInputError."""
-        env = self.env(wid, host)
+        env = self.env(wid, host, place)
         if not self.is_remote(host):
             return spawn(wid, self.args.command, env, exits, host)
         forwarded = remote.forwarded_env(env)

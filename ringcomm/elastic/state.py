@@ -61,6 +61,9 @@ class State(abc.ABC):
         self._bcast_object = bcast_object or (lambda obj: api.broadcast_object(obj, 0))
         self._rank = get_rank or api.rank
         self._reset_callbacks: list[Callable[[], None]] = []
+        #: Horovod's name for the driver's pending host notifications; its scripts poll
+        #: ``state._host_messages.empty()`` to wait until the driver has seen a change of hosts.
+        self._host_messages = HostNotices()
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call ``callbacks`` after every reset (workers added or removed), before ``sync()``.
@@ -102,6 +105,19 @@ class State(abc.ABC):
     @abc.abstractmethod
     def sync(self) -> None:
         """Make every rank's state rank 0's (collective)."""
+
+
+class HostNotices:
+    """Whether the driver has news of the hosts, read the way Horovod's queue of notifications is.
+
+    ``empty()`` is False from the moment the elastic driver has found hosts added or removed
+    since this process's world was formed (one question to the driver; always True outside an
+    elastic job).  Reading it changes nothing: :meth:`State.check_host_updates` still raises
+    ``HostsUpdatedInterrupt`` at the next commit.
+    """
+
+    def empty(self) -> bool:
+        return not worker.hosts_updated()
 
 
 class ObjectState(State):

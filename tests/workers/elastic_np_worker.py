@@ -1,4 +1,5 @@
-"""A NumPy elastic job: ObjectState + run; the worker on host --fail-host raises after its first allreduce.
+"""A NumPy elastic job: ObjectState + run; the worker on host --fail-host raises after its first allreduce,
+and those that started as ranks --fail-start-ranks (horovodrun's HOROVOD_RANK) raise at step 3.
 
 Prints ``STEP rank=R size=N step=S`` and ``DONE rank=R size=N step=S``.
 """
@@ -20,6 +21,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--fail-host", default="")
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--fail-start-ranks", type=int, nargs="*", default=[])
     args = p.parse_args()
     rc.init()
     state = ObjectState(step=0, total=0.0)
@@ -32,6 +34,8 @@ def main() -> None:
             print(f"STEP rank={rc.rank()} size={rc.size()} step={state.step}", flush=True)
             if os.environ.get("RINGCOMM_HOSTNAME") == args.fail_host:
                 raise RuntimeError(f"worker on {args.fail_host} fails on purpose")
+            if state.step == 3 and int(os.environ["HOROVOD_RANK"]) in args.fail_start_ranks:
+                raise RuntimeError(f"the worker that started as rank {os.environ['HOROVOD_RANK']} fails on purpose")
             state.commit()
             time.sleep(args.sleep)
 

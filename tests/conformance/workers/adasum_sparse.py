@@ -28,8 +28,8 @@ def ranks_agree(t: torch.Tensor, what: str) -> None:
 def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     dot, na, nb = float(np.sum(a64 * b64)), float(np.sum(a64 * a64)), float(np.sum(b64 * b64))
-    ca = 1.0 - dot / (2.0 * na) if na >= 1e-8 else 1.0
-    cb = 1.0 - dot / (2.0 * nb) if nb >= 1e-8 else 1.0
+    ca = 1.0 - dot / (2.0 * na) if na >= 2.0 ** -511 else 1.0  # sqrt(DBL_MIN), Horovod's bound
+    cb = 1.0 - dot / (2.0 * nb) if nb >= 2.0 ** -511 else 1.0
     return (ca * a64 + cb * b64).astype(a.dtype)
 
 

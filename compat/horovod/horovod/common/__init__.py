@@ -1,0 +1,1 @@
+"""``horovod.common``: the framework-independent names Horovod scripts import (errors, process sets, elastic state)."""
