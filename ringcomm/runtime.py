@@ -333,16 +333,17 @@ def timeline_active() -> bool:
     return rt is not None and rt.engine.timeline is not None
 
 
-def timeline_span(name: str, phase: str, start: float, end: float) -> None:
+def timeline_span(name: str, phase: str, start: float, end: float, args: dict[str, Any] | None = None) -> None:
     """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
 
-    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
-    no-op when no timeline is being written.  Safe from any thread.
+    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies, with ``args`` such as
+    the parameters a gradient bucket carries); a no-op when no timeline is being written.
+    Safe from any thread.
     """
     rt = _runtime
     tl = rt.engine.timeline if rt is not None else None
     if tl is not None:
-        tl.span(name, phase, start, end)
+        tl.span(name, phase, start, end, args)
 
 
 def is_initialized() -> bool:
