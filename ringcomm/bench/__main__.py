@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup", type=int, default=5, help="untimed steps per job (default: 5)")
     train.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cuda: resnet18 on the GPU, ringcomm_torch vs DDP on gloo and on ringcomm (default: cpu)")
+    train.add_argument("--model", choices=("small", "resnet18"), default="",
+                       help="the model (default: small on the CPU, resnet18 with --device cuda)")
 
     ddpp = sub.add_parser("ddp", parents=[output],
                           help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')
@@ -189,7 +193,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     elif args.command == "training":
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            job_timeout=args.job_timeout))
+            job_timeout=args.job_timeout, device=args.device, model=args.model))
     elif args.command == "ddp":
         results["ddp"] = ddp.run(ddp.DDPConfig(np_=args.np, models=args.models, batch=args.batch, steps=args.steps,
                                                warmup=args.warmup, repeats=args.repeats, job_timeout=args.job_timeout))

@@ -112,18 +112,19 @@ def ceiling_markdown(section: dict[str, Any]) -> str:
 def training_markdown(section: dict[str, Any]) -> str:
     """The training-step table: img/s and scaling efficiency per setup."""
     lines = [
-        "### Training step (small CNN, 32x32x3 synthetic images)",
+        f"### Training step ({section['model'].split(':')[0]}, {section.get('device', 'cpu')})",
         "",
         f"Batch {section['batch_per_rank']} per rank, one thread per rank; median img/s over "
         f"{section['repeats']} alternating round(s) of {section['steps']} timed steps. "
-        "Efficiency = img/s / (np x img/s of one process).",
+        "Efficiency = img/s / (np x img/s of one process); spread = slowest and fastest round / median.",
         "",
-        "| setup | np | img/s | scaling efficiency |",
-        "|---|---|---|---|",
+        "| setup | np | img/s | scaling efficiency | spread |",
+        "|---|---|---|---|---|",
     ]
     for row in section["summary"]:
         eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
-        lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
+        spread = "-" if not row.get("spread") else f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}"
+        lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} | {spread} |")
     for ratio in section.get("ratios", []) + section.get("bound_ratios", []):
         rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
         num, den = (n.replace("ddp", "DDP") for n in ratio.get("of", "ringcomm/ddp").split("/"))
