@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encrypt", action="store_true",
                    help=f"also run ringcomm with RINGCOMM_ENCRYPT=1 ({_launch.ENCRYPTED}), alternated with the "
                         "others; the table gains an encrypted/plain latency column")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: CUDA tensors, ringcomm through ringcomm_torch vs gloo (default: cpu)")
 
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench",
                                      description="Benchmark ringcomm side by side with torch.distributed gloo.",
@@ -170,7 +172,8 @@ def _collective_config(op: str, args: argparse.Namespace) -> collectives.Collect
     if args.encrypt and _launch.ENCRYPTED not in systems:
         systems.insert(systems.index("ringcomm") + 1 if "ringcomm" in systems else 0, _launch.ENCRYPTED)
     return collectives.CollectiveConfig(op=op, nps=args.np, sizes=sizes, iters=args.iters, warmup=args.warmup,
-                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=systems)
+                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=systems,
+                                        device=getattr(args, "device", "cpu"))
 
 
 def run_command(args: argparse.Namespace) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def build_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
     if name == "small":
         return SmallCNN(), (3, 32, 32), 10
     try:
-        import torchvision
+        import torchvision  # type: ignore[import-not-found,unused-ignore]
 
         return torchvision.models.resnet18(), (3, 64, 64), 1000
     except Exception:  # noqa: BLE001 - torchvision missing or broken: the same shapes, built here

@@ -46,7 +46,8 @@ def collective_markdown(section: dict[str, Any]) -> str:
     iters = sorted(set(section["iters"].values()))
     iter_text = "/".join(str(i) for i in iters)
     lines = [
-        f"### {section['op']}, {section['dtype']}, one thread per rank",
+        f"### {section['op']}, {section['dtype']}{' CUDA tensors' if section.get('device') == 'cuda' else ''}, "
+        "one thread per rank",
         "",
         f"Median per-op time over {section['repeats']} alternating round(s) x {iter_text} timed iterations "
         f"(each iteration: the slowest rank, after a barrier); bus bandwidth = {section['busbw_formula']}. "
