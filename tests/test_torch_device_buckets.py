@@ -59,8 +59,8 @@ def test_bucket_plan_has_a_small_first_bucket_then_ddp_sized_ones():
 
 def test_hook_queues_without_waiting_data_is_poison_until_the_event_fires_and_results_are_bitwise_right():
     ops = device.FakeOps()
-    x = torch.randn(5, 8)
-    # one rank: the average is the local gradient, bitwise
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    # every rank has the same gradients: their average is the local gradient, bitwise (at 1, 2, 4 ranks)
     model, opt, expected = model_and_opt(ops, x=x)
     submitted = []
     real = rc.allreduce_async
@@ -95,7 +95,7 @@ def test_one_copy_each_way_per_bucket_and_no_pinned_allocation_after_the_first_s
     model, opt = model_and_opt(ops, widths=(32,) * 12)  # 22 tensors, one small first bucket
     n = len(opt._device_buckets)
     assert n >= 1 and sum(len(k) for k in opt._device_buckets) == 22
-    x = torch.randn(4, 32)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
     for step in range(3):
         before = ops.count("copy")
         packs, unpacks = ops.count("pack"), ops.count("unpack")
@@ -156,7 +156,7 @@ def test_a_resnet18_shaped_model_makes_one_core_op_per_bucket():
 
 def test_device_buckets_keep_horovod_semantics():
     ops = device.FakeOps()
-    x = torch.randn(3, 8)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))  # the same on every rank
     # compression, backward_passes_per_step, zero_grad refusal, skip_synchronize, groups=
     model, opt, grads = model_and_opt(ops, x=x, compression=hvd.Compression.fp16, backward_passes_per_step=2)
     ref = [(g * 2).to(torch.float16).to(torch.float32) for g in grads]
