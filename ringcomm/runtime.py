@@ -523,6 +523,21 @@ def resolve_process_set(process_set: Any, what: str) -> tuple[int, tuple[int, ..
     return current(what).resolve_set(process_set, what)
 
 
+def reserve_name(kind: str, process_set: Any) -> str:
+    """Take the name the next unnamed ``kind`` op of ``process_set`` gets (``kind.noname.N``, the
+    core op's own kind, e.g. ``"allreduce"`` or ``"grouped_allreduce"``), to submit it later.
+
+    For layers above the core that hand an op to the core from another thread (ringcomm_torch
+    once a CUDA tensor's copy is done): the name is taken in program order, as the others are.
+    """
+    rt = current(kind)
+    pset, _ = rt.resolve_set(process_set, kind)
+    try:
+        return rt.auto_name(kind, None, pset)
+    finally:
+        checking.op = None
+
+
 def process_set_ids() -> list[int]:
     """Ids of the registered process sets (0 is the global set)."""
     return current("process_set_ids").engine.set_ids()

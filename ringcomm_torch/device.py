@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "FakeOps", "ops_for", "override", "Stager", "Staging", "stager"]
+__all__ = ["DeviceOps", "CudaOps", "FakeOps", "cuda_ops", "staging_ops", "ops_for", "override", "Stager", "Staging", "stager"]
 
 
 class DeviceOps(Protocol):
@@ -228,17 +228,25 @@ _cuda_ops: CudaOps | None = None
 _override: DeviceOps | None = None
 
 
+def cuda_ops() -> CudaOps:
+    """The process's :class:`CudaOps` (its side streams are shared by every caller)."""
+    global _cuda_ops
+    if _cuda_ops is None:
+        _cuda_ops = CudaOps()
+    return _cuda_ops
+
+
+def staging_ops() -> DeviceOps:
+    """What stages CUDA tensors for the collectives: the :func:`override` if one is in force."""
+    return _override if _override is not None else cuda_ops()
+
+
 def ops_for(t: torch.Tensor) -> DeviceOps | None:
     """The device operations for ``t``: CUDA's for a CUDA tensor, the :func:`override` if one is
     in force (for every tensor), else None (a host tensor: no staging needed)."""
-    global _cuda_ops
     if _override is not None:
         return _override
-    if t.device.type == "cuda":
-        if _cuda_ops is None:
-            _cuda_ops = CudaOps()
-        return _cuda_ops
-    return None
+    return cuda_ops() if t.device.type == "cuda" else None
 
 
 @contextmanager
@@ -266,11 +274,16 @@ class Staging:
     def done(self) -> bool:
         return self._started.is_set() and (self._error is not None or self._core is None or bool(self._core.done()))
 
-    def wait(self) -> Any:
+    def started(self) -> Any:
+        """Wait until the op was handed to the core; returns what ``start()`` returned."""
         self._started.wait()
         if self._error is not None:
             raise self._error
-        return None if self._core is None else self._core.wait()
+        return self._core
+
+    def wait(self) -> Any:
+        core = self.started()
+        return None if core is None else core.wait()
 
 
 class Stager:
@@ -284,7 +297,8 @@ class Stager:
         self._pid = 0
 
     def submit(self, ops: DeviceOps, ready: Any, start: Callable[[], Any], name: str | None) -> Staging:
-        """``start()`` (which returns the core handle) runs on the stager once ``ready`` happened."""
+        """``start()`` (which returns the core handle) runs on the stager once ``ready`` (an event,
+        or a list of them) happened."""
         import os
 
         staging = Staging(name)
@@ -305,7 +319,8 @@ class Stager:
                     self._cond.wait()
                 ops, ready, start, staging = self._jobs.popleft()
             try:
-                ops.wait_event(ready)
+                for event in ready if isinstance(ready, list) else [ready]:
+                    ops.wait_event(event)
                 staging._core = start()
             except BaseException as exc:  # raised again by wait(), on the caller's thread
                 staging._error = exc

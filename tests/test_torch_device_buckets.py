@@ -175,3 +175,31 @@ def test_device_buckets_keep_horovod_semantics():
     opt.step()
     for p, g in zip(model.parameters(), expected):
         assert torch.equal(p.grad, g)
+
+
+def test_a_collective_on_staged_device_data_is_named_now_and_submitted_once_the_copy_is_done():
+    """hvd.*_async on CUDA tensors: the caller returns before the copy to the host is done; the
+    op takes its automatic name at the call (program order) and reaches the core afterwards."""
+    import numpy as np
+
+    from ringcomm_torch import collectives
+    from ringcomm_torch.tensors import Staged
+
+    ops = device.FakeOps()
+    ops.hold()
+    ready = ops.event()
+    ops.record(ready, "side")  # held: not ready
+    arr = np.ones(4, np.float32)
+    s = Staged(arr, torch.float32, torch.float32, torch.device("cpu"), False, None, None, ready)
+    names = []
+    with device.override(ops):
+        core = collectives._start([s], "allreduce", None, hvd.global_process_set,
+                                  lambda nm: names.append(nm) or rc.allreduce_async(arr, name=nm, out=arr))
+    time.sleep(0.05)
+    assert not names and not core.done()  # the stager waits for the copy
+    later = rc.allreduce_async(np.ones(2, np.float32))  # an unnamed op submitted after it, on the host
+    ops.fire()
+    assert np.array_equal(core.wait(), np.ones(4, np.float32))
+    later.wait()
+    assert names[0].startswith("allreduce.noname.")
+    assert int(names[0].rsplit(".", 1)[1]) + 1 == int(later.name.rsplit(".", 1)[1])  # numbered in call order
