@@ -203,3 +203,9 @@ def test_a_collective_on_staged_device_data_is_named_now_and_submitted_once_the_
     later.wait()
     assert names[0].startswith("allreduce.noname.")
     assert int(names[0].rsplit(".", 1)[1]) + 1 == int(later.name.rsplit(".", 1)[1])  # numbered in call order
+
+
+def test_the_benchmarks_built_in_resnet18_has_torchvisions_parameter_shapes():
+    from ringcomm.bench._train_worker import ResNet18Shape
+
+    assert [tuple(p.shape) for p in ResNet18Shape().parameters()] == resnet18_shapes()
