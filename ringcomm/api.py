@@ -50,6 +50,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
     process_set_ids as process_set_ids,
     rank as rank,
     remove_process_set as remove_process_set,
+    reserve_name as reserve_name,  # ringcomm_torch names a CUDA op before its copy is done
     resolve_process_set as resolve_process_set,  # ringcomm_torch resolves through ringcomm.api
     shutdown as shutdown,
     size as size,

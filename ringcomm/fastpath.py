@@ -17,8 +17,8 @@ a core per rank), then sleeps on it in a futex, waking every
 heartbeats and connection monitors keep running), to warn of a stall, and
 to honour a deadline.  An async fast op nobody waits for is resolved by a
 sweeper thread within :data:`SWEEP_SECONDS`, so a peer that diverted it is
-never left waiting; the sweeper sleeps without a timeout once the lane has
-been idle for :data:`IDLE_SECONDS`.
+never left waiting; the sweeper also posts the ops a submit queued rather than
+wait for a peer, and sleeps without a timeout once the lane is idle.
 
     rank 0: allreduce(x) -> post k (fast, x)  -> every entry at k fast, same key -> reduce, return
     rank 1: allreduce(y) -> post k (fast, y)  -> ... the same, bitwise
@@ -26,6 +26,7 @@ been idle for :data:`IDLE_SECONDS`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -52,9 +53,11 @@ YIELDS = 50
 SWEEP_SECONDS = 0.01
 #: After this long without a fast op the sweeper sleeps until the next one.
 IDLE_SECONDS = 1.0
-#: A small op behind ops in flight a peer has not posted yet waits this long for it at most, then
-#: goes to the engine.
+#: A small op behind ops in flight a peer has not posted yet stays queued this long for it at most
+#: (the submitting thread does not wait), then goes to the engine.
 AGREE_SECONDS = 0.002
+#: How often the sweeper tries to post queued ops.
+BACKLOG_POLL = 0.0005
 #: Finished engine ops are dropped from the record of open ones once it holds this many.
 OPEN_PRUNE = 32
 #: Requests whose key and fast size are kept (a training loop submits the same ones every step).
@@ -82,6 +85,15 @@ class LaneHandle(Handle):
                 raise self._error
             return self._result
         return super().wait(timeout)
+
+
+class _Queued:
+    """An op submitted, not yet posted (its entry is still read, or a peer is behind)."""
+    __slots__ = ("entry", "key", "nbytes", "others", "deadline", "posted", "fast")
+
+    def __init__(self, entry: Entry, key: int, nbytes: int, others: int, deadline: float) -> None:
+        self.entry, self.key, self.nbytes, self.others, self.deadline = entry, key, nbytes, others, deadline
+        self.posted = self.fast = False  # set once posted: fast, or an engine entry
 
 
 class _Pending:
@@ -163,6 +175,7 @@ class FastPath:
         self._next = 0  # the index of this rank's next post
         self._free_below = 0  # every rank has finished reading every index below this one
         self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
+        self._backlog: collections.deque[_Queued] = collections.deque()  # submitted, not yet posted
         self._plans: dict[wire.Request, tuple[int, int]] = {}  # request -> (op key, fast bytes or -1)
         # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
         # the caller dropped is not kept alive here)
@@ -182,22 +195,14 @@ class FastPath:
     # -- posting ----------------------------------------------------------------
 
     def submit(self, entry: Entry, others: int) -> bool:
-        """Post ``entry`` (an op of the global set) at this rank's next index.
+        """Post ``entry`` (a global set's op) at the next index, or queue it: never waits for a peer.
+        True: the lane has it (fast, or queued); False: the caller hands it to the engine.
 
-        True: it is posted fast and its :class:`LaneHandle` resolves it.  False:
-        the caller hands it to the engine (posted as an engine entry, or the lane
-        is closed).  ``others`` is how many other ops this rank has in flight.
-        An op goes fast only when each of those sits at an index where every
-        rank posted the same op (:meth:`_agreement`, waiting a moment for a peer that has not
-        posted them yet; trivially so when there are
-        none).  Then every rank has submitted every op this rank has, finished
-        or in flight, and nothing else: a peer that has not posted this index
-        yet waits for nothing of this rank's but what comes later in its
-        program (the agreed ops in flight finish in the engine or the lane on
-        their own).  Without the rule, a fast op could wait for a peer that
-        waits, in the engine, for this very op, which it submitted earlier at
-        an index where this rank had posted another op.
-        """
+        ``others`` (this rank's other ops in flight) must all sit at indices where every rank
+        posted the same op for this one to go fast (:meth:`_agreement`), else a fast op could
+        wait for a peer that waits, in the engine, for it.  While the next entry is still read,
+        or a peer has not posted those ops yet, the op is queued; the sweeper (or its waiter)
+        posts it later, fast if the peer caught up within :data:`AGREE_SECONDS`."""
         req = entry.req
         plan = self._plans.get(req)
         if plan is None:
@@ -205,52 +210,100 @@ class FastPath:
         key, nbytes = plan
         if nbytes >= 0 and ((entry.grouped and req.kind != wire.ALLREDUCE) or self._slow()):
             nbytes = -1
-        fast = nbytes >= 0
         with self._lock:
             if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
                 self._close_locked(None)
                 return False
             if self._closed:
                 return False
-            deadline: float | None = None
-            while True:
-                k = self._next
-                if k - self._region.slots >= self._free_below:  # its entry may still be read
-                    k = self._make_room()  # every post rewrites an entry: engine entries too
-                if self._closed:
-                    return False
-                if not (fast and others):
-                    break
-                agreement = self._agreement(others)
-                if agreement is True:
-                    break
-                if deadline is None:
-                    deadline = time.monotonic() + AGREE_SECONDS
-                if agreement is False or not self._await_agreement(agreement, deadline):
-                    fast, nbytes = False, 0
-                    break
-                # waited with the lock released: the next index and the ops in flight are read again
-            nbytes = max(nbytes, 0)  # the key is posted for engine entries too: _agreement compares them
-            self._region.post(k, key, fast, entry.arrays if nbytes else ())
-            self._next = k + 1
-            if not self._unlinked:
-                self._unlink_once_all_posted()
-            if not fast:
-                if len(self._engine_open) >= OPEN_PRUNE:
-                    self._prune_open()
-                self._engine_open[k] = (key, weakref.ref(entry.handle))
-                self._publish_done()
-                return False
-            now = time.monotonic()
-            self._pending[k] = _Pending(entry, key, now, nbytes)
+            q = _Queued(entry, key, nbytes, others, time.monotonic() + AGREE_SECONDS)
+            self._backlog.append(q)
+            self._flush(block=False, own=q)
+            if q.posted:
+                return q.fast
             handle = entry.handle
             assert isinstance(handle, LaneHandle)
-            handle._lane, handle.index = self, k
-            self._last_fast = now
-            if self._sweeper_idle:
-                self._sweeper_idle = False
-                self._cond.notify()
+            handle._lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
+            self._sweeper_idle = False
+            self._cond.notify()
         return True
+
+    def _flush(self, block: bool, own: _Queued | None = None, until: _Queued | None = None) -> None:
+        """Post queued ops in order (lock held); stop at one that would wait for a peer, or with
+        ``block`` wait (lock released) until ``until`` is posted.  ``own``: the caller's op."""
+        backlog = self._backlog
+        while backlog and not self._closed and not (until is not None and until.posted):
+            if not self._room(block) or not backlog:  # (a wait released the lock)
+                return
+            q = backlog[0]
+            fast = q.nbytes >= 0
+            if fast and q.others:
+                agreement = self._agreement(q.others)
+                if agreement is not True:
+                    if agreement is not False and time.monotonic() < q.deadline:
+                        if not block:
+                            return
+                        self._await_agreement(agreement, q.deadline)
+                        continue  # waited with the lock released: everything is read again
+                    fast = False
+            backlog.popleft()
+            self._post(q, fast, q is own)
+
+    def _post(self, q: _Queued, fast: bool, own: bool) -> None:
+        """Write ``q`` at this rank's next index (its entry is free) and hand it on."""
+        k, entry = self._next, q.entry
+        self._region.post(k, q.key, fast, entry.arrays if fast and q.nbytes else ())
+        self._next, q.posted, q.fast = k + 1, True, fast
+        if not self._unlinked:
+            self._unlink_once_all_posted()
+        handle = entry.handle
+        assert isinstance(handle, LaneHandle)
+        if not fast:
+            if len(self._engine_open) >= OPEN_PRUNE:
+                self._prune_open()
+            self._engine_open[k] = (q.key, weakref.ref(handle))
+            self._publish_done()
+            handle._lane = None  # an ordinary handle: the engine finishes it (the caller's, if ``own``)
+            if not own:
+                self._divert_entry(entry)
+            return
+        now = time.monotonic()
+        self._pending[k] = _Pending(entry, q.key, now, q.nbytes)
+        handle._lane, handle.index, self._last_fast = self, k, now
+        if self._sweeper_idle:
+            self._sweeper_idle = False
+            self._cond.notify()
+
+    def _room(self, block: bool) -> bool:
+        """Whether the entry of this rank's next index is free; waits for it when ``block``."""
+        if block:
+            self._make_room()
+            return True
+        oldest = self._next - self._region.slots
+        if oldest < self._free_below:
+            return True
+        if oldest in self._pending:  # this rank's own: resolve it if the peers have posted
+            self._resolve(oldest, None, block=False)
+            if oldest in self._pending:
+                return False
+        free = self._region.all_done_below(oldest)
+        if free > oldest:
+            self._free_below = free
+            return True
+        return False
+
+    def _drain_backlog(self, err: BaseException | None) -> None:
+        """The lane is off, or the engine failed (``err``): queued ops go to the engine, or fail."""
+        while self._backlog:
+            q = self._backlog.popleft()
+            q.posted = True
+            handle = q.entry.handle
+            assert isinstance(handle, LaneHandle)
+            handle._lane = None
+            if err is not None:
+                handle.set_error(err)
+            else:
+                self._divert_entry(q.entry)
 
     def _plan(self, entry: Entry) -> tuple[int, int]:
         """``entry``'s op key and what this rank posts for it fast (-1: not fast), kept per request."""
@@ -293,11 +346,8 @@ class FastPath:
         return True if unposted is None else unposted
 
     def _await_agreement(self, unposted: tuple[int, int], deadline: float) -> bool:
-        """Wait (lock released) until rank ``r`` posts index ``k`` (``unposted``), a little at most:
-        a peer a step behind in the same program posts the ops in flight in a moment, and an op
-        that would have gone to the engine for it goes fast.  False once :data:`AGREE_SECONDS` have
-        passed since the first look (``deadline``): the op goes to the engine (no rank waits long
-        for another here, so none can wait for one that waits for it)."""
+        """Wait (lock released) until rank ``r`` posts index ``k`` (``unposted``), until ``deadline``
+        at most (then the op goes to the engine); False once the deadline has passed."""
         if time.monotonic() >= deadline:
             return False
         r, k = unposted
@@ -319,26 +369,20 @@ class FastPath:
     def _make_room(self) -> int:
         """Wait until the entry of this rank's next index k is free (every rank has finished
         reading index k - slots); returns k."""
-        while True:
-            k = self._next
-            oldest = k - self._region.slots
-            if oldest < 0 or self._closed:
-                return k
+        while not self._closed:
+            oldest = self._next - self._region.slots
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
-                continue
-            if oldest < self._free_below:
-                return k
-            free = self._region.all_done_below(oldest)
-            if free > oldest:
-                self._free_below = free
-                return k
-            self._cond.release()  # another thread may post meanwhile: k is read again
-            try:
-                self._check_engine()
-                time.sleep(0.0002)
-            finally:
-                reacquire(self._cond)
+            elif self._room(False):
+                break
+            else:
+                self._cond.release()  # another thread may post meanwhile: k is read again
+                try:
+                    self._check_engine()
+                    time.sleep(0.0002)
+                finally:
+                    reacquire(self._cond)
+        return self._next
 
     def _publish_done(self) -> None:
         """This rank has finished reading every index below the oldest it still holds."""
@@ -354,6 +398,12 @@ class FastPath:
     def drive(self, handle: LaneHandle, deadline: float | None, block: bool) -> None:
         """Resolve ``handle``'s index on this thread (waiting for the peers when ``block``)."""
         with self._lock:
+            if handle.index < 0:  # still queued: post it (and the ops before it), waiting if need be
+                q = next((q for q in self._backlog if q.entry.handle is handle), None)
+                if q is not None:
+                    self._flush(block=True, until=q)
+                if handle.index < 0:
+                    return  # posted as an engine entry (or the lane went off): the engine finishes it
             self._resolve(handle.index, deadline, block)
 
     def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
@@ -448,10 +498,13 @@ class FastPath:
         handle = p.entry.handle
         assert isinstance(handle, LaneHandle)
         handle._lane = None  # from here on an ordinary handle: the engine finishes it
+        self._divert_entry(p.entry)
+
+    def _divert_entry(self, entry: Entry) -> None:
         try:
-            self._submit(p.entry)
+            self._submit(entry)
         except BaseException as exc:
-            handle.set_error(exc)
+            entry.handle.set_error(exc)
 
     def _fail(self, k: int, p: _Pending, err: BaseException) -> None:
         del self._pending[k]
@@ -469,16 +522,22 @@ class FastPath:
         """Resolve async fast ops nobody waits for (a peer that diverted one waits for this rank's)."""
         with self._cond:
             while not self._closed:
-                if not self._pending and time.monotonic() - self._last_fast > IDLE_SECONDS:
+                if not self._pending and not self._backlog and time.monotonic() - self._last_fast > IDLE_SECONDS:
                     self._sweeper_idle = True
                     self._cond.wait()
                     continue
-                self._cond.wait(SWEEP_SECONDS)
+                self._cond.wait(BACKLOG_POLL if self._backlog else SWEEP_SECONDS)
                 now = time.monotonic()
                 for k in sorted(self._pending):
                     p = self._pending.get(k)
                     if p is not None and now - p.posted_at >= SWEEP_SECONDS:
                         self._resolve(k, None, block=False)
+                if self._backlog:
+                    err = self._failure()
+                    if err is not None:
+                        self._drain_backlog(err)
+                    else:
+                        self._flush(block=False)
 
     # -- closing ----------------------------------------------------------------
 
@@ -495,6 +554,7 @@ class FastPath:
         if not self._closed:
             self._closed = True
             self._region.set_off()
+            self._drain_backlog(None)
             self._cond.notify_all()
 
     def _close_locked(self, deadline: float | None) -> None:

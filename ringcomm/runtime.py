@@ -333,16 +333,17 @@ def timeline_active() -> bool:
     return rt is not None and rt.engine.timeline is not None
 
 
-def timeline_span(name: str, phase: str, start: float, end: float) -> None:
+def timeline_span(name: str, phase: str, start: float, end: float, args: dict[str, Any] | None = None) -> None:
     """Add a ``phase`` span (``time.perf_counter()`` seconds) to op ``name``'s row of the timeline.
 
-    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies); a
-    no-op when no timeline is being written.  Safe from any thread.
+    For framework layers (e.g. ``ringcomm_torch``'s device<->host copies, with ``args`` such as
+    the parameters a gradient bucket carries); a no-op when no timeline is being written.
+    Safe from any thread.
     """
     rt = _runtime
     tl = rt.engine.timeline if rt is not None else None
     if tl is not None:
-        tl.span(name, phase, start, end)
+        tl.span(name, phase, start, end, args)
 
 
 def is_initialized() -> bool:
@@ -520,6 +521,21 @@ def resolve_process_set(process_set: Any, what: str) -> tuple[int, tuple[int, ..
     For layers above the core (ringcomm_torch) that check ``process_set=`` before staging data.
     """
     return current(what).resolve_set(process_set, what)
+
+
+def reserve_name(kind: str, process_set: Any) -> str:
+    """Take the name the next unnamed ``kind`` op of ``process_set`` gets (``kind.noname.N``, the
+    core op's own kind, e.g. ``"allreduce"`` or ``"grouped_allreduce"``), to submit it later.
+
+    For layers above the core that hand an op to the core from another thread (ringcomm_torch
+    once a CUDA tensor's copy is done): the name is taken in program order, as the others are.
+    """
+    rt = current(kind)
+    pset, _ = rt.resolve_set(process_set, kind)
+    try:
+        return rt.auto_name(kind, None, pset)
+    finally:
+        checking.op = None
 
 
 def process_set_ids() -> list[int]:

@@ -17,7 +17,7 @@ What each rank sees (size 2, rank r holds ``t = torch.full((2,), r + 1.)``)::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from ringcomm.core.ops import ReduceOp
 
 from .basics import check_process_set, global_process_set, rank, size
 from .handles import Handle, completed, poll, synchronize
-from .tensors import Staged, empty_result, stage, to_tensor
+from .tensors import Staged, begin, empty_result, stage, to_tensor
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
@@ -87,6 +87,18 @@ class Several:
         return results
 
 
+def _start(staged: Sequence[Staged], core_kind: str, core_name: str | None, process_set: Any,
+           start: Callable[[str | None], Any]) -> Any:
+    """``start(core_name)`` submits the core op: now, or for CUDA tensors on the stager thread once
+    their copies to the host are done (the caller does not wait for the GPU).  An unnamed op
+    deferred so takes its ``core_kind.noname.N`` name now, in program order, as the others do."""
+    if all(s.ready is None for s in staged):
+        return start(core_name)
+    if core_name is None:
+        core_name = _rc.api.reserve_name(core_kind, process_set)
+    return begin(staged, lambda: start(core_name), core_name)
+
+
 def _nbytes(staged: Sequence[Staged]) -> int:
     return int(sum(s.array.nbytes for s in staged))
 
@@ -127,9 +139,9 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
         def finish(_raw: Any) -> torch.Tensor:
             dest = target if target is not None else empty_result(tensor)
             return s.write_back(dest)
-    core = _rc.allreduce_async(s.array, op=op, name=_core_name("allreduce", name),
-                               prescale_factor=prescale_factor, postscale_factor=postscale_factor, out=out,
-                               process_set=process_set)
+    core = _start([s], "allreduce", _core_name("allreduce", name), process_set,
+                  lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
+                                                 postscale_factor=postscale_factor, out=out, process_set=process_set))
     return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
 
 
@@ -179,12 +191,15 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
     order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
     # in place, the core writes straight into the staged arrays (the tensors themselves when they
     # are contiguous in the wire dtype): no result arrays to allocate and nothing to copy back
-    subs = [_rc.grouped_allreduce_async([staged[i].array for i in by_dtype[dt]], op=op,
-                                        name=base if base is None or len(by_dtype) == 1 else f"{base}.{dt}",
-                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                        outs=[staged[i].array for i in by_dtype[dt]] if in_place else None,
-                                        process_set=process_set)
-            for dt in sorted(by_dtype)]
+    def sub(dt: str) -> Any:
+        arrays = [staged[i].array for i in by_dtype[dt]]
+        return _start([staged[i] for i in by_dtype[dt]], "grouped_allreduce",
+                      base if base is None or len(by_dtype) == 1 else f"{base}.{dt}", process_set,
+                      lambda nm: _rc.grouped_allreduce_async(arrays, op=op, name=nm, prescale_factor=prescale_factor,
+                                                             postscale_factor=postscale_factor,
+                                                             outs=arrays if in_place else None,
+                                                             process_set=process_set))
+    subs = [sub(dt) for dt in sorted(by_dtype)]
     core = Several(subs)
 
     def finish(raw: Any) -> list[torch.Tensor]:
@@ -238,7 +253,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     what = "allgather"
     check_process_set(process_set, what)
     s = stage(tensor, reduce=False, what=what)
-    core = _rc.allgather_async(s.array, name=_core_name("allgather", name), process_set=process_set)
+    core = _start([s], "allgather", _core_name("allgather", name), process_set,
+                  lambda nm: _rc.allgather_async(s.array, name=nm, process_set=process_set))
 
     def finish(raw: Any) -> torch.Tensor:
         return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
@@ -254,8 +270,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     if not tensors:
         return completed("allgather", [])
     staged = [stage(t, reduce=False, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    core = _rc.grouped_allgather_async([s.array for s in staged], name=_core_name("allgather", name),
-                                       process_set=process_set)
+    core = _start(staged, "grouped_allgather", _core_name("allgather", name), process_set,
+                  lambda nm: _rc.grouped_allgather_async([s.array for s in staged], name=nm,
+                                                         process_set=process_set))
 
     def finish(raw: Any) -> list[torch.Tensor]:
         return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
@@ -292,8 +309,8 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
 
         def finish(_raw: Any) -> torch.Tensor:
             return s.write_back(tensor if in_place else empty_result(tensor))
-    core = _rc.broadcast_async(s.array, root, name=_core_name("broadcast", name), process_set=process_set,
-                               out=out)
+    core = _start([s], "broadcast", _core_name("broadcast", name), process_set,
+                  lambda nm: _rc.broadcast_async(s.array, root, name=nm, process_set=process_set, out=out))
     return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
 
 
@@ -354,7 +371,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     s = stage(tensor, reduce=False, what=what)
     split_arr = _splits_array(splits, what)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    core = _rc.alltoall_async(s.array, splits=split_arr, name=_core_name("alltoall", name), process_set=process_set)
+    core = _start([s], "alltoall", _core_name("alltoall", name), process_set,
+                  lambda nm: _rc.alltoall_async(s.array, splits=split_arr, name=nm, process_set=process_set))
 
     def finish(raw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = raw
@@ -380,9 +398,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     what = "reducescatter"
     check_process_set(process_set, what)
     s = stage(tensor, reduce=True, what=what)
-    core = _rc.reducescatter_async(s.array, op=op, name=_core_name("reducescatter", name),
-                                   prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                   process_set=process_set)
+    core = _start([s], "reducescatter", _core_name("reducescatter", name), process_set,
+                  lambda nm: _rc.reducescatter_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
+                                                     postscale_factor=postscale_factor, process_set=process_set))
 
     def finish(raw: Any) -> torch.Tensor:
         return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
@@ -399,10 +417,11 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     if not tensors:
         return completed("reducescatter", [])
     staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    core = _rc.grouped_reducescatter_async([s.array for s in staged], op=op,
-                                           name=_core_name("reducescatter", name),
-                                           prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                           process_set=process_set)
+    core = _start(staged, "grouped_reducescatter", _core_name("reducescatter", name), process_set,
+                  lambda nm: _rc.grouped_reducescatter_async([s.array for s in staged], op=op, name=nm,
+                                                             prescale_factor=prescale_factor,
+                                                             postscale_factor=postscale_factor,
+                                                             process_set=process_set))
 
     def finish(raw: Any) -> list[torch.Tensor]:
         return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]

@@ -5,7 +5,7 @@ It wraps any ``torch.optim.Optimizer`` by delegation (no dynamic subclass):
 objects, so ``state_dict()``, ``load_state_dict()``, LR schedulers and
 ``isinstance(opt, torch.optim.Optimizer)`` keep working.
 
-Each parameter gets a ``register_post_accumulate_grad_hook``.  Parameters are
+Each parameter gets a ``register_post_accumulate_grad_hook``.  Host parameters are
 cut into buckets of about ``RINGCOMM_BUCKET_BYTES`` (1 MiB) in reverse order,
 the order backward produces their gradients, as DDP does; the moment the last
 gradient of a bucket is accumulated, its hook starts one in-place
@@ -16,7 +16,10 @@ small gradient (biases, norms); a parameter larger than a bucket is reduced on
 its own, where it lies.  ``groups=`` replaces the buckets with your own
 grouping, and ``RINGCOMM_BUCKET_BYTES=0`` gives one op per parameter (Horovod's
 default).  ``step()`` waits for every reduction (``synchronize()``) and then
-runs the wrapped optimizer's step.
+runs the wrapped optimizer's step.  CUDA parameters go into DDP-sized buckets that
+live as long as the optimizer (:mod:`.buckets`): the hook only queues one packing copy
+and one device-to-host copy per bucket on a side stream, and nothing waits for the GPU
+outside ``synchronize()``.
 
 What each rank sees (size 2, the same model; rank r's batch gives grad g_r)::
 
@@ -41,8 +44,10 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
 from .basics import check_process_set, global_process_set, size
+from .buckets import DEVICE_DTYPES, DeviceBucket, bucket_caps, host_buckets, plan_buckets, split_list
 from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
+from .device import ops_for
 from .handles import Handle
 from .sparse import sparse_allreduce_async
 
@@ -64,42 +69,11 @@ _STEP_AFTER_SYNC_MSG = (
 )
 
 
+_WRITTEN = object()  # a device bucket's handle wrote the reduced values into the gradients itself
+
+
 class GradientsPendingError(RingcommError, AssertionError):
     """Gradients were touched while their reductions were in flight (Horovod raises AssertionError)."""
-
-
-def _buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """``params`` in reverse order (the order backward produces their gradients), cut into runs of
-    at most ``cap`` bytes; a parameter larger than ``cap`` is a bucket of its own.
-
-    >>> [len(b) for b in _buckets([torch.zeros(100), torch.zeros(300), torch.zeros(10)], cap=1600)]
-    [2, 1]
-    """
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-    nbytes = 0
-    for p in reversed(params):
-        size = p.numel() * p.element_size()
-        if current and nbytes + size > cap:
-            out.append(current)
-            current, nbytes = [], 0
-        current.append(p)
-        nbytes += size
-    if current:
-        out.append(current)
-    return out
-
-
-def _split_list(items: list[Any], n: int) -> list[list[Any]]:
-    """``items`` cut into ``n`` contiguous, nearly equal parts (the first ones one longer)."""
-    n = max(1, min(n, len(items)))
-    q, r = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + q + (1 if i < r else 0)
-        out.append(items[start:end])
-        start = end
-    return [g for g in out if g]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -135,7 +109,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise InvalidInputError("DistributedOptimizer: the optimizer is already a DistributedOptimizer")
-        check_process_set(process_set, "DistributedOptimizer")
+        # a rank outside the process set keeps its own gradients (Horovod registers no hooks there)
+        self._included = process_set is None or process_set is global_process_set or bool(process_set.included())
+        if self._included:
+            check_process_set(process_set, "DistributedOptimizer")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise InvalidInputError("gradient_predivide_factor not supported with op != Average")
         if int(backward_passes_per_step) < 1:
@@ -165,6 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: list[torch.Tensor] = []
         self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
+        self._device_buckets: dict[tuple[torch.Tensor, ...], DeviceBucket] = {}
         self._groups_spec = self._check_groups(groups)
         self._hook_handles: list[Any] = []
         self._register_hooks(self._all_params())
@@ -294,18 +272,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._adasum:
             return  # each parameter steps and reduces its delta on its own
         if spec is None:
-            cap = _core_api.current_settings().bucket_bytes
-            if cap <= 0:
-                return
-            # the default: DDP-style buckets (RINGCOMM_BUCKET_BYTES); a lone parameter needs no group
-            formed = [b for b in _buckets(params, cap) if len(b) > 1]
+            settings = _core_api.current_settings()
+            on_device = [p for p in params if self._device_ops(p) is not None]
+            formed = self._device_groups(on_device, *bucket_caps(settings.fusion_threshold, settings.bucket_bytes))
+            params = [p for p in params if self._device_ops(p) is None]
+            cap = settings.bucket_bytes
+            # the default on the host: DDP-style buckets (RINGCOMM_BUCKET_BYTES); a lone parameter
+            # needs no group there
+            formed += [b for b in host_buckets(params, cap) if len(b) > 1] if cap > 0 else []
         elif isinstance(spec, list):
             ids = {id(p) for p in params}
             formed = [[p for p in group if id(p) in ids] for group in spec]
             grouped = {id(p) for g in formed for p in g}
             formed += [[p] for p in params if id(p) not in grouped]
         else:
-            formed = _split_list(params, spec)
+            formed = split_list(params, spec)
         for group in formed:
             if not group:
                 continue
@@ -313,8 +294,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in key:
                 self._group_of[p] = key
             self._group_counts[key] = 0
+            ops = self._device_ops(key[0])
+            if ops is not None and all(self._device_ops(p) is ops and p.dtype is key[0].dtype
+                                       and p.device == key[0].device for p in key):
+                self._device_buckets[key] = DeviceBucket(key, [self._names[p] for p in key], ops)
+
+    def _device_ops(self, p: torch.Tensor) -> Any:
+        """The device operations that stage ``p``'s bucket, or None (host, or a dtype the core
+        reduces through another wire dtype: those take the per-tensor path)."""
+        return ops_for(p) if p.dtype in DEVICE_DTYPES and p.layout is torch.strided else None
+
+    def _device_groups(self, params: list[torch.Tensor], first: int, cap: int) -> list[list[torch.Tensor]]:
+        """Device parameters in reverse order, one bucket list per (device, dtype), DDP's sizes."""
+        by_kind: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
+        for p in reversed(params):
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        out = []
+        for group in by_kind.values():
+            plan = plan_buckets([p.numel() * p.element_size() for p in group], first, cap)
+            out += [[group[i] for i in b] for b in plan]
+        return out
 
     def _register_hooks(self, params: list[torch.Tensor]) -> None:
+        if not self._included:
+            return
         trainable = [p for p in params if p.requires_grad]
         self._requires_update.extend(trainable)
         self._form_groups(trainable)
@@ -378,8 +381,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = Handle("allreduce", self._names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
             return handle, [c for _, c in parts]
         tensors = [self._dense_grad(p) for p in group]
-        pairs = [self._compression.compress(t) for t in tensors]
         pre, post = self._scales()
+        bucket = self._device_buckets.get(group)
+        if bucket is not None:  # results land in the gradients themselves: nothing to write back
+            handle = bucket.start(tensors, name=self._names[group[0]], op=self.op, compression=self._compression,
+                                  prescale=pre, postscale=post, process_set=self.process_set)
+            return handle, _WRITTEN
+        pairs = [self._compression.compress(t) for t in tensors]
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=self._names[group[0]],
                                           op=self.op, prescale_factor=pre, postscale_factor=post,
                                           process_set=self.process_set)
@@ -430,6 +438,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._adasum:
             return
+        if not self._included:  # outside the process set: the local gradients stay as they are
+            self._synchronized = True
+            return
         with self._lock:
             # start whatever has not been started: parameters without gradients and delayed passes
             for group in list(self._group_counts):
@@ -451,6 +462,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 outputs = synchronize(handle)
             except BaseException as exc:  # finish the others, then raise the first failure
                 error = error or exc
+                continue
+            if ctx is _WRITTEN:
                 continue
             if isinstance(key, tuple):
                 for p, out, c in zip(key, outputs, ctx):

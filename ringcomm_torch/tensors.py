@@ -13,10 +13,12 @@ an array (:func:`stage`) and puts results back (:meth:`Staged.write_back`,
   bits as int16, so values arrive bit-exact.
 * CUDA: device -> host into a page-locked buffer taken from :class:`PinnedPool`
   (one free list per power-of-two size class, reused across steps), copied on a
-  side ``torch.cuda.Stream`` that first waits for the current stream; the side
-  stream is synchronized before the core reads the buffer.  Results go back
-  host -> device on the side stream; the current stream waits for that copy, and
-  the buffer returns to the pool only once the copy's event has completed.
+  side ``torch.cuda.Stream`` that first waits for the current stream; the copy's
+  event is :attr:`Staged.ready`, and the stager thread (:mod:`.device`) waits for it
+  before the core reads the buffer (:func:`begin`), so the caller never waits for
+  the GPU.  Results go back host -> device on the side stream; the current stream
+  waits for that copy, and the buffer returns to the pool only once the copy's
+  event has completed.
 
 Example (any rank)::
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +41,9 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidTypeError
 from ringcomm.core.ops import SUPPORTED_DTYPES
 
-__all__ = ["Staged", "stage", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype"]
+from .device import stager, staging_ops
+
+__all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype"]
 
 _CORE_TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "uint8",
@@ -235,11 +239,12 @@ class Staged:
     result written into ``array`` needs no copy back.
     """
 
-    __slots__ = ("array", "dtype", "wire", "device", "direct", "_buf", "_keep")
+    __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "_buf", "_keep")
 
     def __init__(self, array: np.ndarray, dtype: torch.dtype, wire: torch.dtype, device: torch.device,
-                 direct: bool, buf: torch.Tensor | None, keep: Any) -> None:
+                 direct: bool, buf: torch.Tensor | None, keep: Any, ready: Any = None) -> None:
         self.array = array
+        self.ready = ready  # the device -> host copy's event (None: ``array`` holds the values now)
         self.dtype = dtype
         self.wire = wire
         self.device = device
@@ -318,13 +323,26 @@ def _stage_cuda(t: torch.Tensor, wire: torch.dtype) -> Staged:
     host = buf[:nbytes].view(wire).view(t.shape)
     stream = _side_stream(t.device)
     stream.wait_stream(torch.cuda.current_stream(t.device))  # t's producers have finished
-    with traced_copy("MEMCPY_D2H"):
+    with traced_copy("MEMCPY_D2H") as timed:
         with torch.cuda.stream(stream), torch.no_grad():
             src = _to_wire(t, wire)
             host.copy_(src, non_blocking=True)
             t.record_stream(stream)
-        stream.synchronize()  # the core reads the buffer from another thread
-    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None)
+        ready = torch.cuda.Event()
+        ready.record(stream)  # the stager waits for it before the core reads the buffer
+        if timed:  # only with a timeline: wait so that the span is the copy's real duration
+            ready.synchronize()
+    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready)
+
+
+def begin(staged: Sequence[Staged], start: Callable[[], Any], name: str | None) -> Any:
+    """``start()`` (which hands the staged arrays to the core and returns its handle) now when
+    every array holds its values, else on the stager thread once the copies' events happened
+    (the handle returned then waits for that first).  Returns the core handle or a stand-in."""
+    ready = [s.ready for s in staged if s.ready is not None]
+    if not ready:
+        return start()
+    return stager.submit(staging_ops(), ready, start, name)
 
 
 def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

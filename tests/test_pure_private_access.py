@@ -36,6 +36,9 @@ ALLOWED = {
     ("tensor", "_values"),
     # SyncBatchNorm is a batch norm layer: it derives from the base class torch's own batch norms share
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    # one batched copy of a gradient bucket's parts back into the gradients (one kernel launch for
+    # the bucket rather than one per tensor); torch's optimizers use it the same way
+    ("torch", "_foreach_copy_"),
 }
 #: The public methods of named tuples (underscored so that they cannot clash with field names).
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}

@@ -65,3 +65,12 @@ def test_synthetic_benchmark_runs():
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Total img/sec on 1 CPU(s)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_lagging_50ms_does_not_slow_the_others_hooks():
+    """Rank 1 sleeps 50 ms before each backward() while 30 ops per step are in flight: rank 0's
+    submits return at once, its backward() stays within 1.5x of rank 1's, and the parameters end
+    equal on both ranks (tests/torch_workers/lag_worker.py)."""
+    out = run_job(2, WORKERS / "lag_worker.py", "0.05", "8", timeout=80)
+    assert_all_ranks_ok(out, 2)

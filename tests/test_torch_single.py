@@ -246,7 +246,7 @@ def test_bucket_bytes_zero_gives_one_op_per_parameter_named_as_horovod_does(tmp_
 
 
 def test_buckets_follow_reverse_parameter_order_and_the_byte_cap():
-    from ringcomm_torch.optimizer import _buckets
+    from ringcomm_torch.buckets import host_buckets as _buckets
 
     params = [torch.zeros(100), torch.zeros(300), torch.zeros(10), torch.zeros(2000), torch.zeros(5, dtype=torch.float64)]
     buckets = _buckets(params, cap=1600)

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encrypt", action="store_true",
                    help=f"also run ringcomm with RINGCOMM_ENCRYPT=1 ({_launch.ENCRYPTED}), alternated with the "
                         "others; the table gains an encrypted/plain latency column")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: CUDA tensors, ringcomm through ringcomm_torch vs gloo (default: cpu)")
 
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench",
                                      description="Benchmark ringcomm side by side with torch.distributed gloo.",
@@ -124,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup", type=int, default=5, help="untimed steps per job (default: 5)")
     train.add_argument("--batch", type=_positive, default=32, help="images per rank and step (default: 32)")
     train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cuda: resnet18 on the GPU, ringcomm_torch vs DDP on gloo and on ringcomm (default: cpu)")
+    train.add_argument("--model", choices=("small", "resnet18"), default="",
+                       help="the model (default: small on the CPU, resnet18 with --device cuda)")
 
     ddpp = sub.add_parser("ddp", parents=[output],
                           help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')
@@ -171,7 +177,8 @@ def _collective_config(op: str, args: argparse.Namespace) -> collectives.Collect
     if args.encrypt and _launch.ENCRYPTED not in systems:
         systems.insert(systems.index("ringcomm") + 1 if "ringcomm" in systems else 0, _launch.ENCRYPTED)
     return collectives.CollectiveConfig(op=op, nps=args.np, sizes=sizes, iters=args.iters, warmup=args.warmup,
-                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=systems)
+                                        repeats=args.repeats, job_timeout=args.job_timeout, systems=systems,
+                                        device=getattr(args, "device", "cpu"))
 
 
 def run_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +201,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     elif args.command == "training":
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            job_timeout=args.job_timeout))
+            job_timeout=args.job_timeout, device=args.device, model=args.model))
     elif args.command == "ddp" and args.framework:
         results["frameworks"] = frameworks.run(frameworks.FrameworkConfig(
             framework=args.framework, np_=args.np, epochs=args.epochs, steps=args.steps, batch=args.batch,

@@ -23,8 +23,13 @@ class GlooBackend:
 
     name = "gloo"
 
-    def __init__(self, rank: int, world_size: int, port: int, timeout_s: float, master_addr: str = "127.0.0.1") -> None:
+    def __init__(self, rank: int, world_size: int, port: int, timeout_s: float, master_addr: str = "127.0.0.1",
+                 device: str = "cpu") -> None:
         torch.set_num_threads(1)
+        self.device = torch.device("cpu")
+        if device == "cuda":
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
@@ -34,11 +39,12 @@ class GlooBackend:
         dist.barrier()
 
     def prepare(self, op: str, count: int) -> tuple[Callable[[], None], Callable[[], None]]:
-        buf = torch.zeros(count, dtype=torch.float32)
+        buf = torch.zeros(count, dtype=torch.float32, device=self.device)
         n = self.size
         if op == "allreduce":
             def step() -> None:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+                _settle(buf)
 
             def check() -> None:
                 buf.fill_(self.rank + 1)
@@ -46,21 +52,23 @@ class GlooBackend:
                 _expect(bool(torch.all(buf == n * (n + 1) / 2)), op)
                 buf.zero_()
         elif op == "allgather":
-            out = torch.empty(count * n, dtype=torch.float32)
+            out = torch.empty(count * n, dtype=torch.float32, device=self.device)
             chunks = list(out.chunk(n))
 
             def step() -> None:
                 dist.all_gather(chunks, buf)
+                _settle(out)
 
             def check() -> None:
                 buf.fill_(self.rank)
                 step()
-                want = torch.arange(n, dtype=torch.float32).repeat_interleave(count)
+                want = torch.arange(n, dtype=torch.float32, device=self.device).repeat_interleave(count)
                 _expect(bool(torch.equal(out, want)), op)
                 buf.zero_()
         elif op == "broadcast":
             def step() -> None:
                 dist.broadcast(buf, 0)
+                _settle(buf)
 
             def check() -> None:
                 buf.fill_(self.rank + 1)
@@ -80,6 +88,12 @@ class GlooBackend:
         dist.destroy_process_group()
 
 
+def _settle(t: torch.Tensor) -> None:
+    """A timed step ends when the GPU has the result."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def _expect(ok: bool, op: str) -> None:
     if not ok:
         raise AssertionError(f"gloo {op} returned a wrong result")
@@ -91,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address (default: 127.0.0.1)")
-    return _timing.main(lambda a: GlooBackend(a.rank, a.world_size, a.port, a.deadline, a.master_addr), parser, argv)
+    return _timing.main(lambda a: GlooBackend(a.rank, a.world_size, a.port, a.deadline, a.master_addr, a.device),
+                        parser, argv)
 
 
 if __name__ == "__main__":

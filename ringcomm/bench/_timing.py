@@ -58,6 +58,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True,
                         help="comma-separated BYTES:ITERS pairs, e.g. 4096:50,16777216:10")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the buffers are CUDA tensors (every rank on cuda:rank %% device count)")
     parser.add_argument("--out", required=True, help="rank 0 writes its JSON results here")
     parser.add_argument("--loop", action="store_true",
                         help="time ops back to back (no barrier between iterations), as a training loop runs them")

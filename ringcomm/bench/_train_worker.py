@@ -1,14 +1,18 @@
 """Training-step benchmark worker: a small CNN on synthetic 32x32x3 images, one thread per rank.
 
 Modes: ``single`` (one process, no communication), ``ddp`` (torch DDP over
-gloo; needs ``--rank/--world-size/--port``), ``ringcomm``
+gloo; needs ``--rank/--world-size/--port``), ``ddp_ringcomm`` (the same DDP on the
+``"ringcomm"`` torch.distributed backend), ``ringcomm``
 (``ringcomm_torch.DistributedOptimizer``; start it with the ringcomm
 launcher), ``lockstep`` (ringcomm launcher, a plain optimizer and one
 1-element allreduce per step: the ranks keep in step but exchange no
 gradients -- what synchronization alone costs) and ``horovod``
 (``horovod.torch.DistributedOptimizer``, under horovodrun).  Several
 ``single`` processes started together (no communication at all) are the
-bound no data-parallel setup can beat on a shared machine.  Rank 0 writes ``{"images", "seconds", "img_per_s", ...}`` to
+bound no data-parallel setup can beat on a shared machine.  ``--device cuda`` puts the
+model and the batches on the GPU (every rank on ``cuda:local_rank % device_count``), and
+``--model resnet18`` trains torchvision's resnet18 on 3x64x64 images (a built-in net of the
+same parameter shapes when torchvision does not import).  Rank 0 writes ``{"images", "seconds", "img_per_s", ...}`` to
 ``--out``; the time of the timed steps is the slowest rank's.
 """
 
@@ -50,6 +54,56 @@ class SmallCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
 
 
+class _Block(nn.Module):
+    """resnet18's basic block: two 3x3 convolutions with batch norm, and a 1x1 shortcut when needed."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet18Shape(nn.Module):
+    """The parameter shapes of torchvision's resnet18 (62 tensors, 11.7 M floats), for machines
+    without torchvision."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        blocks, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            blocks += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = F.adaptive_avg_pool2d(self.blocks(x), 1)
+        return self.fc(torch.flatten(x, 1))
+
+
+def build_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
+    """The model, one image's shape and the number of classes."""
+    if name == "small":
+        return SmallCNN(), (3, 32, 32), 10
+    try:
+        import torchvision  # type: ignore[import-not-found,unused-ignore]
+
+        return torchvision.models.resnet18(), (3, 64, 64), 1000
+    except Exception:  # noqa: BLE001 - torchvision missing or broken: the same shapes, built here
+        return ResNet18Shape(), (3, 64, 64), 1000
+
+
 class _Lockstep:
     """A local optimizer whose ``step`` first meets the other ranks (a 1-element allreduce)."""
 
@@ -72,11 +126,16 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     """
     if args.mode == "single":
         return model, optimizer, 0, 1, lambda: None, lambda obj: [obj]
-    if args.mode == "ddp":
+    if args.mode in ("ddp", "ddp_ringcomm"):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+        backend = "gloo"
+        if args.mode == "ddp_ringcomm":
+            import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
+
+            backend = "ringcomm"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world_size, timeout=datetime.timedelta(seconds=args.deadline))
 
         def gather(obj: Any) -> list[Any]:
@@ -112,7 +171,10 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench._train_worker", description=__doc__)
-    parser.add_argument("--mode", choices=("single", "ddp", "ringcomm", "lockstep", "horovod"), required=True)
+    parser.add_argument("--mode", choices=("single", "ddp", "ddp_ringcomm", "ringcomm", "lockstep", "horovod"),
+                        required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=("small", "resnet18"), default="small")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -125,37 +187,51 @@ def main(argv: list[str] | None = None) -> int:
     start_watchdog(args.deadline)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model: nn.Module = SmallCNN()
+    model, shape, classes = build_model(args.model)
+    cuda = args.device == "cuda"
+    if cuda:  # every rank of a one-GPU machine shares it
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("RINGCOMM_LOCAL_RANK", args.rank)))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        model = model.cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model, optimizer, rank, size, barrier, gather = _setup(args, model, optimizer)
     gen = torch.Generator().manual_seed(1000 + rank)
-    images = torch.randn(args.batch, 3, 32, 32, generator=gen)
-    labels = torch.randint(0, 10, (args.batch,), generator=gen)
+    images = torch.randn(args.batch, *shape, generator=gen)
+    labels = torch.randint(0, classes, (args.batch,), generator=gen)
+    if cuda:
+        images, labels = images.cuda(), labels.cuda()
 
     def step() -> None:
         optimizer.zero_grad()
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
 
+    def settle() -> None:  # the GPU has run everything queued (timing only)
+        if cuda:
+            torch.cuda.synchronize()
+
     for _ in range(args.warmup):
         step()
+    settle()
     barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
+    settle()
     seconds = time.perf_counter() - t0
     all_seconds = gather(seconds)
     if rank == 0:
         slowest = max(all_seconds)
         images_done = size * args.batch * args.steps
         result = {"mode": args.mode, "np": size, "batch_per_rank": args.batch, "steps": args.steps,
+                  "device": args.device, "model": args.model,
                   "warmup": args.warmup, "seconds": slowest, "rank_seconds": all_seconds,
                   "images": images_done, "img_per_s": images_done / slowest}
         with open(args.out + ".tmp", "w", encoding="utf-8") as f:
             json.dump(result, f)
         os.replace(args.out + ".tmp", args.out)
     barrier()
-    if args.mode == "ddp":
+    if args.mode in ("ddp", "ddp_ringcomm"):
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -48,6 +48,8 @@ class CollectiveConfig:
     job_timeout: float = 300.0
     #: Systems to run (Horovod is dropped when unavailable).
     systems: Sequence[str] = _launch.SYSTEMS
+    #: "cuda": the buffers are CUDA tensors (ringcomm through ringcomm_torch, gloo on CUDA tensors).
+    device: str = "cpu"
 
 
 def default_iters(nbytes: int) -> int:
@@ -79,7 +81,7 @@ def measured_bytes(op: str, nbytes: int, np_: int) -> int:
 def _run_one(system: str, cfg: CollectiveConfig, np_: int, plan: str, tmp: str, tag: str) -> dict[str, Any]:
     out = os.path.join(tmp, f"{tag}.json")
     args = ["--op", cfg.op, "--plan", plan, "--warmup", str(cfg.warmup), "--out", out,
-            "--deadline", str(cfg.job_timeout + 30)]
+            "--deadline", str(cfg.job_timeout + 30), "--device", cfg.device]
     result = _launch.run_system(system, np_, WORKER_MODULES[system], args, cfg.job_timeout)
     record: dict[str, Any] = {"system": system, "np": np_, "ok": result.ok, "wall_s": round(result.wall_s, 3),
                               "error": None, "init_s": None, "results": []}
@@ -123,6 +125,7 @@ def run(cfg: CollectiveConfig) -> dict[str, Any]:
     return {
         "op": cfg.op,
         "dtype": "float32",
+        "device": cfg.device,
         "busbw_formula": BUSBW_FORMULA[cfg.op],
         "nps": list(cfg.nps),
         "sizes": list(cfg.sizes),

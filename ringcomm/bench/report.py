@@ -46,7 +46,8 @@ def collective_markdown(section: dict[str, Any]) -> str:
     iters = sorted(set(section["iters"].values()))
     iter_text = "/".join(str(i) for i in iters)
     lines = [
-        f"### {section['op']}, {section['dtype']}, one thread per rank",
+        f"### {section['op']}, {section['dtype']}{' CUDA tensors' if section.get('device') == 'cuda' else ''}, "
+        "one thread per rank",
         "",
         f"Median per-op time over {section['repeats']} alternating round(s) x {iter_text} timed iterations "
         f"(each iteration: the slowest rank, after a barrier); bus bandwidth = {section['busbw_formula']}. "
@@ -112,18 +113,19 @@ def ceiling_markdown(section: dict[str, Any]) -> str:
 def training_markdown(section: dict[str, Any]) -> str:
     """The training-step table: img/s and scaling efficiency per setup."""
     lines = [
-        "### Training step (small CNN, 32x32x3 synthetic images)",
+        f"### Training step ({section['model'].split(':')[0]}, {section.get('device', 'cpu')})",
         "",
         f"Batch {section['batch_per_rank']} per rank, one thread per rank; median img/s over "
         f"{section['repeats']} alternating round(s) of {section['steps']} timed steps. "
-        "Efficiency = img/s / (np x img/s of one process).",
+        "Efficiency = img/s / (np x img/s of one process); spread = slowest and fastest round / median.",
         "",
-        "| setup | np | img/s | scaling efficiency |",
-        "|---|---|---|---|",
+        "| setup | np | img/s | scaling efficiency | spread |",
+        "|---|---|---|---|---|",
     ]
     for row in section["summary"]:
         eff = "-" if row["setup"] == "single" else (f"{row['efficiency']:.0%}" if row["efficiency"] else "n/a")
-        lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} |")
+        spread = "-" if not row.get("spread") else f"{row['spread'][0]:.2f}-{row['spread'][1]:.2f}"
+        lines.append(f"| {row['label']} | {row['np']} | {sig(row['img_per_s'])} | {eff} | {spread} |")
     for ratio in section.get("ratios", []) + section.get("bound_ratios", []):
         rounds = ", ".join(f"{x:.2f}" for x in ratio["per_round"])
         num, den = (n.replace("ddp", "DDP") for n in ratio.get("of", "ringcomm/ddp").split("/"))

@@ -12,6 +12,11 @@ communication at all (their img/s summed): what the machine allows.
 but exchanges no gradients: what synchronization alone costs, since a slower
 step on either rank holds both up.  ringcomm/lockstep near 1 means moving the
 gradients costs little beyond keeping in step.
+
+``device="cuda"`` (``--device cuda``) trains resnet18 on 3x64x64 images on the GPU (all ranks
+share it) and compares ringcomm_torch with DDP on gloo and DDP on the ``"ringcomm"`` backend,
+the independent processes as the bound; the summary gives each setup's spread over rounds
+(slowest and fastest round / median).
 """
 
 from __future__ import annotations
@@ -31,12 +36,16 @@ MODULE = "ringcomm.bench._train_worker"
 #: Rows of the report, in order: (setup key, system that runs it).
 SETUPS = (("ddp", "gloo"), ("ringcomm", "ringcomm"), ("horovod", "horovod"), ("lockstep", "ringcomm"),
           ("independent", "independent"))
-LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ringcomm": "ringcomm_torch DistributedOptimizer",
+#: The setups of a GPU run.
+CUDA_SETUPS = (("ddp", "gloo"), ("ddp_ringcomm", "gloo"), ("ringcomm", "ringcomm"), ("independent", "independent"))
+LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ddp_ringcomm": "DDP (\"ringcomm\" backend)",
+          "ringcomm": "ringcomm_torch DistributedOptimizer",
           "horovod": "Horovod DistributedOptimizer",
           "lockstep": "bound: in lockstep, no gradients exchanged (ringcomm)",
           "independent": "bound: independent processes, no communication"}
 #: Ratios of img/s within a round that the report shows: (numerator, denominator).
-RATIOS = (("ringcomm", "ddp"), ("lockstep", "ddp"), ("independent", "ddp"), ("ringcomm", "lockstep"))
+RATIOS = (("ringcomm", "ddp"), ("lockstep", "ddp"), ("independent", "ddp"), ("ringcomm", "lockstep"),
+          ("ddp_ringcomm", "ddp"))
 
 
 @dataclasses.dataclass
@@ -49,6 +58,12 @@ class TrainingConfig:
     warmup: int = 5
     repeats: int = 3
     job_timeout: float = 300.0
+    device: str = "cpu"
+    model: str = ""  # "small" or "resnet18"; empty: small on the CPU, resnet18 on the GPU
+
+    @property
+    def model_name(self) -> str:
+        return self.model or ("resnet18" if self.device == "cuda" else "small")
 
 
 def ringcomm_torch_status() -> str | None:
@@ -68,7 +83,8 @@ def ringcomm_torch_status() -> str | None:
 def _job(setup: str, system: str, np_: int, cfg: TrainingConfig, out: str) -> _procs.JobResult:
     def worker(mode: str, out_path: str) -> list[str]:
         return [sys.executable, "-m", MODULE, "--mode", mode, "--batch", str(cfg.batch), "--steps", str(cfg.steps),
-                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(cfg.job_timeout + 30)]
+                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(cfg.job_timeout + 30),
+                "--device", cfg.device, "--model", cfg.model_name]
 
     if setup == "single":
         return _procs.run_job([worker("single", out)], _util.worker_env(False), cfg.job_timeout)
@@ -109,7 +125,7 @@ def _record(setup: str, np_: int, repeat: int, job: _procs.JobResult, out: str) 
 def run(cfg: TrainingConfig) -> dict[str, Any]:
     """Measure every setup; returns the JSON-ready section (config, raw runs, summary, notes)."""
     notes: list[str] = []
-    setups = [(s, sys_) for s, sys_ in SETUPS]
+    setups = [(s, sys_) for s, sys_ in (CUDA_SETUPS if cfg.device == "cuda" else SETUPS)]
     why_rc = ringcomm_torch_status()
     if why_rc is not None:
         setups = [x for x in setups if x[0] != "ringcomm"]
@@ -124,6 +140,8 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
             # odd rounds run the distributed setups in reverse order, so neither always goes first
             order = setups if repeat % 2 == 0 else setups[::-1]
             jobs = [("single", "single", 1)] + [(s, sys_, np_) for np_ in cfg.nps for s, sys_ in order]
+            if cfg.device == "cuda":  # the bound is the independent processes; no one-process row
+                jobs = jobs[1:]
             for setup, system, np_ in jobs:
                 _util.log(f"training {LABELS[setup]} np={np_} (round {repeat + 1}/{cfg.repeats}) ...")
                 out = os.path.join(tmp, f"{setup}-np{np_}-r{repeat}.json")
@@ -133,8 +151,10 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
                 else:
                     _util.log(f"  FAILED: {record['error']}")
                 runs.append(record)
+    small = "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096->128), fc(128->10); SGD momentum"
     return {
-        "model": "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096->128), fc(128->10); SGD momentum",
+        "model": small if cfg.model_name == "small" else "resnet18 on 3x64x64 images; SGD momentum",
+        "device": cfg.device,
         "batch_per_rank": cfg.batch,
         "steps": cfg.steps,
         "warmup": cfg.warmup,
@@ -182,6 +202,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "setup": setup, "label": LABELS[setup], "np": np_,
             "img_per_s": med, "runs_img_per_s": vals,
+            "spread": [round(min(vals) / med, 3), round(max(vals) / med, 3)] if med else None,
             "efficiency": med / (np_ * single) if med and single else None,
         })
     return rows

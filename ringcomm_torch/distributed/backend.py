@@ -27,7 +27,7 @@ import ringcomm as rc
 from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
-from ..tensors import Staged, stage
+from ..tensors import Staged, begin, stage
 from .work import RingcommWork, as_backend_error, completer
 
 __all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
@@ -112,8 +112,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def _start(self, what: str, submit: Callable[[], list[Any]], finish: Callable[[list[Any]], Any],
                staged: Sequence[Staged] = ()) -> RingcommWork:
         """Submit the core ops (``submit`` returns their handles); the work completes with ``finish``."""
+        ready = [s.ready for s in staged if s.ready is not None]
         try:
-            handles = submit()
+            # CUDA tensors: the stager submits once their copies to the host are done (the names
+            # are explicit, so the order the core sees them in does not matter); the completer
+            # takes the handles from it
+            handles: Any = submit() if not ready else begin(staged, submit, what)
         except BaseException as exc:
             _release(staged)
             raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc

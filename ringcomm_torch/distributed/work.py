@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..device import Staging
+
 __all__ = ["RingcommWork", "Completer", "completer", "as_backend_error", "completed_work"]
 
 Finish = Callable[[list[Any]], Any]
@@ -102,10 +104,10 @@ class Completer:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, list[Any], Finish, torch.futures.Future]] = collections.deque()
+        self._queue: collections.deque[tuple[str, Any, Finish, torch.futures.Future]] = collections.deque()
         self._thread: threading.Thread | None = None
 
-    def submit(self, what: str, handles: list[Any], finish: Finish) -> RingcommWork:
+    def submit(self, what: str, handles: list[Any] | Staging, finish: Finish) -> RingcommWork:
         # C++ consumers (DDP's reducer) read a future's value as tensors: an error must be the future's error
         # state, which only then() gives (a Python set_exception would hand them the exception object)
         src: torch.futures.Future = torch.futures.Future()
@@ -133,11 +135,19 @@ class Completer:
             self._complete(what, handles, finish, fut)
 
     @staticmethod
-    def _complete(what: str, handles: list[Any], finish: Finish, fut: torch.futures.Future) -> None:
+    def _complete(what: str, handles: list[Any] | Staging, finish: Finish, fut: torch.futures.Future) -> None:
         _local.completing = True  # callbacks run on this thread when the future completes
         results: list[Any] = []
         error: BaseException | None = None
-        for h in handles:  # wait for every handle, so no buffer is still in use when the op fails
+        started: list[Any] = []
+        if isinstance(handles, Staging):  # CUDA: submitted by the stager once the copies were done
+            try:
+                started = handles.started()
+            except BaseException as exc:
+                error = exc
+        else:
+            started = handles
+        for h in started:  # wait for every handle, so no buffer is still in use when the op fails
             try:
                 results.append(h.wait())
             except BaseException as exc:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (about 6 minutes on one GPU): the CUDA tests under ringcomm-run at
+# np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
+# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds) and `bench allreduce --device
+# cuda` (vs gloo).  Every log goes to $OUT (default: ./gpu-check-out); the last lines summarize.
+#
+# Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
+# this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
+# itself is imported.  Run from the repository root:   bash tools/gpu_check.sh
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${OUT:-$ROOT/gpu-check-out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+cd "$ROOT" || exit 1
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_check: installing the wheels in .whl/ failed" >&2; exit 1; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's code wins over an installed copy
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+
+STATUS=()
+step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NAME.log, note the result
+    local name="$1" limit="$2"
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    STATUS+=("$name: exit $rc in $((SECONDS - start)) s")
+    echo "gpu_check: ${STATUS[-1]}"
+    return $rc
+}
+
+{ nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.cuda.get_device_name(0))'; } \
+    >"$OUT/machine.txt" 2>&1
+
+TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py)
+step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
+for np in 2 4; do
+    step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launcher -np "$np" "$PY" "${TESTS[@]}"
+done
+
+for batch in 64 256; do
+    step "training-b$batch" 150 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
+        --steps 20 --warmup 5 --repeats 3 --no-plot --out-dir "$OUT" --json "$OUT/training-b$batch.json"
+done
+step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
+    --systems ringcomm gloo --no-plot --out-dir "$OUT" --json "$OUT/allreduce-cuda.json"
+
+printf '%s\n' "${STATUS[@]}" >"$OUT/summary.txt"
+grep -h "passed\|failed\|error" "$OUT"/cuda-tests-*.log | tail -n 20 >>"$OUT/summary.txt"
+grep -h "img/s\|^| \|per round" "$OUT"/training-b*.log >>"$OUT/summary.txt"
+grep -h "^| " "$OUT"/allreduce-cuda.log >>"$OUT/summary.txt"
+cat "$OUT/summary.txt"
