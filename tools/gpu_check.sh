@@ -2,7 +2,9 @@
 # The GPU checks in one run (about 6 minutes on one GPU): the CUDA tests under ringcomm-run at
 # np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
 # DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds) and `bench allreduce --device
-# cuda` (vs gloo).  Every log goes to $OUT (default: ./gpu-check-out); the last lines summarize.
+# cuda` (vs gloo).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the
+# benches' raw numbers packed in one archive; summary.txt starts with the machine and ends with the
+# figures.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
 # this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
@@ -12,6 +14,7 @@ set -u -o pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-python3}"
+RAW="$(mktemp -d)"  # the benches' JSON and Markdown, packed into $OUT/bench-raw.tgz at the end
 mkdir -p "$OUT"
 cd "$ROOT" || exit 1
 
@@ -36,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 }
 
 { nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.cuda.get_device_name(0))'; } \
-    >"$OUT/machine.txt" 2>&1
+    >"$RAW/machine.txt" 2>&1
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
@@ -46,13 +49,15 @@ done
 
 for batch in 64 256; do
     step "training-b$batch" 150 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
-        --steps 20 --warmup 5 --repeats 3 --no-plot --out-dir "$OUT" --json "$OUT/training-b$batch.json"
+        --steps 20 --warmup 5 --repeats 3 --no-plot --out-dir "$RAW" --json "$RAW/training-b$batch.json"
 done
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
-    --systems ringcomm gloo --no-plot --out-dir "$OUT" --json "$OUT/allreduce-cuda.json"
+    --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 
-printf '%s\n' "${STATUS[@]}" >"$OUT/summary.txt"
+cat "$RAW/machine.txt" >"$OUT/summary.txt"
+printf '%s\n' "${STATUS[@]}" >>"$OUT/summary.txt"
 grep -h "passed\|failed\|error" "$OUT"/cuda-tests-*.log | tail -n 20 >>"$OUT/summary.txt"
 grep -h "img/s\|^| \|per round" "$OUT"/training-b*.log >>"$OUT/summary.txt"
 grep -h "^| " "$OUT"/allreduce-cuda.log >>"$OUT/summary.txt"
+tar czf "$OUT/bench-raw.tgz" -C "$RAW" .
 cat "$OUT/summary.txt"
