@@ -91,6 +91,10 @@ class Runtime:
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
         """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
 
+        Every completed ``join()`` starts the count again, as ``kind.noname.J.N`` after the J-th
+        join: ranks that joined early skipped the unnamed ops the others ran (and failed) meanwhile,
+        so their counts differ; after the join they agree again, on every rank.
+
         Also notes the op as the one being checked on this thread: if its arguments are then
         refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
         """
@@ -101,7 +105,8 @@ class Runtime:
             with self._lock:
                 n = self._counters[(pset, kind)]
                 self._counters[(pset, kind)] += 1
-            name = f"{kind}.noname.{n}"
+                joins = self._joins
+            name = f"{kind}.noname.{n}" if not joins else f"{kind}.noname.{joins}.{n}"
         checking.op = (self, name, pset)
         return name
 
@@ -175,13 +180,24 @@ class Runtime:
         return handle
 
     def after_join(self) -> None:
-        """Every rank has joined: the small-op lane, off since this rank joined, starts again."""
-        if self.lane is None:
-            return
+        """Every rank has joined: unnamed ops are numbered from 0 again (see :meth:`auto_name`) and
+        the small-op lane, off since this rank joined, starts again.
+
+        Every rank runs the lane's barrier, a rank without a lane too: ranks may disagree on having
+        one (a rank that could not map rank 0's region runs without it), and a rank that skipped
+        the barrier would leave the others waiting in it.
+        """
         with self._lock:
             self._joins += 1
+            self._counters.clear()
             name = f"ringcomm.lane.rejoin.{self._joins}"
-        self.lane.reopen_after_join(lambda: self.submit(wire.Request(name, wire.BARRIER), []).wait())
+
+        def barrier() -> None:
+            self.submit(wire.Request(name, wire.BARRIER), []).wait()
+        if self.lane is None:
+            barrier()
+        else:
+            self.lane.reopen_after_join(barrier)
 
     def shutdown(self) -> None:
         timeout = 0.0 if _dying.is_set() else 10.0
