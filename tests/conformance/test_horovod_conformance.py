@@ -94,4 +94,4 @@ def test_rank_failing_before_a_collective_ends_the_others_wait(np_, tmp_path):
 def test_optimizer_over_a_set_some_ranks_are_not_in(np_):
     """DistributedOptimizer(process_set=even ranks) built on every rank: members average, a rank
     outside the set (a single-rank set's complement at np 2) steps on its own gradients."""
-    run_job(np_, "recovery.py", 90, "optimizer_sets")
+    run_job(np_, "recovery.py", 90, "optimizer_sets", HOROVOD_DYNAMIC_PROCESS_SETS="1")
