@@ -87,6 +87,7 @@ class Runtime:
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
         self._joins = 0
+        self._stalled_seen = 0
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
         """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
@@ -168,6 +169,11 @@ class Runtime:
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
+        if self.lane is not None and self.engine.stalled_ops != self._stalled_seen:
+            # rank 0 failed an op of this rank that others never submitted: this rank's lane
+            # indexes are ahead of theirs, so it posts no more (the others divert what it misses)
+            self._stalled_seen = self.engine.stalled_ops
+            self.lane.close(timeout=0.0)
         lane = self.lane if req.pset == 0 else None
         handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
         try:
