@@ -48,8 +48,10 @@ class Stall(NamedTuple):
 
     def blocked_by(self, barrier: Stall) -> bool:
         """Whether every rank this op waits for sits in ``barrier``, which only this op's ranks
-        have not reached: they cannot reach it while they wait here, so neither op can finish."""
-        return (barrier.kind == wire.BARRIER and barrier.name != self.name and bool(self.missing)
+        have not reached: they cannot reach it while they wait here, so neither op can finish.
+        Never for a barrier, join or shutdown waiting itself (which side to fail is unclear)."""
+        return (barrier.kind == wire.BARRIER and self.kind not in (wire.BARRIER, wire.JOIN, wire.SHUTDOWN)
+                and bool(self.missing)
                 and set(self.missing) <= set(barrier.submitted) and set(barrier.missing) <= set(self.submitted))
 
     def diverged(self, barrier: Stall, where: str = "") -> str:
