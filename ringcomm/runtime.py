@@ -104,12 +104,28 @@ class Runtime:
                 raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
         else:
             with self._lock:
+                self._catch_up()
                 n = self._counters[(pset, kind)]
                 self._counters[(pset, kind)] += 1
                 joins = self._joins
             name = f"{kind}.noname.{n}" if not joins else f"{kind}.noname.{joins}.{n}"
         checking.op = (self, name, pset)
         return name
+
+    def _catch_up(self) -> None:
+        """Count the unnamed ops rank 0 failed as stalled that this rank never submitted (it had
+        diverged from the others and skipped them), so its next unnamed op pairs with theirs."""
+        skipped = self.engine.skipped_ops
+        while skipped:
+            pset, name = skipped.popleft()
+            kind, sep, rest = name.partition(".noname.")
+            parts = rest.split(".")
+            if not sep or (self._joins and parts[0] != str(self._joins)):
+                continue  # named, or numbered before the last join
+            number = parts[1] if self._joins and len(parts) > 1 else parts[0]
+            if number.isdigit():
+                key = (pset, kind)
+                self._counters[key] = max(self._counters[key], int(number) + 1)
 
     def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
@@ -170,8 +186,8 @@ class Runtime:
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
         if self.lane is not None and self.engine.stalled_ops != self._stalled_seen:
-            # rank 0 failed an op of this rank that others never submitted: this rank's lane
-            # indexes are ahead of theirs, so it posts no more (the others divert what it misses)
+            # rank 0 failed an op of the global set as stalled: the ranks' lane indexes no longer
+            # line up, so every rank posts no more (all ops go through the engine from here on)
             self._stalled_seen = self.engine.stalled_ops
             self.lane.close(timeout=0.0)
         lane = self.lane if req.pset == 0 else None
