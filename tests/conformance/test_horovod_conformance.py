@@ -76,8 +76,9 @@ def test_adasum_and_sparse_against_references(np_):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_suite_goes_on_in_step_after_failures(np_):
     """Adasum reducescatter refused on every rank and dtype; join with each rank first, unnamed ops in
-    step after it; a refusal on one rank raised on every rank; after each, the ranks agree."""
-    run_job(np_, "recovery.py", 90, "suite")
+    step after it; a refusal on one rank raised on every rank; a check failing on one rank between
+    collectives fails on every rank (rank 0 ends the others' wait); after each, the ranks agree."""
+    run_job(np_, "recovery.py", 90, "suite", RINGCOMM_STALL_CHECK_SECONDS="2")
 
 
 @pytest.mark.timeout(100)

@@ -9,9 +9,10 @@ rank is at the same test with agreeing op numbers.
 
 ``python -m ringcomm.launcher -np N python recovery.py MODE`` with MODE
 
-- ``suite``: Adasum reducescatter refused on every dtype, join with each rank joining first
-  (allgather and broadcast refused while a rank has joined, then unnamed ops in step), a
-  refusal on one rank raised on every rank;
+- ``suite`` (run with a short RINGCOMM_STALL_CHECK_SECONDS): Adasum reducescatter refused on
+  every dtype, join with each rank joining first (allgather and broadcast refused while a rank
+  has joined, then unnamed ops in step), a refusal on one rank raised on every rank, a check
+  that fails on one rank between collectives failing on every rank;
 - ``stall`` (run with RINGCOMM_STALL_SHUTDOWN_SECONDS set): the last rank fails before a
   collective the others entered; they raise StallError naming it and the op, then all go on;
 - ``optimizer_sets``: DistributedOptimizer(process_set=S) on every rank, S holding the even
@@ -48,7 +49,9 @@ def expect_raise(fn: Callable[[], object], kinds: tuple[type[BaseException], ...
 
 
 def in_step(index: int) -> None:
-    """Every rank is at test ``index`` and numbers its next unnamed ops alike."""
+    """Every rank is at test ``index`` and numbers its next unnamed ops alike (after a barrier, as
+    the tear-down of Horovod's own test file does)."""
+    hvd.barrier()
     got = hvd.allgather_object(index)
     assert got == [index] * N, f"rank {R}: ranks are at tests {got}, expected all at {index}"
     total = hvd.allreduce(torch.tensor([float(R)]), op=hvd.Sum)  # unnamed: must pair across ranks
@@ -95,6 +98,21 @@ def check_refusal_on_one_rank() -> None:
         assert f"rank {N - 1}" in str(exc) and "broadcast" in str(exc), f"rank {R}: {exc}"
     got = hvd.broadcast(t, root_rank=0)  # unnamed: the refused op used up one number on every rank
     assert torch.equal(got, torch.zeros(4)), f"rank {R}: broadcast after the refusal: {got}"
+
+
+def check_fails_on_some_ranks_only() -> None:
+    """The last rank's check fails between two collectives (a wrong value, say); the others go on
+    to the next collective and wait for it while it waits in the tear-down barrier.  Rank 0 ends
+    that wait: the others' collective fails, naming the ranks and the barrier, and every rank
+    reaches the barrier, in step."""
+    hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    if R == N - 1:
+        raise AssertionError("this rank's check failed")
+    exc = expect_raise(lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum), (RuntimeError,),
+                       "allreduce that the last rank never reached")
+    assert isinstance(exc, hvd.HorovodInternalError) and "diverged" in str(exc), f"rank {R}: {exc}"
+    assert f"ranks [{N - 1}] wait in barrier" in str(exc), f"rank {R}: {exc}"
+    raise AssertionError("failed with the last rank, as it should")
 
 
 def check_stalled_setup_fails_every_rank(marker: Path) -> None:
@@ -160,7 +178,8 @@ def check_optimizer_process_set() -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "suite":
-        suite([check_reducescatter_adasum_refused, check_join_each_rank_first, check_refusal_on_one_rank], set())
+        suite([check_reducescatter_adasum_refused, check_join_each_rank_first, check_refusal_on_one_rank,
+               check_fails_on_some_ranks_only, check_refusal_on_one_rank], {"check_fails_on_some_ranks_only"})
     elif mode == "stall":
         marker = Path(os.environ["RECOVERY_MARKER_DIR"])
         suite([lambda: check_stalled_setup_fails_every_rank(marker)], set())
