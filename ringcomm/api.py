@@ -413,6 +413,11 @@ def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = Non
         raise InvalidInputError(
             f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
         )
+    if ops.is_adasum(op):
+        raise UnsupportedError(
+            f"{what} on rank {rt.topo.rank}: op=Adasum is not defined for reducescatter (Adasum combines "
+            "whole tensors, not the blocks a rank keeps); use op=Sum or Average, or allreduce(op=Adasum)"
+        )
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,

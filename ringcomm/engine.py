@@ -36,7 +36,7 @@ from .core import wire
 from .config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
 from .errors import (
-    HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError,
+    HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError,
 )
 from .executor import DATA_KINDS, Executor
 from .core.service import Service
@@ -120,6 +120,13 @@ class Engine:
         self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
         self._executing = False
         self._warned_stalls: set[tuple[int, str]] = set()
+        #: How many ops of the global set rank 0 failed as stalled: the ranks are out of step (the
+        #: runtime then stops posting to the small-op lane, whose indexes no longer line up; every
+        #: rank gets these responses, so every rank stops).
+        self.stalled_ops = 0
+        #: ``(set, name)`` of ops rank 0 failed as stalled that this rank never submitted: it skipped
+        #: them, so its count of unnamed ops is behind (the runtime catches up; appended here only).
+        self.skipped_ops: collections.deque[tuple[int, str]] = collections.deque(maxlen=1024)
         self._reduced_at: dict[tuple[Any, ...], float] = {}  # timeline: when rank 0 began a small reduction
         self._thread: threading.Thread | None = None
         self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
@@ -530,6 +537,11 @@ class Engine:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
                 tl.span(e.req.name, negotiate_phase(e.req.kind), e.drained_at or start, start if reduced_at is None else reduced_at)
         if step.error is not None:
+            if isinstance(step.error, StallError):
+                if resp.pset == 0:  # every rank gets it: every rank leaves the lane alike
+                    self.stalled_ops += 1
+                if not entries:  # the response reaches the set's members only
+                    self.skipped_ops.extend((resp.pset, n) for n in resp.names)
             for e in entries:
                 e.handle.set_error(step.error)
             return

@@ -571,8 +571,10 @@ class FastPath:
                     "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
         self._publish_done()  # reads no more: whatever an interrupted resolve left unpublished
         if not self._unlinked:
-            self._unlinked = True
-            self._region.unlink()
+            # only once every rank has it mapped: a rank still starting (rank 0 may join or shut
+            # down right after init) would find no region and run without a lane, while this one
+            # reopens its lane after the join; the engine unlinks it when it closes otherwise
+            self._unlink_once_all_posted()
 
     def reopen_after_join(self, barrier: Callable[[], None]) -> None:
         """Every rank has joined, so every rank closed its lane before (and reads no entry any more):

@@ -87,9 +87,14 @@ class Runtime:
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
         self._joins = 0
+        self._stalled_seen = 0
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
         """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
+
+        Every completed ``join()`` starts the count again, as ``kind.noname.J.N`` after the J-th
+        join: ranks that joined early skipped the unnamed ops the others ran (and failed) meanwhile,
+        so their counts differ; after the join they agree again, on every rank.
 
         Also notes the op as the one being checked on this thread: if its arguments are then
         refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
@@ -99,11 +104,28 @@ class Runtime:
                 raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
         else:
             with self._lock:
+                self._catch_up()
                 n = self._counters[(pset, kind)]
                 self._counters[(pset, kind)] += 1
-            name = f"{kind}.noname.{n}"
+                joins = self._joins
+            name = f"{kind}.noname.{n}" if not joins else f"{kind}.noname.{joins}.{n}"
         checking.op = (self, name, pset)
         return name
+
+    def _catch_up(self) -> None:
+        """Count the unnamed ops rank 0 failed as stalled that this rank never submitted (it had
+        diverged from the others and skipped them), so its next unnamed op pairs with theirs."""
+        skipped = self.engine.skipped_ops
+        while skipped:
+            pset, name = skipped.popleft()
+            kind, sep, rest = name.partition(".noname.")
+            parts = rest.split(".")
+            if not sep or (self._joins and parts[0] != str(self._joins)):
+                continue  # named, or numbered before the last join
+            number = parts[1] if self._joins and len(parts) > 1 else parts[0]
+            if number.isdigit():
+                key = (pset, kind)
+                self._counters[key] = max(self._counters[key], int(number) + 1)
 
     def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
@@ -163,6 +185,11 @@ class Runtime:
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
+        if self.lane is not None and self.engine.stalled_ops != self._stalled_seen:
+            # rank 0 failed an op of the global set as stalled: the ranks' lane indexes no longer
+            # line up, so every rank posts no more (all ops go through the engine from here on)
+            self._stalled_seen = self.engine.stalled_ops
+            self.lane.close(timeout=0.0)
         lane = self.lane if req.pset == 0 else None
         handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
         try:
@@ -175,13 +202,24 @@ class Runtime:
         return handle
 
     def after_join(self) -> None:
-        """Every rank has joined: the small-op lane, off since this rank joined, starts again."""
-        if self.lane is None:
-            return
+        """Every rank has joined: unnamed ops are numbered from 0 again (see :meth:`auto_name`) and
+        the small-op lane, off since this rank joined, starts again.
+
+        Every rank runs the lane's barrier, a rank without a lane too: ranks may disagree on having
+        one (a rank that could not map rank 0's region runs without it), and a rank that skipped
+        the barrier would leave the others waiting in it.
+        """
         with self._lock:
             self._joins += 1
+            self._counters.clear()
             name = f"ringcomm.lane.rejoin.{self._joins}"
-        self.lane.reopen_after_join(lambda: self.submit(wire.Request(name, wire.BARRIER), []).wait())
+
+        def barrier() -> None:
+            self.submit(wire.Request(name, wire.BARRIER), []).wait()
+        if self.lane is None:
+            barrier()
+        else:
+            self.lane.reopen_after_join(barrier)
 
     def shutdown(self) -> None:
         timeout = 0.0 if _dying.is_set() else 10.0

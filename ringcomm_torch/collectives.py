@@ -27,7 +27,7 @@ import ringcomm as _rc
 from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
 from ringcomm.core.ops import ReduceOp
 
-from .basics import check_process_set, global_process_set, rank, size
+from .basics import check_process_set, global_process_set, rank
 from .handles import Handle, completed, poll, synchronize
 from .tensors import Staged, begin, empty_result, stage, to_tensor
 
@@ -281,21 +281,10 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 # ---------------------------------------------------------------- broadcast
 
-def _check_root(root_rank: Any, what: str) -> int:
-    """A global rank of this job (the core checks that it belongs to the process set)."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
-        raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
-    n = size()
-    if not 0 <= int(root_rank) < n:
-        raise InvalidInputError(f"{what}: root_rank={root_rank} is not a rank of this job (size {n})")
-    return int(root_rank)
-
-
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place: bool,
                process_set: Any) -> Handle:
     what = "broadcast_" if in_place else "broadcast"
     check_process_set(process_set, what)
-    root = _check_root(root_rank, what)
     s = stage(tensor, reduce=False, what=what)
     if not in_place and s.direct:
         # the staged array aliases the caller's tensor: receive into a fresh tensor instead
@@ -309,8 +298,9 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
 
         def finish(_raw: Any) -> torch.Tensor:
             return s.write_back(tensor if in_place else empty_result(tensor))
+    # the core checks root_rank after numbering the op: a bad root on one rank fails it on every rank
     core = _start([s], "broadcast", _core_name("broadcast", name), process_set,
-                  lambda nm: _rc.broadcast_async(s.array, root, name=nm, process_set=process_set, out=out))
+                  lambda nm: _rc.broadcast_async(s.array, root_rank, name=nm, process_set=process_set, out=out))
     return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
 
 

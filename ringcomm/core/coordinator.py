@@ -46,6 +46,21 @@ class Stall(NamedTuple):
         """What the op fails with once it has waited ``shutdown_seconds``."""
         return f"stalled: {self.text(where)} (RINGCOMM_STALL_SHUTDOWN_SECONDS={shutdown_seconds:g})"
 
+    def blocked_by(self, barrier: Stall) -> bool:
+        """Whether every rank this op waits for sits in ``barrier``, which only this op's ranks
+        have not reached: they cannot reach it while they wait here, so neither op can finish.
+        Never for a barrier, join or shutdown waiting itself (which side to fail is unclear)."""
+        return (barrier.kind == wire.BARRIER and self.kind not in (wire.BARRIER, wire.JOIN, wire.SHUTDOWN)
+                and bool(self.missing)
+                and set(self.missing) <= set(barrier.submitted) and set(barrier.missing) <= set(self.submitted))
+
+    def diverged(self, barrier: Stall, where: str = "") -> str:
+        """What the op fails with when :meth:`blocked_by` ``barrier`` holds."""
+        return (f"the ranks diverged: {self.text(where)}; ranks {list(self.missing)} wait in barrier "
+                f"'{barrier.name}', which ranks {list(barrier.missing)} would reach only after this op, "
+                "so neither can finish (did a test or step fail on some ranks only?). This op fails on "
+                f"ranks {list(self.submitted)} so that they go on to the barrier")
+
 
 def itemsize_of(dtype: str) -> int:
     return np.dtype(dtype).itemsize if dtype else 1

@@ -58,6 +58,14 @@ def check_dtype(dtype: np.dtype, what: str) -> str:
     return name
 
 
+def is_adasum(op: object) -> bool:
+    """Whether ``op`` names Adasum (as a :class:`ReduceOp` or its number); anything else is False."""
+    try:
+        return (op if type(op) is ReduceOp else ReduceOp(op)) is ReduceOp.ADASUM  # type: ignore[arg-type]
+    except ValueError:
+        return False
+
+
 def check_op(op: object, dtype_name: str, what: str) -> ReduceOp:
     """Validate a reduce op for a dtype; returns it as :class:`ReduceOp`."""
     try:

@@ -271,13 +271,25 @@ class Service:
 
     def stalls(self, now: float, check_seconds: float, shutdown_seconds: float) -> list[tuple[tuple[int, str], str]]:
         """``((set, name), text)`` for ops that wait longer than ``check_seconds`` for some ranks;
-        those waiting ``shutdown_seconds`` (if set) are failed on every member instead."""
+        those waiting ``shutdown_seconds`` (if set) are failed on every member instead.
+
+        An op waiting ``check_seconds`` for ranks that all sit in a barrier its own ranks have not
+        reached is failed at once (:meth:`Stall.blocked_by`): the ranks diverged (a test failed on
+        some ranks only), and failing that op lets its ranks go on to the barrier, in step again.
+        The barrier itself is left waiting."""
         coord = self.controller
         after = min(check_seconds, shutdown_seconds or check_seconds)
         out = []
-        for pset, stall in coord.stalled(now, after):
+        stalls = coord.stalled(now, after)
+        barriers = [(pset, s) for pset, s in coord.stalled(now, 0.0) if s.kind == wire.BARRIER] if stalls else []
+        for pset, stall in stalls:
             where = coord.where(pset)
             text = stall.text(where)
+            if stall.waited >= check_seconds:
+                blocker = next((b for p, b in barriers if p == pset and stall.blocked_by(b)), None)
+                if blocker is not None:  # a deadlock, not a slow rank: end it where the barrier can go on
+                    coord.fail(pset, stall.name, stall.diverged(blocker, where))
+                    continue
             if shutdown_seconds and stall.waited >= shutdown_seconds:
                 coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where))
                 continue
