@@ -131,12 +131,14 @@ class Runtime:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
         reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
         req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
-        handle = Handle(name)
+        lane = self.lane if pset == 0 else None
+        handle = Handle(name) if lane is None else fastpath.LaneHandle(name)
         try:
             entry = Entry(req, [], handle)
-            if self.lane is not None and pset == 0:
-                self.lane.submit(entry, others=0)  # refused: never fast, so the others divert too
-            self.engine.submit(entry)
+            # in the lane, a refused op is never fast, so the others divert theirs too; the lane hands
+            # it to the engine itself if it had to queue it (False: posted now, the engine's to take)
+            if lane is None or not lane.submit(entry, others=0):
+                self.engine.submit(entry)
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
             return
