@@ -24,7 +24,7 @@ from _launcher_helpers import (
     wait_gone,
     worker,
 )
-from ringcomm import launcher
+from ringcomm.launch import launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -71,7 +71,7 @@ def test_three_ranks_prefix_output_and_get_their_environment(tmp_path):
 def test_workers_assemble_through_the_launchers_rendezvous():
     code = """
 import json, os
-from ringcomm.rendezvous import register
+from ringcomm.net.rendezvous import register
 rank, size = int(os.environ["RINGCOMM_RANK"]), int(os.environ["RINGCOMM_SIZE"])
 table = register(os.environ["RINGCOMM_RENDEZVOUS_ADDR"], bytes.fromhex(os.environ["RINGCOMM_SECRET"]),
                  rank, size, {"rank": rank, "pid": os.getpid()}, timeout=20.0)
@@ -308,7 +308,7 @@ def test_verbose_prints_job_id_address_and_pids():
 
 @pytest.mark.timeout(10)
 def test_exit_descriptions():
-    from ringcomm.supervise import describe_exit, exit_status
+    from ringcomm.launch.supervise import describe_exit, exit_status
 
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGSEGV) == "was killed by signal SIGSEGV"

@@ -1,7 +1,7 @@
 """The elastic driver: ``ringcomm-run --host-discovery-script ...`` keeps a job alive while workers come and go.
 
 Generations.  The driver publishes numbered worlds (generations) in its
-key-value store (a :class:`~ringcomm.rendezvous.RendezvousServer` at
+key-value store (a :class:`~ringcomm.net.rendezvous.RendezvousServer` at
 ``RINGCOMM_RENDEZVOUS_ADDR``): ``world/<g>`` holds every member's rank, size,
 local and cross ranks, and the address of a fresh rendezvous for that
 generation; ``world/current`` names the newest.  Workers learn their place
@@ -26,7 +26,7 @@ Where workers run: :mod:`ringcomm.elastic.starter` starts them here, or on
 other hosts through ``--ssh-command`` as ``ringcomm-run -H`` starts remote
 ranks.  A member that fails before its generation's rendezvous completed
 makes the driver call that rendezvous off
-(:meth:`~ringcomm.rendezvous.RendezvousServer.abort`): the members waiting
+(:meth:`~ringcomm.net.rendezvous.RendezvousServer.abort`): the members waiting
 there come back at once instead of after ``RINGCOMM_START_TIMEOUT``.  A failed
 worker's host is blacklisted (``--blacklist-failures``, 1 by default, as
 Horovod does).
@@ -49,9 +49,9 @@ import sys
 import threading
 import time
 
-from ..supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
+from ..launch.supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
 from ..errors import InvalidInputError
-from ..rendezvous import RendezvousServer, kv_set
+from ..net.rendezvous import RendezvousServer, kv_set
 from .discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
 from .plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
 from .starter import WorkerStarter

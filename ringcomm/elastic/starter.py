@@ -3,8 +3,8 @@
 A discovered host that is this machine under some name (``localhost``,
 ``127.0.0.x``, its host name, an address of one of its interfaces) gets its
 workers as local children.  Any other host gets them the way ``ringcomm-run
--H`` starts remote ranks (:mod:`ringcomm.remote`): ``--ssh-command HOST 'cd
-DIR && exec env VARS... python -m ringcomm.rexec ... COMMAND'``, with the
+-H`` starts remote ranks (:mod:`ringcomm.launch.remote`): ``--ssh-command HOST 'cd
+DIR && exec env VARS... python -m ringcomm.launch.rexec ... COMMAND'``, with the
 job's secret written into the ssh's input (never on a command line), and the
 worker stopped by closing that input.
 
@@ -30,8 +30,9 @@ import queue
 import sys
 from collections.abc import Iterable, Mapping
 
-from .. import netaddr, remote
-from ..supervise import REMOTE_GRACE_SECONDS, Worker, spawn
+from ..job import netaddr
+from ..launch import remote
+from ..launch.supervise import REMOTE_GRACE_SECONDS, Worker, spawn
 from ..errors import InvalidInputError
 from .discovery import is_local_host
 from .plan import Assignment
