@@ -1,4 +1,4 @@
-"""Starting elastic workers (ringcomm.elastic.starter) and calling off a rendezvous round, in one process.
+"""Starting elastic workers (ringcomm.launch.elastic_starter) and calling off a rendezvous round, in one process.
 
 - which discovered hosts are remote, and the driver's address each host is told;
 - a remote worker's ssh command line: the same -p / -i handling as static jobs, the secret only on the ssh's
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ringcomm.elastic import starter as starter_mod
-from ringcomm.elastic.starter import WorkerStarter
+from ringcomm.launch import elastic_starter as starter_mod
+from ringcomm.launch.elastic_starter import WorkerStarter
 from ringcomm.errors import RendezvousAbortedError, RendezvousError
 from ringcomm.net.rendezvous import RendezvousServer, register
 

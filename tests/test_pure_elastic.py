@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm.elastic.discovery import DiscoveryError, HostDiscoveryScript, is_local_host, parse_hosts
+from ringcomm.launch.elastic_discovery import DiscoveryError, HostDiscoveryScript, is_local_host, parse_hosts
 from ringcomm.elastic.plan import Blacklist, Member, assign_ranks, free_slots, new_worker_hosts
 
 HOSTS = ["localhost", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -136,7 +136,7 @@ def test_elastic_flags_are_validated(argv, message, capsys):
 
 def test_fixed_hosts_with_min_np_are_an_elastic_job_over_those_hosts(tmp_path):
     """horovodrun's fault tolerance without scaling: -H (or --hostfile) with --min-np, no discovery script."""
-    from ringcomm.elastic.discovery import FixedHosts
+    from ringcomm.launch.elastic_discovery import FixedHosts
     from ringcomm.launch.args import is_elastic
     from ringcomm.launch.launcher import parse_args
 

@@ -223,7 +223,7 @@ def _add_library_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
-    """Elastic mode (``--host-discovery-script``): see :mod:`ringcomm.elastic.driver`."""
+    """Elastic mode (``--host-discovery-script``): see :mod:`ringcomm.launch.elastic_driver`."""
     group = parser.add_argument_group("elastic training (with --host-discovery-script)")
     group.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
                        help="run elastically: SCRIPT prints the available hosts as host:slots lines; polled "

@@ -151,7 +151,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
         _say(f"warning: {notice}")
     base_env = {**os.environ, **getattr(args, "settings_env", {})}
     if is_elastic(args):
-        from ..elastic import driver
+        from . import elastic_driver as driver
 
         return driver.ElasticDriver(args, base_env).run()
     size = args.num_proc

@@ -31,12 +31,12 @@ import sys
 from collections.abc import Iterable, Mapping
 
 from ..job import netaddr
-from ..launch import remote
-from ..launch.supervise import REMOTE_GRACE_SECONDS, Worker, spawn
+from . import remote
+from .supervise import REMOTE_GRACE_SECONDS, Worker, spawn
 from ..errors import InvalidInputError
-from .discovery import is_local_host
-from .plan import Assignment
-from .worker import TIMEOUT_VAR, WORKER_VAR
+from .elastic_discovery import is_local_host
+from ..elastic.plan import Assignment
+from ..elastic.worker import TIMEOUT_VAR, WORKER_VAR
 
 __all__ = ["WorkerStarter", "REMOTE_GRACE_SECONDS"]
 

@@ -14,7 +14,7 @@ available right now, one per line; a line without ``:slots`` gets
 
 A host that is this machine under some name (``localhost``, ``127.0.0.x``,
 this host's name, or a name that resolves to a loopback address) gets local
-workers; any other host gets them through ssh (:mod:`ringcomm.elastic.starter`).
+workers; any other host gets them through ssh (:mod:`ringcomm.launch.elastic_starter`).
 Several names for this machine act as several hosts, which is how elastic
 jobs are tested on one machine.
 """

@@ -22,7 +22,7 @@ then:
   generation ``g + 1`` is published.  Below ``--min-np`` it waits for
   discovery to offer slots, and fails after ``--elastic-timeout`` seconds.
 
-Where workers run: :mod:`ringcomm.elastic.starter` starts them here, or on
+Where workers run: :mod:`ringcomm.launch.elastic_starter` starts them here, or on
 other hosts through ``--ssh-command`` as ``ringcomm-run -H`` starts remote
 ranks.  A member that fails before its generation's rendezvous completed
 makes the driver call that rendezvous off
@@ -49,13 +49,13 @@ import sys
 import threading
 import time
 
-from ..launch.supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
+from .supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
 from ..errors import InvalidInputError
 from ..net.rendezvous import RendezvousServer, kv_set
-from .discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
-from .plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
-from .starter import WorkerStarter
-from .worker import World, pack, unpack
+from .elastic_discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
+from ..elastic.plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
+from .elastic_starter import WorkerStarter
+from ..elastic.worker import World, pack, unpack
 
 __all__ = ["ElasticDriver", "run"]
 
