@@ -1,10 +1,10 @@
-"""Start a worker that dies with the launcher: ``python -m ringcomm.launch.guard PPID -- COMMAND...``.
+"""Start a worker that dies with the launcher: ``python -I .../ringcomm/launch/guard.py PPID -- COMMAND...``.
 
 The launcher starts every local worker (and every ssh to a remote host)
-through this guard.  It asks the kernel for SIGTERM when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), checks the launcher
-(``PPID``) did not die in between, and then *becomes* ``COMMAND`` with
-``os.execvp``: same pid, no extra process.  So a launcher killed with
+through this guard, run as a file so that it needs no import path.  It
+asks the kernel for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``,
+kept across ``exec``), checks the launcher (``PPID``) did not die in between,
+and then *becomes* ``COMMAND`` with ``os.execvp``: same pid, no extra process.  So a launcher killed with
 SIGKILL, which cannot stop its workers itself, still leaves no worker behind
 (an ssh'd rank then loses its ssh, and ``ringcomm.launch.rexec`` on the remote host
 stops it).  A worker that handles or ignores SIGTERM would survive that, so

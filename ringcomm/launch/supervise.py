@@ -21,7 +21,6 @@ moment it exited, so the launcher can tell which rank failed first.
 from __future__ import annotations
 
 import collections
-import functools
 import glob
 import os
 import queue
@@ -234,13 +233,16 @@ def live_groups(pgids: Iterable[int]) -> set[int]:
     return running
 
 
-@functools.cache
-def _guard_source() -> str:
-    """The source of :mod:`ringcomm.launch.guard`, run with ``python -c`` (no import path needed)."""
-    from . import guard as _parent_guard
+def guard_command(parent: int, command: Sequence[str]) -> list[str]:
+    """The command line that runs ``command`` under :mod:`ringcomm.launch.guard` for launcher ``parent``.
 
-    with open(_parent_guard.__file__, encoding="utf-8") as f:
-        return f.read()
+    The guard runs as a file (``python -I .../ringcomm/launch/guard.py PPID -- COMMAND...``): ``-I``
+    keeps the job's PYTHONPATH and the guard's own folder off its import path (it needs only the
+    standard library), and ``ps`` shows a short line that names the command.
+    """
+    from . import guard
+
+    return [sys.executable, "-I", os.path.abspath(guard.__file__), str(parent), "--", *command]
 
 
 def _check_runnable(program: str, env: Mapping[str, str]) -> None:
@@ -267,10 +269,8 @@ def spawn(
     ``timestamp``: relayed lines start with the time (see :class:`Worker`).
     """
     _check_runnable(command[0], env)
-    # -E -s -c: the guard needs only the standard library, whatever PYTHONPATH the job has
-    guarded = [sys.executable, "-E", "-s", "-c", _guard_source(), str(os.getpid()), "--", *command]
     popen = subprocess.Popen(
-        guarded,
+        guard_command(os.getpid(), command),
         env=dict(env),
         stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
