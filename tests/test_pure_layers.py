@@ -191,10 +191,10 @@ def test_the_core_imports_nothing_outside_itself_but_the_errors() -> None:
     assert not any(bad.values()), f"the core imports outside itself: {bad}"
 
 
-def test_the_lane_shared_memory_and_network_do_not_import_the_launcher() -> None:
+def test_the_lane_shared_memory_network_and_elastic_workers_do_not_import_the_launcher() -> None:
     graph = _module_graph(functions=True)
-    mods = [m for m in graph if any(_in(m, f) for f in ("lane", "shm", "net"))]
-    assert {"ringcomm.lane.fastpath", "ringcomm.shm.slots", "ringcomm.net.transport"} <= set(mods)
+    mods = [m for m in graph if any(_in(m, f) for f in ("lane", "shm", "net", "elastic"))]
+    assert {"ringcomm.lane.fastpath", "ringcomm.shm.slots", "ringcomm.net.transport", "ringcomm.elastic.worker"} <= set(mods)
     bad = {m: sorted(d for d in graph[m] if _in(d, "launch")) for m in mods}
     assert not any(bad.values()), f"these import the launcher: {bad}"
 
