@@ -1,23 +1,20 @@
 """Small collectives of a one-host job without the engine: the lane, driven by the calling thread.
 
 Every op of the global process set takes the next index of this rank's lane
-(:mod:`ringcomm.lane.shm_lane`); what each index becomes is decided from the
-ranks' entries alone (:mod:`ringcomm.core.lane`).  A small allreduce,
-broadcast, allgather or barrier is posted *fast*: its payload goes into this rank's entry,
-and the thread that waits for its handle reads the others' entries, computes
-the result and returns: no thread hop, no message, no round trip through rank 0.  Anything else (a large op, an alltoall, a
-refused call, a timeline being written) is posted as *engine*: the ranks
-divert that index, each hands its op to the engine, and rank 0 negotiates
-it as always.
+(:mod:`ringcomm.lane.shm_lane`); what each index becomes is decided from the ranks' entries alone
+(:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is posted *fast*:
+its payload goes into this rank's entry, and the thread that waits for its handle reads the others'
+entries, computes the result and returns: no thread hop, no message, no round trip through rank 0.
+Anything else (a large op, an alltoall, a refused call, a timeline being written) is posted as
+*engine*: the ranks divert that index, each hands its op to the engine, and rank 0 negotiates it as
+always.
 
-The waiting thread re-reads a peer's counter a few times (when the host has
-a core per rank), then sleeps on it in a futex, waking every
-:data:`SLICE` to see whether the engine has found a peer lost (its
-heartbeats and connection monitors keep running), to warn of a stall, and
-to honour a deadline.  An async fast op nobody waits for is resolved by a
-sweeper thread within :data:`SWEEP_SECONDS`, so a peer that diverted it is
-never left waiting; the sweeper also posts the ops a submit queued rather than
-wait for a peer, and sleeps without a timeout once the lane is idle.
+The waiting thread re-reads a peer's counter a few times (when the host has a core per rank), then
+sleeps on it in a futex, waking every :data:`SLICE` to see whether the engine has found a peer lost
+(its heartbeats and connection monitors keep running), to warn of a stall, and to honour a deadline.
+An async fast op nobody waits for is resolved by a sweeper thread within :data:`SWEEP_SECONDS`, so a
+peer that diverted it is never left waiting; the sweeper also posts the ops a submit queued rather
+than wait for a peer, and sleeps without a timeout once the lane is idle.
 
     rank 0: allreduce(x) -> post k (fast, x)  -> every entry at k fast, same key -> reduce, return
     rank 1: allreduce(y) -> post k (fast, y)  -> ... the same, bitwise
