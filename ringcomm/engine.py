@@ -12,10 +12,9 @@ pure pieces and does what they return:
    :class:`~ringcomm.collectives.executor.Executor` (pack, ring or shared memory, unpack),
    and the handles completed with the results it returns.
 
-While rank 0 waits for a peer's data inside step 3, the data plane runs the
-negotiation hook handed to it (:meth:`DataPlane.serve_while_waiting`), so sets
-without rank 0 are answered meanwhile.  The loop sleeps in ``zmq.Poller.poll``
-with no timeout when idle, so an idle job uses no CPU.
+While rank 0 waits for a peer's data inside step 3, the data plane runs the negotiation hook handed
+to it (:meth:`DataPlane.serve_while_waiting`), so sets without rank 0 are answered meanwhile.  The
+loop sleeps in ``zmq.Poller.poll`` with no timeout when idle, so an idle job uses no CPU.
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ from .lane import net_lane, shm_lane
 from .core import wire
 from .job.config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
-from .errors import (
-    HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError,
-)
+from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
 from .collectives.executor import DATA_KINDS, Executor
 from .core.service import Service
 from .core.session import Session
