@@ -62,12 +62,12 @@ from .errors import (
     ShutdownError,
     StallError,
 )
-from .config import Settings
+from .job.config import Settings
 from .handles import GroupHandle, Handle
-from .run_fn import RunFunctionError, run
+from .launch.run_fn import RunFunctionError, run
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from .process_sets import ProcessSet, global_process_set
-from . import logsetup as _logsetup
+from .core.process_sets import ProcessSet, global_process_set
+from .job import logsetup as _logsetup
 
 _logsetup.install()  # a library's NullHandler on the "ringcomm" logger; nothing else is configured
 

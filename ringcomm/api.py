@@ -34,7 +34,7 @@ from .core.coordinator import JOIN_NAME
 from .core.ops import Average, ReduceOp
 from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
 from .handles import GroupHandle, Handle, MappedHandle
-from .process_sets import ProcessSet, global_process_set
+from .core.process_sets import ProcessSet, global_process_set
 from .runtime import (  # re-exported: the public API is ringcomm.api's names
     Runtime,
     add_process_set as add_process_set,

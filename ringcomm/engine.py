@@ -9,13 +9,12 @@ pure pieces and does what they return:
 2. on rank 0, every rank's frames go to the :class:`~ringcomm.core.service.Service`,
    which returns the ordered responses: frames for each rank, and rank 0's own;
 3. each response, in that order, is begun by the session, its data moved by the
-   :class:`~ringcomm.executor.Executor` (pack, ring or shared memory, unpack),
+   :class:`~ringcomm.collectives.executor.Executor` (pack, ring or shared memory, unpack),
    and the handles completed with the results it returns.
 
-While rank 0 waits for a peer's data inside step 3, the data plane runs the
-negotiation hook handed to it (:meth:`DataPlane.serve_while_waiting`), so sets
-without rank 0 are answered meanwhile.  The loop sleeps in ``zmq.Poller.poll``
-with no timeout when idle, so an idle job uses no CPU.
+While rank 0 waits for a peer's data inside step 3, the data plane runs the negotiation hook handed
+to it (:meth:`DataPlane.serve_while_waiting`), so sets without rank 0 are answered meanwhile.  The
+loop sleeps in ``zmq.Poller.poll`` with no timeout when idle, so an idle job uses no CPU.
 """
 
 from __future__ import annotations
@@ -31,21 +30,22 @@ from typing import Any
 import numpy as np
 import zmq
 
-from . import auth, config, hierarchical, net_lane, shm_allreduce, shm_lane
+from .net import auth
+from .job import config
+from .collectives import hierarchical, shm_allreduce
+from .lane import net_lane, shm_lane
 from .core import wire
-from .config import Settings
+from .job.config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
-from .errors import (
-    HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError,
-)
-from .executor import DATA_KINDS, Executor
+from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
+from .collectives.executor import DATA_KINDS, Executor
 from .core.service import Service
 from .core.session import Session
 from .handles import Entry, Handle
 from .timeline import Timeline, negotiate_phase
-from .topology import Topology
-from .names import ipc_base, ipc_file, remove_files
-from .transport import DataPlane
+from .job.topology import Topology
+from .job.names import ipc_base, ipc_file, remove_files
+from .net.transport import DataPlane
 from .core.wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -156,7 +156,7 @@ class Engine:
     # -- setup ---------------------------------------------------------------
 
     def _connect(self, round_: int) -> None:
-        from . import rendezvous
+        from .net import rendezvous
 
         topo, st = self.topo, self.settings
         # every connection to this process proves it holds the job secret before it is attached

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import config, fastpath, horovod_env, logsetup, net_lane, topology
+from .job import config, horovod_env, logsetup, topology
+from .lane import fastpath, net_lane
 from .core import wire
 from .elastic import worker as elastic_worker
 from .engine import Engine
@@ -34,7 +35,7 @@ from .errors import (
     RendezvousAbortedError,
 )
 from .handles import Entry, Handle
-from .process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
+from .core.process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
 
 log = logging.getLogger("ringcomm")
 #: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
@@ -300,7 +301,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None, *, settings: co
     list on every rank; they get ids 1, 2, ... in order), or ``"dynamic"`` to
     allow :func:`add_process_set` / :func:`remove_process_set` later.
 
-    ``settings``: the :class:`~ringcomm.config.Settings` to run with instead of those the
+    ``settings``: the :class:`~ringcomm.job.config.Settings` to run with instead of those the
     ``RINGCOMM_*`` / ``HOROVOD_*`` variables give (e.g. ``Settings.from_env()`` with changes)::
 
         rc.init(settings=dataclasses.replace(rc.Settings.from_env(), fusion_threshold=0))

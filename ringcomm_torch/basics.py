@@ -21,7 +21,7 @@ import torch
 
 import ringcomm as _rc
 from ringcomm.errors import InvalidInputError
-from ringcomm.process_sets import ProcessSet, global_process_set
+from ringcomm.core.process_sets import ProcessSet, global_process_set
 
 add_process_set = _rc.add_process_set
 remove_process_set = _rc.remove_process_set

@@ -1,4 +1,4 @@
-"""Helpers for the launcher tests: run ``python -m ringcomm.launcher`` and check processes are gone."""
+"""Helpers for the launcher tests: run ``python -m ringcomm.launch.launcher`` and check processes are gone."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def launcher_env(**extra: str) -> dict[str, str]:
 
 
 def launcher_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ringcomm.launcher", *args]
+    return [sys.executable, "-m", "ringcomm.launch.launcher", *args]
 
 
 def run_launcher(*args: str, timeout: float = 30.0, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:

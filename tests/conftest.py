@@ -29,7 +29,7 @@ def job_env(**extra: str) -> dict[str, str]:
 
 def launch(np_: int, args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     """Run ``ringcomm-run -np N python ARGS...``; kills the job if it outlives ``timeout``."""
-    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", str(np_), sys.executable, *args]
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(**env), cwd=ROOT)
 
 
@@ -42,7 +42,7 @@ def init_ranks_apart(job_id: str, env_of_rank: list[dict[str, str]]) -> list[tup
     """Start one process per entry of ``env_of_rank`` that only calls ``init()`` (printing ``REFUSED
     <message>`` if it raises ``ValueError``) against a rendezvous server of this process; returns each
     rank's (exit code, output)."""
-    from ringcomm.rendezvous import RendezvousServer
+    from ringcomm.net.rendezvous import RendezvousServer
 
     size, secret = len(env_of_rank), os.urandom(32)
     code = "import ringcomm as rc\ntry:\n    rc.init()\nexcept ValueError as e:\n    print('REFUSED', e)\n"
@@ -85,7 +85,7 @@ def start_torchrun_job(args: list[str], world: int, rank_env: Sequence[dict[str,
     """
     import socket
 
-    from ringcomm import topology
+    from ringcomm.job import topology
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +128,8 @@ def lane_pair():
     the list of entries rank 0 handed to the engine."""
     import uuid
 
-    from ringcomm import fastpath, names, shm_lane
+    from ringcomm.lane import fastpath, shm_lane
+    from ringcomm.job import names
     from ringcomm.handles import Entry
 
     path = os.path.join(names.SHM_DIR, f"ringcomm-test-{uuid.uuid4().hex}-lane")

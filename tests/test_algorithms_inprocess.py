@@ -19,11 +19,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import algorithms
+from ringcomm.collectives import algorithms
 from ringcomm.core import ring
 from ringcomm.core.ops import ReduceOp
-from ringcomm.auth import Credentials, ZapThread
-from ringcomm.transport import DataPlane
+from ringcomm.net.auth import Credentials, ZapThread
+from ringcomm.net.transport import DataPlane
 
 
 class QueueLink:
@@ -420,7 +420,7 @@ def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
     is dropped like any malformed message; the file is not mapped."""
     import os
 
-    from ringcomm import names
+    from ringcomm.job import names
     from ringcomm.core import wire
 
     links = zmq_links(2, shm_slots=2)

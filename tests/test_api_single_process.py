@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ringcomm as rc
-from ringcomm import topology
+from ringcomm.job import topology
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_bad_launch_environment(env: dict, pattern: str) -> None:
 
 
 def test_unknown_setting_is_an_error(monkeypatch) -> None:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
 
     with pytest.raises(ValueError, match="unknown setting RINGCOMM_FUSION_TRESHOLD"):
         Settings.from_env({"RINGCOMM_FUSION_TRESHOLD": "1"})
@@ -260,7 +260,7 @@ def test_no_lost_wakeups_under_concurrent_submission(job) -> None:
 def test_log_level_setting(monkeypatch) -> None:
     import logging
 
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
 
     if rc.is_initialized():
         rc.shutdown()

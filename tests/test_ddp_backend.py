@@ -50,7 +50,7 @@ def run(cmd: list[str], timeout: float, **extra: str) -> str:
 
 
 def ringcomm_run(np_: int, *args: str, timeout: float = 90) -> str:
-    return run([sys.executable, "-m", "ringcomm.launcher", "-np", str(np_), sys.executable, *args], timeout)
+    return run([sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, *args], timeout)
 
 
 def torchrun(np_: int, *args: str, timeout: float = 90) -> str:

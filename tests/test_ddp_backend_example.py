@@ -27,7 +27,7 @@ def test_ddp_digits_trains(launcher):
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE]
     else:
-        cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "2", sys.executable, EXAMPLE]
+        cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, EXAMPLE]
     out = run([*cmd, "--epochs", "6"], 110)
     assert "backend ringcomm" in out, out[-3000:]
     assert final_accuracy(out) > 85.0, out[-3000:]

@@ -74,7 +74,7 @@ def test_launch_style_script_under_torch_launch_torchrun_and_ringcomm_run() -> N
     launch = _ranks([py, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={_port()}",
                      str(LAUNCH_SCRIPT)], 2)
     assert [d["local_rank"] for d in launch] == [0, 1]  # the script's --local_rank argument
-    run = _ranks([py, "-m", "ringcomm.launcher", "-np", "2", py, str(LAUNCH_SCRIPT)], 2)
+    run = _ranks([py, "-m", "ringcomm.launch.launcher", "-np", "2", py, str(LAUNCH_SCRIPT)], 2)
     gloo = _ranks([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
                    str(LAUNCH_SCRIPT), "--backend", "gloo"], 2, reference=True)
     reference = gloo[0]["digest"]

@@ -1,4 +1,4 @@
-"""Starting elastic workers (ringcomm.elastic.starter) and calling off a rendezvous round, in one process.
+"""Starting elastic workers (ringcomm.launch.elastic_starter) and calling off a rendezvous round, in one process.
 
 - which discovered hosts are remote, and the driver's address each host is told;
 - a remote worker's ssh command line: the same -p / -i handling as static jobs, the secret only on the ssh's
@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from ringcomm.elastic import starter as starter_mod
-from ringcomm.elastic.starter import WorkerStarter
+from ringcomm.launch import elastic_starter as starter_mod
+from ringcomm.launch.elastic_starter import WorkerStarter
 from ringcomm.errors import RendezvousAbortedError, RendezvousError
-from ringcomm.rendezvous import RendezvousServer, register
+from ringcomm.net.rendezvous import RendezvousServer, register
 
 SECRET = b"k" * 32
 REMOTE = "192.0.2.7"  # TEST-NET-1: never an address of this machine
@@ -95,7 +95,7 @@ def test_a_remote_worker_is_an_ssh_with_the_secret_on_its_input_only(starter: Wo
     words = shlex.split(line.partition("&& exec ")[2])
     assert "RINGCOMM_ELASTIC_WORKER=3" in words and "RINGCOMM_RENDEZVOUS_ADDR=tcp://10.9.9.1:4242" in words
     assert "SSH_AUTH_SOCK=/tmp/a" not in words and "HOME=/root" not in words  # session variables stay here
-    tail = words[words.index("ringcomm.rexec"):]
+    tail = words[words.index("ringcomm.launch.rexec"):]
     assert tail[tail.index("--rank") + 1] == "-1" and "--secret-on-stdin" in tail
     assert tail[tail.index("--") + 1:] == ["python", "train.py", "--lr", "0.1"]
 

@@ -103,7 +103,7 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
     import sys
 
     from conftest import job_env
-    from ringcomm.rendezvous import RendezvousServer
+    from ringcomm.net.rendezvous import RendezvousServer
 
     secret = b"s" * 32
     with RendezvousServer(size=2, secret=secret) as server:
@@ -242,7 +242,7 @@ def test_garbage_and_half_open_connections_to_every_port_leave_results_correct(t
     # the job runs until the garbage is sent (a fixed count may end first), and through the engine
     # (the lane would leave the sockets under test idle)
     stop_file = tmp_path / "stop"
-    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "3", sys.executable,
            str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "300", str(stop_file)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=job_env(RINGCOMM_SHM_LANE_BYTES="0"), cwd=ROOT)

@@ -13,12 +13,12 @@ import secrets
 import numpy as np
 import pytest
 
-from ringcomm.config import Settings
+from ringcomm.job.config import Settings
 from ringcomm.core import ops, wire
 from ringcomm.engine import Engine
 from ringcomm.handles import Entry, Handle
-from ringcomm.rendezvous import RendezvousServer
-from ringcomm.topology import Topology
+from ringcomm.net.rendezvous import RendezvousServer
+from ringcomm.job.topology import Topology
 
 
 def _allreduce(name: str, a: np.ndarray, op: int = int(ops.ReduceOp.SUM)) -> Entry:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from test_algorithms_inprocess import queue_links, run_ranks
 
-from ringcomm.config import Settings
+from ringcomm.job.config import Settings
 from ringcomm.core import wire
 from ringcomm.core.ops import ReduceOp
-from ringcomm.executor import Executor
+from ringcomm.collectives.executor import Executor
 from ringcomm.handles import Entry, Handle
 from ringcomm.core.wire import Request, Response
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm import algorithms, hierarchical
+from ringcomm.collectives import algorithms, hierarchical
 from ringcomm.core.ops import ReduceOp
 from test_algorithms_inprocess import queue_links, run_ranks, zmq_links  # noqa: F401 (a fixture)
 
@@ -98,7 +98,7 @@ def test_src_buf_is_read_and_left_alone() -> None:
 
 
 def test_setting_is_checked() -> None:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
     from ringcomm.errors import InvalidInputError
 
     assert Settings.from_env({"RINGCOMM_HIERARCHICAL_ALLREDUCE": "1"}).hierarchical_allreduce == 1

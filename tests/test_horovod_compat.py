@@ -116,7 +116,7 @@ def test_import_refuses_beside_another_horovod_naming_both(tmp_path: Path) -> No
 def test_horovods_names_are_ringcomms_objects() -> None:
     code = """
         import json, inspect
-        import ringcomm, ringcomm.errors, ringcomm.process_sets, ringcomm_torch, torch
+        import ringcomm, ringcomm.errors, ringcomm.core.process_sets, ringcomm_torch, torch
         import horovod, horovod.torch as hvd
         from horovod.torch import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm
         from horovod.common import exceptions, process_sets
@@ -142,7 +142,7 @@ def test_horovods_names_are_ringcomms_objects() -> None:
                        exceptions.HostsUpdatedInterrupt is ringcomm.errors.HostsUpdatedInterrupt,
                        issubclass(exceptions.HorovodInternalError, RuntimeError),
                        issubclass(exceptions.HostsUpdatedInterrupt, RuntimeError)],
-            "process_sets": [process_sets.ProcessSet is ringcomm.process_sets.ProcessSet,
+            "process_sets": [process_sets.ProcessSet is ringcomm.core.process_sets.ProcessSet,
                              process_sets.global_process_set is hvd.global_process_set,
                              process_sets.add_process_set is hvd.add_process_set,
                              process_sets.remove_process_set is hvd.remove_process_set],
@@ -190,7 +190,7 @@ def test_distribution_version_and_pin_follow_ringcomm() -> None:
     expected = f"0.28.1+ringcomm.{ringcomm.__version__}"
     assert literal == [expected] and project["version"] == expected
     assert project["name"] == "horovod" and project["dependencies"] == [f"ringcomm=={ringcomm.__version__}"]
-    assert project["scripts"] == {"horovodrun": "ringcomm.launcher:main"}
+    assert project["scripts"] == {"horovodrun": "ringcomm.launch.launcher:main"}
 
 
 # --------------------------------------------------------------------------- installed (pip install ./compat/horovod)

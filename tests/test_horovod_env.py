@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import launch
-from ringcomm import horovod_env
-from ringcomm.config import Settings
+from ringcomm.job import horovod_env
+from ringcomm.job.config import Settings
 
 
 def test_each_horovod_setting_sets_its_ringcomm_setting() -> None:

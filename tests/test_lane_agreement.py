@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringcomm import fastpath, futex, shm
+from ringcomm.lane import fastpath
+from ringcomm.shm import futex, slots as shm
 from ringcomm.core import lane, wire
 from ringcomm.handles import Entry
 

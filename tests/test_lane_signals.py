@@ -21,7 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm import fastpath, futex, shm
+from ringcomm.lane import fastpath
+from ringcomm.shm import futex, slots as shm
 from ringcomm.core import wire
 from ringcomm.errors import ShutdownError
 from ringcomm.handles import Entry

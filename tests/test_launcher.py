@@ -24,7 +24,7 @@ from _launcher_helpers import (
     wait_gone,
     worker,
 )
-from ringcomm import launcher
+from ringcomm.launch import launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -71,7 +71,7 @@ def test_three_ranks_prefix_output_and_get_their_environment(tmp_path):
 def test_workers_assemble_through_the_launchers_rendezvous():
     code = """
 import json, os
-from ringcomm.rendezvous import register
+from ringcomm.net.rendezvous import register
 rank, size = int(os.environ["RINGCOMM_RANK"]), int(os.environ["RINGCOMM_SIZE"])
 table = register(os.environ["RINGCOMM_RENDEZVOUS_ADDR"], bytes.fromhex(os.environ["RINGCOMM_SECRET"]),
                  rank, size, {"rank": rank, "pid": os.getpid()}, timeout=20.0)
@@ -308,7 +308,7 @@ def test_verbose_prints_job_id_address_and_pids():
 
 @pytest.mark.timeout(10)
 def test_exit_descriptions():
-    from ringcomm.supervise import describe_exit, exit_status
+    from ringcomm.launch.supervise import describe_exit, exit_status
 
     assert describe_exit(3) == "exited with code 3"
     assert describe_exit(-signal.SIGSEGV) == "was killed by signal SIGSEGV"
@@ -366,3 +366,30 @@ def test_a_worker_that_ignores_sigterm_does_not_outlive_a_sigkilled_launcher():
 def _children_pids(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(40)
+def test_ps_shows_each_guard_as_a_short_line_that_names_the_rank_command():
+    """The guard's watcher lives as long as the rank: ``ps`` shows the guard's file and the command, not its source."""
+    from ringcomm.launch import guard
+
+    code = "import time; print('ready', flush=True); time.sleep(30)"
+    proc = subprocess.Popen(launcher_cmd("-np", "1", sys.executable, "-c", code), env=launcher_env(),
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "ready" in proc.stdout.readline()
+        ranks = _children_pids(proc.pid)
+        assert len(ranks) == 1, ranks
+        with open(f"/proc/{ranks[0]}/cmdline", "rb") as f:
+            assert f.read().split(b"\0")[:3] == [sys.executable.encode(), b"-c", code.encode()]
+        watchers = _children_pids(ranks[0])
+        assert len(watchers) == 1, watchers
+        with open(f"/proc/{watchers[0]}/cmdline", "rb") as f:
+            line = f.read().rstrip(b"\0").split(b"\0")
+        assert line == [sys.executable.encode(), b"-I", os.path.abspath(guard.__file__).encode(), str(proc.pid).encode(),
+                        b"--", sys.executable.encode(), b"-c", code.encode()]
+        assert len(b" ".join(line)) < 300 + len(code), line
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiprocess
 
 SETTINGS_DUMP = """
 import json, os
-from ringcomm.config import Settings
+from ringcomm.job.config import Settings
 s = Settings.from_env()
 print(json.dumps({"rank": os.environ["RINGCOMM_RANK"], "fusion": s.fusion_threshold, "cycle": s.cycle_time,
                   "stall": s.stall_check_seconds, "peer": s.peer_timeout, "timeline": s.timeline}))

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import ringcomm as rc
-from ringcomm import logsetup
-from ringcomm.config import Settings
+from ringcomm.job import logsetup
+from ringcomm.job.config import Settings
 from conftest import job_env, launch
 
 

@@ -15,7 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm import futex, net_lane
+from ringcomm.shm import futex
+from ringcomm.lane import net_lane
 from ringcomm.core import lane
 from ringcomm.errors import HorovodInternalError, ProtocolError
 from test_algorithms_inprocess import run_ranks

@@ -26,7 +26,7 @@ def test_one_version_everywhere() -> None:
 def test_version_flag_and_python_dash_m() -> None:
     import ringcomm
 
-    for argv in (["-m", "ringcomm.launcher", "--version"], ["-m", "ringcomm", "--version"]):
+    for argv in (["-m", "ringcomm.launch.launcher", "--version"], ["-m", "ringcomm", "--version"]):
         out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, env=job_env())
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"ringcomm-run (ringcomm) {ringcomm.__version__}"
@@ -135,4 +135,4 @@ def test_compat_wheel_holds_horovods_names_and_horovodrun(tmp_path: Path) -> Non
     info = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert f"Requires-Dist: ringcomm=={ringcomm.__version__}" in archive.read(info).decode()
     entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "horovodrun = ringcomm.launcher:main" in entry_points
+    assert "horovodrun = ringcomm.launch.launcher:main" in entry_points

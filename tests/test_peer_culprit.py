@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ringcomm.peers import PeerWatch
+from ringcomm.net.peers import PeerWatch
 
 
 def dead_pid() -> int:

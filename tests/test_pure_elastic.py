@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm.elastic.discovery import DiscoveryError, HostDiscoveryScript, is_local_host, parse_hosts
+from ringcomm.launch.elastic_discovery import DiscoveryError, HostDiscoveryScript, is_local_host, parse_hosts
 from ringcomm.elastic.plan import Blacklist, Member, assign_ranks, free_slots, new_worker_hosts
 
 HOSTS = ["localhost", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
@@ -128,7 +128,7 @@ def test_local_hosts():
     (["-np", "2", "--host-discovery-script", "x", "-H", "localhost:2", "python"], "exclude each other"),
 ])
 def test_elastic_flags_are_validated(argv, message, capsys):
-    from ringcomm.launcher import main
+    from ringcomm.launch.launcher import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -136,9 +136,9 @@ def test_elastic_flags_are_validated(argv, message, capsys):
 
 def test_fixed_hosts_with_min_np_are_an_elastic_job_over_those_hosts(tmp_path):
     """horovodrun's fault tolerance without scaling: -H (or --hostfile) with --min-np, no discovery script."""
-    from ringcomm.elastic.discovery import FixedHosts
-    from ringcomm.launch_args import is_elastic
-    from ringcomm.launcher import parse_args
+    from ringcomm.launch.elastic_discovery import FixedHosts
+    from ringcomm.launch.args import is_elastic
+    from ringcomm.launch.launcher import parse_args
 
     args = parse_args(["-np", "2", "--min-np", "2", "-H", "localhost:2,127.0.0.2:2", "python", "train.py"])
     assert is_elastic(args) and args.fixed_hosts == {"localhost": 2, "127.0.0.2": 2}
@@ -153,7 +153,7 @@ def test_fixed_hosts_with_min_np_are_an_elastic_job_over_those_hosts(tmp_path):
 
 
 def test_elastic_flags_parse():
-    from ringcomm.launcher import parse_args
+    from ringcomm.launch.launcher import parse_args
 
     args = parse_args(["-np", "4", "--min-np", "2", "--max-np", "6", "--host-discovery-script", "./h.sh",
                        "--reset-limit", "3", "python", "train.py"])

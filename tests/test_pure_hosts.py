@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm.hosts import (
+from ringcomm.job.hosts import (
     Host,
     assign,
     expand_nodelist,

@@ -179,7 +179,7 @@ def test_fast_broadcast_allgather_barrier_and_grouped_results():
 
 
 def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
     from ringcomm.errors import InvalidInputError
 
     s = Settings()
@@ -194,7 +194,7 @@ def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
 
 
 def test_the_lane_across_hosts_is_off_by_default_and_by_job_size_when_asked_for() -> None:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
     from ringcomm.errors import InvalidInputError
 
     assert Settings().net_lane_bytes_for(2) == 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringcomm import launch_args
-from ringcomm.launch_args import parse_args
+from ringcomm.launch import args as launch_args
+from ringcomm.launch.args import parse_args
 
 CMD = ["python", "train.py"]
 
@@ -236,7 +236,7 @@ def test_config_file_without_pyyaml_names_the_install(tmp_path, monkeypatch, cap
 
 
 def test_output_layout_pads_ranks_to_the_last_ranks_width():
-    from ringcomm.launcher import output_paths
+    from ringcomm.launch.launcher import output_paths
 
     assert output_paths("d", 1) == ["d/rank.0"]
     assert output_paths("d", 10)[0] == "d/rank.0" and output_paths("d", 10)[9] == "d/rank.9"

@@ -1,4 +1,4 @@
-"""The package's layers, checked from the source: the core does no I/O, and no module imports in a circle."""
+"""The package's layers, checked from the source: the core does no I/O, no module imports in a circle, and each folder imports only the layers below it."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_package_imports_no_circles_when_loaded() -> None:
     """A circle among the imports that run at load time breaks (or half-initialises) a module."""
     graph = _module_graph()
-    assert {"ringcomm.engine", "ringcomm.launcher", "ringcomm.elastic.driver", "ringcomm.topology",
+    assert {"ringcomm.engine", "ringcomm.launch.launcher", "ringcomm.launch.elastic_driver", "ringcomm.job.topology",
             "ringcomm.elastic.worker", "ringcomm.core.session"} <= set(graph)
     assert not _cycles(graph), _cycles(graph)
 
@@ -129,8 +129,8 @@ def test_the_package_imports_no_circles_when_loaded() -> None:
 def test_the_package_imports_no_circles_even_inside_functions() -> None:
     """An import moved into a function to dodge a circle is still a circle of the design."""
     graph = _module_graph(functions=True)
-    assert "ringcomm.supervise" in graph["ringcomm.elastic.driver"] and "ringcomm.launcher" not in graph[
-        "ringcomm.elastic.driver"]
+    assert "ringcomm.launch.supervise" in graph["ringcomm.launch.elastic_driver"] and "ringcomm.launch.launcher" not in graph[
+        "ringcomm.launch.elastic_driver"]
     assert not _cycles(graph), _cycles(graph)
 
 
@@ -152,3 +152,75 @@ def test_no_module_is_longer_than_600_lines() -> None:
     assert len(files) > 50
     long = {str(p.relative_to(PKG.parent)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}; split each along what it holds"
+
+
+#: The folders of the package under the API, and what each may not import.
+FOLDERS = ("core", "lane", "shm", "net", "collectives", "job", "launch", "elastic")
+#: The API: what users call.  ``elastic.state`` is the user's elastic ``State``, which commits through the API.
+API = {"ringcomm", "ringcomm.api", "ringcomm.ray", "ringcomm.elastic.state"}
+
+
+def _in(mod: str, folder: str) -> bool:
+    return mod.startswith(f"ringcomm.{folder}.") or mod == f"ringcomm.{folder}"
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_every_folder_says_in_one_sentence_what_lives_there() -> None:
+    for folder in FOLDERS + ("bench",):
+        doc = ast.get_docstring(ast.parse((PKG / folder / "__init__.py").read_text()))
+        assert doc, f"ringcomm/{folder}/__init__.py has no docstring: say in one sentence what lives there"
+        first = doc.split("\n\n")[0].replace("\n", " ")
+        assert first.endswith("."), f"ringcomm/{folder}: the docstring's first paragraph is not a sentence: {first!r}"
+
+
+def test_the_core_imports_nothing_outside_itself_but_the_errors() -> None:
+    graph = _module_graph(functions=True)
+    core = [m for m in graph if _in(m, "core")]
+    assert "ringcomm.core.service" in core and "ringcomm.core.process_sets" in core
+    bad = {m: sorted(d for d in graph[m] if not _in(d, "core") and d != "ringcomm.errors") for m in core}
+    assert not any(bad.values()), f"the core imports outside itself: {bad}"
+
+
+def test_the_lane_shared_memory_network_and_elastic_workers_do_not_import_the_launcher() -> None:
+    graph = _module_graph(functions=True)
+    mods = [m for m in graph if any(_in(m, f) for f in ("lane", "shm", "net", "elastic"))]
+    assert {"ringcomm.lane.fastpath", "ringcomm.shm.slots", "ringcomm.net.transport", "ringcomm.elastic.worker"} <= set(mods)
+    bad = {m: sorted(d for d in graph[m] if _in(d, "launch")) for m in mods}
+    assert not any(bad.values()), f"these import the launcher: {bad}"
+
+
+def test_the_launcher_never_loads_the_engine() -> None:
+    """Starting a job reaches the runtime only through the rendezvous: no engine, no data plane, no lane."""
+    graph = _module_graph(functions=True)
+    launch = [m for m in graph if _in(m, "launch")]
+    assert "ringcomm.launch.launcher" in launch and "ringcomm.launch.supervise" in launch
+    engine_side = ("ringcomm.engine", "ringcomm.runtime", "ringcomm.api", "ringcomm.collectives", "ringcomm.lane",
+                   "ringcomm.net.transport")
+    for m in launch:
+        bad = sorted(d for d in _reach(graph, m) if d.startswith(engine_side))
+        assert not bad, f"{m} loads {bad}: the launcher must not need the engine"
+    assert "ringcomm.net.rendezvous" in _reach(graph, "ringcomm.launch.launcher")
+
+
+def test_nothing_below_the_api_imports_the_api() -> None:
+    graph = _module_graph(functions=True)
+    assert "ringcomm.api" in graph["ringcomm.elastic.state"]
+    bad = {m: sorted(graph[m] & API) for m in graph if m not in API and graph[m] & API}
+    assert not bad, f"modules below the API import it: {bad}"
+
+
+def test_the_layer_checks_catch_a_wrong_import() -> None:
+    graph = {"ringcomm.lane.fastpath": {"ringcomm.launch.supervise"}, "ringcomm.launch.supervise": {"ringcomm.engine"}}
+    assert any(_in(d, "launch") for d in graph["ringcomm.lane.fastpath"])
+    assert "ringcomm.engine" in _reach(graph, "ringcomm.lane.fastpath")
+    assert not _in("ringcomm.launcher", "launch") and _in("ringcomm.launch", "launch")

@@ -5,7 +5,7 @@ Flagged, in every module of ``ringcomm`` (but ``ringcomm/bench``) and ``ringcomm
 - ``module._name``: a private attribute of an imported module (or of something reached through it,
   ``module.Class._name``);
 - ``from module import _name``: a private name imported from a module (private *modules* of the
-  package, such as ``ringcomm._parent_guard``, are the package's own and may be imported);
+  package, such as ``ringcomm.launch._run_task``, are the package's own and may be imported);
 - ``obj._name`` on anything but ``self``/``cls``, when no ``_name`` is defined in the same module:
   an object's private state read by code outside the module that owns it.
 """
@@ -124,7 +124,7 @@ def test_the_check_finds_each_kind_of_read() -> None:
     source = """
 from . import transport
 from .transport import _SLICE
-from . import _parent_guard
+from .launch import _run_task
 
 class Loop:
     def __init__(self, plane):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_algorithms_inprocess import queue_links, run_ranks
 
-from ringcomm import algorithms
+from ringcomm.collectives import algorithms
 from ringcomm.core import wire
 from ringcomm.core.controller import Controller
 from ringcomm.core.ops import ReduceOp

@@ -95,7 +95,7 @@ def test_element_offsets() -> None:
 
 
 def test_small_allreduce_bound_grows_with_the_job_then_caps_rank0s_share_unless_set() -> None:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
     from ringcomm.errors import InvalidInputError
 
     auto = Settings()
@@ -108,7 +108,7 @@ def test_small_allreduce_bound_grows_with_the_job_then_caps_rank0s_share_unless_
 
 
 def test_doubling_bound_is_256_kib_by_default_off_at_zero_and_agreed_across_ranks() -> None:
-    from ringcomm.config import AGREED, Settings
+    from ringcomm.job.config import AGREED, Settings
     from ringcomm.errors import InvalidInputError
 
     assert [Settings().doubling_allreduce_bytes_for(p) for p in (1, 2, 3, 64)] == [0, 262144, 262144, 262144]

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ringcomm.core import wire
 from ringcomm.bench import coordination
-from ringcomm.config import SMALL_ALLREDUCE_RANK0_BYTES, Settings
+from ringcomm.job.config import SMALL_ALLREDUCE_RANK0_BYTES, Settings
 from ringcomm.core.controller import Controller
 from ringcomm.core.wire import Request
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringcomm import topology
-from ringcomm.config import Settings
+from ringcomm.job import topology
+from ringcomm.job.config import Settings
 from ringcomm.errors import InvalidInputError
 
 # jobs whose ranks meet beyond loopback need an explicit secret (a derived one could be computed by anyone)
@@ -164,7 +164,7 @@ def test_job_variables_are_not_mistaken_for_unknown_settings() -> None:
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ringcomm import mpi_env  # noqa: E402
+from ringcomm.job import mpi_env  # noqa: E402
 
 
 def srun_pmi2(procid: int, ntasks: int, job: int = 77, step: int = 0) -> dict[str, str]:
@@ -327,7 +327,7 @@ def test_a_job_beyond_loopback_needs_a_secret_or_an_explicit_opt_out(caplog) -> 
         topology.from_env(env)
     assert "RINGCOMM_INSECURE=1" in str(info.value) and "10.0.0.5" in str(info.value)
     assert topology.from_env({**env, "RINGCOMM_SECRET": "ab" * 16}).secret == bytes.fromhex("ab" * 16)
-    with caplog.at_level("WARNING", logger="ringcomm.topology"):
+    with caplog.at_level("WARNING", logger="ringcomm.job.topology"):
         assert topology.from_env({**env, "RINGCOMM_INSECURE": "1"}).secret
     assert "RINGCOMM_INSECURE=1" in caplog.text
     for bad in (slurm(3, 1, 1), ompi(1)):  # Slurm and MPI facts are visible to other users too

@@ -1,4 +1,4 @@
-"""Remote command lines (ringcomm.remote) and the remote end that runs them (ringcomm.rexec)."""
+"""Remote command lines (ringcomm.launch.remote) and the remote end that runs them (ringcomm.launch.rexec)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from _launcher_helpers import alive, kill_leftovers, wait_gone
-from ringcomm import remote, rexec
+from ringcomm.launch import remote, rexec
 
 
 def test_host_specific_variables_stay_home() -> None:
@@ -88,7 +88,7 @@ time.sleep(60)
 
 def _rexec(code: str, grace: float = 1.0) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ringcomm.rexec", "--grace", str(grace), "--", sys.executable, "-c", code],
+        [sys.executable, "-m", "ringcomm.launch.rexec", "--grace", str(grace), "--", sys.executable, "-c", code],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -142,15 +142,15 @@ def test_exit_status_and_leftover_children_when_the_command_ends_by_itself() -> 
 @pytest.mark.timeout(30)
 def test_a_command_killed_by_a_signal_is_reported_since_ssh_cannot_carry_it() -> None:
     proc = run_with_input_open(
-        [sys.executable, "-m", "ringcomm.rexec", "--rank", "3", "--", sys.executable, "-c", "import os; os.abort()"]
+        [sys.executable, "-m", "ringcomm.launch.rexec", "--rank", "3", "--", sys.executable, "-c", "import os; os.abort()"]
     )
     assert proc.returncode == 128 + signal.SIGABRT
-    assert "ringcomm.rexec: rank 3 (pid" in proc.stderr and "was killed by SIGABRT" in proc.stderr
+    assert "ringcomm.launch.rexec: rank 3 (pid" in proc.stderr and "was killed by SIGABRT" in proc.stderr
 
 
 @pytest.mark.timeout(30)
 def test_a_missing_program_is_reported() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ringcomm.rexec", "--", "/nonexistent/program"],
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.launch.rexec", "--", "/nonexistent/program"],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=20)
     assert proc.returncode == 127
     assert "cannot start '/nonexistent/program'" in proc.stderr
@@ -184,7 +184,7 @@ def test_the_secret_comes_through_the_input_and_the_input_still_stops_the_rank()
     """The launcher writes RINGCOMM_SECRET into the ssh's input, not onto a command line others can read."""
     code = "import os, sys, time; print(os.environ['RINGCOMM_SECRET'], flush=True); time.sleep(60)"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ringcomm.rexec", "--grace", "1", "--secret-on-stdin", "--",
+        [sys.executable, "-m", "ringcomm.launch.rexec", "--grace", "1", "--secret-on-stdin", "--",
          sys.executable, "-c", code],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -201,7 +201,7 @@ def test_the_secret_comes_through_the_input_and_the_input_still_stops_the_rank()
 @pytest.mark.timeout(30)
 def test_no_secret_line_means_no_rank() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ringcomm.rexec", "--secret-on-stdin", "--", sys.executable, "-c", "print('ran')"],
+        [sys.executable, "-m", "ringcomm.launch.rexec", "--secret-on-stdin", "--", sys.executable, "-c", "print('ran')"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     out, err = proc.communicate("not hex!\n", timeout=20)

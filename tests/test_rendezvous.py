@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from ringcomm.errors import RendezvousError, RendezvousTimeoutError
-from ringcomm.rendezvous import RendezvousServer, credentials, kv_get, kv_set, register, sign, verify
+from ringcomm.net.rendezvous import RendezvousServer, credentials, kv_get, kv_set, register, sign, verify
 
 SECRET = b"s" * 32
 
@@ -108,7 +108,7 @@ def test_wrong_secret_is_ignored_and_others_still_succeed():
 
 @pytest.mark.timeout(15)
 def test_garbage_does_not_disturb_the_server(caplog):
-    caplog.set_level(logging.DEBUG, logger="ringcomm.rendezvous")
+    caplog.set_level(logging.DEBUG, logger="ringcomm.net.rendezvous")
     with RendezvousServer(size=2, secret=SECRET) as server:
         body = msgpack.packb({"op": "register", "round": 0, "rank": 0, "size": 2, "info": {}})
         half_open = socket.create_connection(("127.0.0.1", server.port))
@@ -331,7 +331,7 @@ def _curve_random_keys(sock: zmq.Socket) -> None:
 @pytest.mark.timeout(20)
 def test_a_stranger_without_the_secret_is_refused_at_the_handshake(caplog):
     """Even a correctly signed message (say, a replayed one) is not acted upon over an unauthenticated connection."""
-    caplog.set_level(logging.DEBUG, logger="ringcomm.auth")
+    caplog.set_level(logging.DEBUG, logger="ringcomm.net.auth")
     body = msgpack.packb({"op": "register", "round": 0, "rank": 0, "size": 2, "info": {"evil": True}})
     signed = [sign(SECRET, body), body]
     with RendezvousServer(size=2, secret=SECRET) as server:
@@ -349,8 +349,8 @@ def test_a_stranger_without_the_secret_is_refused_at_the_handshake(caplog):
         time.sleep(0.2)
         assert server.open_rounds() == []  # not one of the signed registrations was acted upon
         assert server.refused_connections == 2  # the two PLAIN ones reached the ZAP handler
-        refused = [r.getMessage() for r in caplog.records if r.name == "ringcomm.auth"]
-        assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "ringcomm.auth")
+        refused = [r.getMessage() for r in caplog.records if r.name == "ringcomm.net.auth"]
+        assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "ringcomm.net.auth")
         assert sum("rendezvous: refused a PLAIN connection from 127.0.0.1: wrong password" in m for m in refused) == 2
         # the same signed frames over an authenticated connection are acted upon: the gate was the handshake
         assert _stranger_sends(server.address, signed, credentials(SECRET).apply_client) == \
@@ -378,7 +378,7 @@ def test_a_client_with_the_wrong_secret_times_out_promptly_and_says_why():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ringcomm import rendezvous_client  # noqa: E402
+from ringcomm.net import rendezvous_client  # noqa: E402
 
 _leaves = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6)
            | st.binary(max_size=6))
@@ -417,7 +417,7 @@ def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(f
     """Every field of every request with values of any type: refused or served, never an internal
     error, and the server keeps answering."""
     server, sock = fuzz_target
-    caplog.set_level(logging.DEBUG, logger="ringcomm.rendezvous")
+    caplog.set_level(logging.DEBUG, logger="ringcomm.net.rendezvous")
     if isinstance(fields.get("wait"), (int, float)):
         fields["wait"] = min(fields["wait"], 0.2) if fields["wait"] == fields["wait"] else 0.2
     sock.send_multipart(rendezvous_client.encode(SECRET, {"op": op, **fields}))
@@ -432,7 +432,7 @@ def test_authenticated_requests_with_fields_of_any_type_never_break_the_server(f
 
 
 def test_waiting_line_names_the_missing_ranks() -> None:
-    from ringcomm.rendezvous import waiting_line
+    from ringcomm.net.rendezvous import waiting_line
 
     assert waiting_line([0, 1], 4, 10.2, 60) == "waiting for ranks 2, 3 (10 s of 60)"
     assert waiting_line([0, 2], 3, 5, 60.0) == "waiting for rank 1 (5 s of 60)"

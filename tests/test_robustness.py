@@ -93,7 +93,7 @@ def test_frames_larger_than_any_message_are_refused_after_a_valid_handshake(tmp_
     # the job runs until the probes are done (a fixed count may end before they start), and through
     # the engine (the lane would leave the sockets under test idle)
     stop_file = tmp_path / "stop"
-    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", "3", sys.executable,
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "3", sys.executable,
            str(WORKERS / "garbage_target_worker.py"), str(tmp_path), "300", str(stop_file)]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=job_env(RINGCOMM_SHM_LANE_BYTES="0"), cwd=ROOT)
@@ -186,7 +186,7 @@ def test_two_jobs_started_at_once_on_one_host_do_not_collide() -> None:
 
     worker = str(WORKERS / "pair_job_worker.py")
     launched = [
-        subprocess.Popen([sys.executable, "-m", "ringcomm.launcher", "-np", "2", sys.executable, worker, v, "15"],
+        subprocess.Popen([sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, worker, v, "15"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(), cwd=ROOT)
         for v in ("1", "1000")
     ]

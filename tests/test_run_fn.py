@@ -15,7 +15,7 @@ sys.path.insert(0, str(WORKERS))
 import run_fn_targets as targets  # noqa: E402
 
 from ringcomm.errors import InvalidInputError  # noqa: E402
-from ringcomm.run_fn import RunFunctionError, payload  # noqa: E402
+from ringcomm.launch.run_fn import RunFunctionError, payload  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

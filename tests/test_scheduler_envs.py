@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import WORKERS, job_env
-from ringcomm import topology
+from ringcomm.job import topology
 
 pytestmark = pytest.mark.multiprocess
 

@@ -28,12 +28,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import WORKERS, job_env, launch, remove_files_of
-from ringcomm import auth, names, shm
+from ringcomm.net import auth
+from ringcomm.job import names
+from ringcomm.shm import slots as shm
 from ringcomm.core import wire
-from ringcomm.config import Settings
+from ringcomm.job.config import Settings
 from ringcomm.errors import InvalidInputError
-from ringcomm.rendezvous import RendezvousServer
-from ringcomm.transport import DataPlane
+from ringcomm.net.rendezvous import RendezvousServer
+from ringcomm.net.transport import DataPlane
 
 SECRET = bytes(range(32))
 HAS_CURVE = zmq.has("curve")
@@ -133,7 +135,7 @@ def _strangers(encrypt: bool) -> dict[str, Callable[[zmq.Socket], None]]:
 @pytest.mark.parametrize("encrypt", [False, pytest.param(True, marks=needs_curve)])
 def test_a_stranger_that_connects_first_cannot_take_the_pair_slot(encrypt: bool, tmp_path, caplog) -> None:
     """A PAIR socket accepts one peer: strangers first, then the real peer, which must get the slot."""
-    caplog.set_level(logging.DEBUG, logger="ringcomm.auth")
+    caplog.set_level(logging.DEBUG, logger="ringcomm.net.auth")
     creds = auth.Credentials.derive(SECRET, "job", encrypt=encrypt)
     ctx, other = zmq.Context(), zmq.Context()
     zap = auth.ZapThread(ctx, creds, "rank 0")
@@ -174,7 +176,7 @@ def test_a_stranger_that_connects_first_cannot_take_the_pair_slot(encrypt: bool,
     # a mechanism mismatch, or a CURVE hello the server cannot decrypt without knowing its key)
     reached = ["CURVE, known server key"] if encrypt else [n for n in strangers if n.startswith("PLAIN")]
     assert zap.handler.refused == 2 * len(reached) > 0
-    refused = [r for r in caplog.records if r.name == "ringcomm.auth" and "refused" in r.getMessage()]
+    refused = [r for r in caplog.records if r.name == "ringcomm.net.auth" and "refused" in r.getMessage()]
     assert len(refused) == zap.handler.refused and all(r.levelno == logging.DEBUG for r in refused)
 
 
@@ -403,7 +405,7 @@ def test_a_stranger_racing_the_real_peer_to_its_endpoint_cannot_take_its_place_o
         assert f"rank {r} ok after" in out[r]
         assert "lost rank" not in out[r] and "Error" not in out[r], out[r][-3000:]
     # the PLAIN strangers reached rank 0's ZAP handler, which refused them at debug level
-    assert "ringcomm.auth DEBUG rank 0: refused a PLAIN connection from 127.0.0.1: wrong password" in out[0]
+    assert "ringcomm.net.auth DEBUG rank 0: refused a PLAIN connection from 127.0.0.1: wrong password" in out[0]
     # the port scans closed connections on rank 0's listening sockets (rank 1 listens on none):
     # recognised as strangers', not as rank 1 lost -- across hosts there is no process to look at
     assert "still attached: a stranger" in out[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import init_ranks_apart
-from ringcomm.config import AGREED, Settings, agreed, check_agreed
+from ringcomm.job.config import AGREED, Settings, agreed, check_agreed
 from ringcomm.errors import InvalidInputError
 
 

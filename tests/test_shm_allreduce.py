@@ -1,4 +1,4 @@
-"""The shared-memory allreduce (``ringcomm/shm_allreduce.py``).
+"""The shared-memory allreduce (``ringcomm/collectives/shm_allreduce.py``).
 
 Tier 1: the piece / range / slab arithmetic (pure, hypothesis).
 Tier 2: the algorithm, one thread per rank, barriers over in-process queue links,
@@ -20,11 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import WORKERS, launch
-from ringcomm import names, shm, shm_allreduce, shm_barrier
-from ringcomm.config import Settings
+from ringcomm.job import names
+from ringcomm.shm import slots as shm, barrier as shm_barrier
+from ringcomm.collectives import shm_allreduce
+from ringcomm.job.config import Settings
 from ringcomm.errors import InvalidInputError
 from ringcomm.core.ops import ReduceOp, reduce_into, scale_inplace
-from ringcomm.shm_allreduce import ShmAllreduce
+from ringcomm.collectives.shm_allreduce import ShmAllreduce
 from test_algorithms_inprocess import queue_links, run_ranks
 
 needs_shm = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
@@ -272,8 +274,8 @@ def test_threshold_zero_keeps_the_ring(tmp_path) -> None:
 
 @needs_shm
 def test_remote_cleanup_removes_the_region_with_rank_0() -> None:
-    """On a remote host, rank 0's wrapper (``ringcomm.rexec``) removes a region its rank left behind."""
-    from ringcomm import rexec
+    """On a remote host, rank 0's wrapper (``ringcomm.launch.rexec``) removes a region its rank left behind."""
+    from ringcomm.launch import rexec
 
     job = new_job()
     path = shm_allreduce.region_path(job, 0)

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm import shm_barrier
+from ringcomm.shm import barrier as shm_barrier
 from ringcomm.errors import PeerLostError
-from ringcomm.shm_barrier import ShmBarrier, reached
+from ringcomm.shm.barrier import ShmBarrier, reached
 
 needs_futex = pytest.mark.skipif(not shm_barrier.available(), reason="futex barrier: Linux on x86-64 only")
 

@@ -19,11 +19,12 @@ import time
 import pytest
 
 from conftest import ROOT, WORKERS, job_env
-from ringcomm import names, shm
+from ringcomm.job import names
+from ringcomm.shm import slots as shm
 
 _MAKE = """
 import sys, time
-from ringcomm import shm
+from ringcomm.shm import slots as shm
 f = shm.MappedFile(sys.argv[1], 4096, create=True, named=sys.argv[2] == "named")
 print("made", flush=True)
 time.sleep(60)
@@ -116,7 +117,7 @@ def _rank(rank: int, port: int, secret: str) -> subprocess.Popen:
 def test_rank_0_killed_in_rendezvous_leaves_nothing_and_the_next_job_has_the_lane() -> None:
     import socket
 
-    from ringcomm import topology
+    from ringcomm.job import topology
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

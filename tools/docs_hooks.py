@@ -2,11 +2,11 @@
 
 A page asks for a table with a marker on a line of its own:
 
-- ``<!-- generated: settings -->``: every tuning setting of :class:`ringcomm.config.Settings`
+- ``<!-- generated: settings -->``: every tuning setting of :class:`ringcomm.job.config.Settings`
   (``RINGCOMM_<FIELD>``), its default, what it does (the ``#:`` comment above the field) and the
-  ``HOROVOD_*`` variable that sets it too (:mod:`ringcomm.horovod_env`);
+  ``HOROVOD_*`` variable that sets it too (:mod:`ringcomm.job.horovod_env`);
 - ``<!-- generated: job-variables -->``: the variables that describe the job rather than tune it
-  (``ringcomm.config.TOPOLOGY_VARS``);
+  (``ringcomm.job.config.TOPOLOGY_VARS``);
 - ``<!-- generated: errors -->``: the exception tree of :mod:`ringcomm.errors`.
 
 A new field in ``Settings``, a new variable or a new exception appears on the next build.
@@ -64,7 +64,7 @@ def _default(field: dataclasses.Field, name: str) -> str:
 
 def _horovod_names() -> dict[str, list[str]]:
     """``{RINGCOMM_X: [HOROVOD_Y, ...]}``: which Horovod variables set each setting."""
-    from ringcomm import horovod_env
+    from ringcomm.job import horovod_env
 
     out: dict[str, list[str]] = {}
     for name in sorted(set(horovod_env.SAME) | set(horovod_env.TRANSLATED)):
@@ -74,7 +74,7 @@ def _horovod_names() -> dict[str, list[str]]:
 
 
 def settings_table() -> str:
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
 
     comments = _field_comments(Settings)
     horovod = _horovod_names()
@@ -88,7 +88,7 @@ def settings_table() -> str:
 
 
 def job_variables() -> str:
-    from ringcomm.config import TOPOLOGY_VARS
+    from ringcomm.job.config import TOPOLOGY_VARS
 
     return ", ".join(f"`{v}`" for v in sorted(TOPOLOGY_VARS))
 

@@ -44,7 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
-    step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launcher -np "$np" "$PY" "${TESTS[@]}"
+    step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
 done
 
 for batch in 64 256; do

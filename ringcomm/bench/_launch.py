@@ -19,7 +19,7 @@ ENCRYPTED = "ringcomm-encrypted"
 
 def ringcomm_commands(np_: int, module: str, args: Sequence[str]) -> list[list[str]]:
     """One command: the ringcomm launcher starting ``np_`` copies of ``python -m module args``."""
-    return [[sys.executable, "-m", "ringcomm.launcher", "-np", str(np_),
+    return [[sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_),
              sys.executable, "-m", module, *args]]
 
 

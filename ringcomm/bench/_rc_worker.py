@@ -1,6 +1,6 @@
 """Collective benchmark worker for ringcomm; started by the ringcomm launcher, one process per rank.
 
-    python -m ringcomm.launcher -np 2 python -m ringcomm.bench._rc_worker \\
+    python -m ringcomm.launch.launcher -np 2 python -m ringcomm.bench._rc_worker \\
         --op allreduce --plan 4096:50 --out /tmp/rc.json
 """
 

@@ -1,6 +1,6 @@
 """Resource-use worker: RSS across many allreduces, then CPU while idle, for ringcomm or gloo.
 
-    python -m ringcomm.launcher -np 2 python -m ringcomm.bench._resource_worker \\
+    python -m ringcomm.launch.launcher -np 2 python -m ringcomm.bench._resource_worker \\
         --system ringcomm --bytes 67108864 --ops 1000 --idle 10 --out /tmp/res.json
 
 Every rank measures itself; rank 0 writes all ranks' figures to ``--out``:

@@ -71,7 +71,7 @@ def worker_env(keep_ringcomm_knobs: bool, extra: Mapping[str, str] | None = None
     ``RINGCOMM_*`` job variables are always dropped (the launcher sets them); the
     tuning knobs are kept only for ringcomm jobs (``keep_ringcomm_knobs``).
     """
-    from ringcomm.config import TOPOLOGY_VARS
+    from ringcomm.job.config import TOPOLOGY_VARS
 
     env = {
         k: v for k, v in os.environ.items()
@@ -89,7 +89,7 @@ def worker_env(keep_ringcomm_knobs: bool, extra: Mapping[str, str] | None = None
 
 def ringcomm_knobs() -> dict[str, str]:
     """The ``RINGCOMM_*`` tuning knobs set in this environment (recorded with the results)."""
-    from ringcomm.config import TOPOLOGY_VARS
+    from ringcomm.job.config import TOPOLOGY_VARS
 
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGCOMM_") and k not in TOPOLOGY_VARS}
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core import wire
 from ..core.cache import ResponseCache
-from ..config import Settings
+from ..job.config import Settings
 from ..core.controller import Controller
 from ..core.wire import Request
 

@@ -72,7 +72,7 @@ def link_bounds(nbytes: int, ranks: int, hosts: int, rate_bits: int) -> dict[str
 def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
               extra: dict[str, str] | None = None) -> _procs.JobResult:
     p = cfg.ranks_per_host
-    argv = [sys.executable, "-m", "ringcomm.launcher", "-np", str(2 * p),
+    argv = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(2 * p),
             "-H", f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", "--ssh-command", str(hosts.ssh),
             "--network-interface", hosts.interface,
             sys.executable, "-m", "ringcomm.bench._rc_worker", "--op", "allreduce", "--plan", plan,

@@ -5,7 +5,8 @@
 - :mod:`~ringcomm.core.service`: rank 0's negotiation (controller, small ops, cache recording);
 - :mod:`~ringcomm.core.controller`, :mod:`~ringcomm.core.coordinator`: the order of every set's ops;
 - :mod:`~ringcomm.core.fusion`, :mod:`~ringcomm.core.ring`, :mod:`~ringcomm.core.cache`,
-  :mod:`~ringcomm.core.ops`: fusion plans, ring schedules, the response cache, reduce ops.
+  :mod:`~ringcomm.core.ops`: fusion plans, ring schedules, the response cache, reduce ops;
+- :mod:`~ringcomm.core.process_sets`: the ``ProcessSet`` objects users build and register.
 
 Nothing here imports zmq, socket, select, threading, time, os or torch (a test checks it):
 the runtime around it (``ringcomm.engine`` and the transports) feeds it events and does its I/O.

@@ -1,4 +1,4 @@
-"""The frames of the small-op lane across hosts (:mod:`ringcomm.net_lane`), with no I/O.
+"""The frames of the small-op lane across hosts (:mod:`ringcomm.lane.net_lane`), with no I/O.
 
 A rank sends every peer one frame per lane index it posts, and one when it
 posts no more::

@@ -1,6 +1,6 @@
 """When each phase of a pipelined hierarchical allreduce may start (pure: no I/O).
 
-The hierarchical allreduce (``ringcomm.hierarchical``) cuts a large buffer
+The hierarchical allreduce (``ringcomm.collectives.hierarchical``) cuts a large buffer
 into ``pieces`` and runs three ring passes on each: a reduce-scatter within
 the host (``RS``), an allreduce across hosts (``AR``) and an allgather within
 the host (``AG``).  Run one after another, the two passes within the host

@@ -1,7 +1,7 @@
 """Pure membership logic of an elastic job: who gets which rank, which hosts get new workers, blacklisting.
 
 Nothing here starts a process or opens a socket; the driver
-(:mod:`ringcomm.elastic.driver`) feeds it what it observed and acts on the answers.
+(:mod:`ringcomm.launch.elastic_driver`) feeds it what it observed and acts on the answers.
 
 Example: four workers on two hosts, worker 1 lost, one free slot appears on a
 third host (``max_np=4``)::

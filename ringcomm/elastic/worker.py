@@ -33,10 +33,11 @@ from typing import Any
 
 import msgpack
 
-from .. import rendezvous, topology
+from ..net import rendezvous
+from ..job import topology
 from ..errors import RendezvousError, RendezvousTimeoutError
-from ..netaddr import is_loopback
-from ..topology import Topology, pick_address
+from ..job.netaddr import is_loopback
+from ..job.topology import Topology, pick_address
 
 __all__ = ["World", "ElasticWaitError", "WorkerRemovedError", "topology_from_driver", "topology_from_env", "hosts_updated", "current_world", "WORKER_VAR", "TIMEOUT_VAR",
            "pack", "unpack"]
@@ -160,7 +161,7 @@ def topology_from_driver(env: Mapping[str, str], hostname: str, secret: bytes, j
 
 def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology:
     """This process's topology: from the elastic driver when it started the process (blocks), else
-    from the environment alone (:func:`ringcomm.topology.from_env`)."""
+    from the environment alone (:func:`ringcomm.job.topology.from_env`)."""
     env = os.environ if environ is None else environ
     if topology.source_of(env) != "elastic":
         return topology.from_env(env)

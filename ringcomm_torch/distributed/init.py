@@ -36,10 +36,10 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import ringcomm as rc
-from ringcomm import hosts as _hosts
-from ringcomm import mpi_env, topology
+from ringcomm.job import hosts as _hosts
+from ringcomm.job import mpi_env, topology
 from ringcomm.errors import InvalidInputError
-from ringcomm.rendezvous import RendezvousServer
+from ringcomm.net.rendezvous import RendezvousServer
 
 __all__ = ["join", "leave", "torch_env_for_ringcomm_run", "store_plan"]
 

@@ -43,7 +43,7 @@ def run_job(np_: int, script: str, timeout: float, *args: str, **extra_env: str)
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "ringcomm.launcher", "-np", str(np_), sys.executable, str(WORKERS / script), *args]
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, str(WORKERS / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"

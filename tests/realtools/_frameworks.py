@@ -33,7 +33,7 @@ def job_env(tmp: Path) -> dict[str, str]:
 
 
 def ringcomm_run(np_: int, script: str, *args: str) -> list[str]:
-    return [PYTHON, "-m", "ringcomm.launcher", "-np", str(np_), PYTHON, script, *args]
+    return [PYTHON, "-m", "ringcomm.launch.launcher", "-np", str(np_), PYTHON, script, *args]
 
 
 def torchrun(np_: int, script: str, *args: str) -> list[str]:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import ringcomm as rc
-from ringcomm import topology
+from ringcomm.job import topology
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Worker for tests/test_torch_multi.py: every ringcomm_torch collective and its gradient at any size.
 
-Run by ``python -m ringcomm.launcher -np N python collectives_worker.py``; prints
+Run by ``python -m ringcomm.launch.launcher -np N python collectives_worker.py``; prints
 ``WORKER OK rank=R`` on success, raises (non-zero exit) on the first failed check.
 """
 

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import ringcomm as rc
-from ringcomm import rendezvous
+from ringcomm.net import rendezvous
 
 if os.environ.get("DEAD_PEER_DIE_AFTER_REGISTER", "") == os.environ.get("RINGCOMM_RANK", os.environ.get("RANK")):
     _register = rendezvous.register

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 import ringcomm as rc
-from ringcomm.config import Settings
+from ringcomm.job.config import Settings
 from ringcomm.errors import MismatchError
 
 SCENARIO, OUT = sys.argv[1], sys.argv[2]

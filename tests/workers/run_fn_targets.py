@@ -33,6 +33,6 @@ def returns_unpicklable():
 
 def settings_seen():
     """The settings a rank's init() would read (flags of ringcomm.run reach them through the environment)."""
-    from ringcomm.config import Settings
+    from ringcomm.job.config import Settings
 
     return Settings.from_env().start_timeout

@@ -1,6 +1,6 @@
 """Conformance job: Horovod's collective semantics (values, scaling, gradients, errors, join).
 
-Run by ``python -m ringcomm.launcher -np N python collectives.py``; every check
+Run by ``python -m ringcomm.launch.launcher -np N python collectives.py``; every check
 compares against a reference computed here the way Horovod computes on CPU
 (bit for bit where Horovod demands exact equality).  Prints ``CONFORMANCE OK
 rank=R`` when every check passed; raises on the first failure.

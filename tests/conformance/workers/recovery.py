@@ -7,7 +7,7 @@ process-set state left behind.  Each ``check_*`` here is one such test; :func:`s
 as pytest would (a failure is recorded, the next one runs) and checks after each that every
 rank is at the same test with agreeing op numbers.
 
-``python -m ringcomm.launcher -np N python recovery.py MODE`` with MODE
+``python -m ringcomm.launch.launcher -np N python recovery.py MODE`` with MODE
 
 - ``suite`` (run with a short RINGCOMM_STALL_CHECK_SECONDS): Adasum reducescatter refused on
   every dtype, join with each rank joining first (allgather and broadcast refused while a rank

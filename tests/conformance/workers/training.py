@@ -1,7 +1,7 @@
 """Conformance job: Horovod's optimizer and state helpers (broadcast_optimizer_state, objects,
 compression, DistributedOptimizer's naming, synchronize/skip_synchronize, dynamic requires_grad).
 
-Run by ``python -m ringcomm.launcher -np N python training.py``; prints
+Run by ``python -m ringcomm.launch.launcher -np N python training.py``; prints
 ``CONFORMANCE OK rank=R`` when every check passed.
 """
 

@@ -1,0 +1,293 @@
+"""Settings: one frozen object built from ``RINGCOMM_*`` environment variables.
+
+Nothing else in ringcomm reads tuning knobs from the environment.  Unknown
+``RINGCOMM_*`` variables are an error, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from . import horovod_env
+from ..errors import InvalidInputError
+
+#: Variables that describe the job (set by the launcher), not tuning knobs.
+TOPOLOGY_VARS = frozenset(
+    {
+        "RINGCOMM_RANK",
+        "RINGCOMM_SIZE",
+        "RINGCOMM_LOCAL_RANK",
+        "RINGCOMM_LOCAL_SIZE",
+        "RINGCOMM_CROSS_RANK",
+        "RINGCOMM_CROSS_SIZE",
+        "RINGCOMM_RENDEZVOUS_ADDR",
+        "RINGCOMM_SECRET",
+        "RINGCOMM_JOB_ID",
+        "RINGCOMM_HOSTNAME",
+        "RINGCOMM_RENDEZVOUS_PORT",
+        "RINGCOMM_MASTER_ADDR",
+        "RINGCOMM_NETWORK_INTERFACE",
+        "RINGCOMM_INSECURE",
+    }
+)
+#: Set by ringcomm-run's elastic driver (ringcomm/elastic).
+TOPOLOGY_VARS |= {"RINGCOMM_ELASTIC_WORKER", "RINGCOMM_ELASTIC_TIMEOUT"}
+
+
+def _flag(raw: str) -> bool:
+    """A boolean setting: 1/true/yes/on or 0/false/no/off/empty; anything else is a ValueError."""
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
+#: Most payload bytes rank 0 takes in for one op on the rank-0 path, summed over the ranks.
+SMALL_ALLREDUCE_RANK0_BYTES = 1024 * 1024
+#: Recursive doubling's default bound (see :meth:`Settings.doubling_allreduce_bytes_for`).
+DOUBLING_ALLREDUCE_BYTES = 256 * 1024
+#: The small-op lane by job size: its bound lies between these, its region within the last.
+LANE_MIN_BYTES, LANE_MAX_BYTES, LANE_REGION_BYTES = 64 * 1024, 2 * 1024 * 1024, 16 * 1024 * 1024
+#: The lane across hosts sends each payload to every other rank: by default it runs in jobs of up to
+#: this many ranks, for payloads up to NET_LANE_RANK_BYTES / ranks.
+NET_LANE_MAX_RANKS, NET_LANE_RANK_BYTES = 8, 128 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tuning knobs.  Field ``x`` is read from ``RINGCOMM_X``."""
+
+    #: Largest fused buffer, in bytes (Horovod's HOROVOD_FUSION_THRESHOLD).
+    fusion_threshold: int = 64 * 1024 * 1024
+    #: DistributedOptimizer (no ``groups=`` given): gradients are reduced in buckets of about this
+    #: many bytes, filled in reverse parameter order (the order backward produces them); each
+    #: bucket starts its reduction once all its gradients are ready.  0: one op per parameter.
+    bucket_bytes: int = 1024 * 1024
+    #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
+    cycle_time: float = 0.0
+    #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments
+    #: mean fewer wake-ups per op; 4 MiB measured faster than 1 MiB across hosts and no slower on one.
+    segment_bytes: int = 4 * 1024 * 1024
+    #: Segments smaller than this are copied into ZeroMQ messages; larger ones are sent zero-copy.
+    zero_copy_min_bytes: int = 64 * 1024
+    #: ZeroMQ I/O threads per process.
+    io_threads: int = 1
+    #: Kernel socket buffer size for data-plane sockets, in bytes (0: the OS default).
+    socket_buffer_bytes: int = 0
+    #: Shared-memory slots per direction between ranks on one host (0: sockets only); each holds a
+    #: segment, so a pair of ranks maps 2 x slots x segment bytes (32 MiB by default).
+    shm_slots: int = 4
+    #: Segments smaller than this travel inside ZeroMQ messages even on one host.
+    shm_min_bytes: int = 64 * 1024
+    #: Allreduces of at least this many bytes, in a job whose ranks all share one host, go through
+    #: one shared-memory region instead of the ring (``shm_allreduce.py``; 0: always the ring).
+    shm_allreduce_min_bytes: int = 1024 * 1024
+    #: ... and only in jobs of at least this many ranks.
+    shm_allreduce_min_ranks: int = 2
+    #: Bytes of its buffer each rank puts into the shared region per round (the region holds
+    #: 2 x (ranks + 1) such slabs).
+    shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
+    #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
+    #: set with payloads up to this many bytes (and barriers) go through the shared-memory lane:
+    #: every rank computes the result from the others' posted payloads, no engine, no rank 0
+    #: (``fastpath.py``; 0: never; -1: by job size, :meth:`shm_lane_bytes_for`).
+    shm_lane_bytes: int = -1
+    #: In a job that spans hosts, the same ops up to this many bytes go through the lane across
+    #: hosts: each rank sends its entry to every other rank over TCP and computes the result
+    #: itself (``net_lane.py``; 0, the default: off; -1: by job size, :meth:`net_lane_bytes_for`).
+    #: Off by default: every op of the global set, small or not, then costs each rank a TCP send
+    #: to every peer, which made larger ops slower (2 hosts: 1 MiB 1.23 vs 1.07 ms).
+    net_lane_bytes: int = 0
+    #: Payloads up to this many bytes are reduced at rank 0 in one round trip instead of on the ring
+    #: (-1: by job size: 16 KiB at 2 ranks, doubling per rank up to 128 KiB, and from 8 ranks on
+    #: 1 MiB / ranks; :func:`small_allreduce_bytes_for`).
+    small_allreduce_bytes: int = -1
+    #: Allreduces past the rank-0 path's bound and up to this many bytes take recursive doubling
+    #: (log2(ranks) exchanges of the whole buffer) instead of the ring's 2(ranks - 1) steps, where
+    #: no shared-memory or hierarchical path takes them (0: never; -1: the default, 256 KiB,
+    #: :meth:`doubling_allreduce_bytes_for`).
+    doubling_allreduce_bytes: int = -1
+    #: Allreduces in jobs that span hosts: reduce within each host, across hosts, then share within
+    #: the host (1: whenever the layout allows it, 0: never, -1: from 1 MiB up; ``hierarchical.py``).
+    hierarchical_allreduce: int = -1
+    #: A hierarchical allreduce is cut into pieces of this many bytes (at most 8) whose phases
+    #: within the host overlap the link's work on other pieces (0: one piece; ``hierarchical.py``).
+    hierarchical_piece_bytes: int = 8 * 1024 * 1024
+    #: Seconds to wait for a peer's data before declaring it lost.
+    peer_timeout: float = 30.0
+    #: Seconds every rank has to reach the rendezvous.
+    start_timeout: float = 60.0
+    #: Seconds after which rank 0 warns about an op only some ranks submitted.
+    stall_check_seconds: float = 60.0
+    #: Seconds after which a stalled op fails on every rank (0: never).
+    stall_shutdown_seconds: float = 0.0
+    #: Entries in the response cache (0 disables it).
+    cache_capacity: int = 1024
+    #: Chrome-trace timeline path ("" for none).
+    timeline: str = ""
+    #: Mark each coordination cycle in the timeline.
+    timeline_mark_cycles: bool = False
+    #: ``init()`` without ``process_sets=`` allows add_process_set()/remove_process_set() later.
+    dynamic_process_sets: bool = False
+    #: Level of the ``ringcomm`` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL), set by ``init()`` only
+    #: when given; it then also adds a stderr handler if nothing shows ringcomm's records.  Empty: the
+    #: application's logging configuration decides (``ringcomm/job/logsetup.py``).
+    log_level: str = ""
+    #: Encrypt the data and control planes (ZeroMQ CURVE, keys derived from the job secret).
+    encrypt: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        """Build settings from ``environ`` (default ``os.environ``); raises on unknown or malformed keys.
+
+        Horovod's ``HOROVOD_*`` names are read too (:mod:`ringcomm.job.horovod_env`); a ``RINGCOMM_*``
+        name set beside one wins.
+        """
+        env = os.environ if environ is None else environ
+        env = {**horovod_env.translate(env), **env}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, object] = {}
+        for key, raw in env.items():
+            if not key.startswith("RINGCOMM_") or key in TOPOLOGY_VARS:
+                continue
+            name = key[len("RINGCOMM_"):].lower()
+            if name not in fields:
+                known = ", ".join(sorted("RINGCOMM_" + n.upper() for n in fields))
+                raise InvalidInputError(f"unknown setting {key}={raw!r}; known settings: {known}")
+            kind: type = type(fields[name].default)
+            try:
+                values[name] = kind(raw) if kind is not bool else _flag(raw)
+            except ValueError:
+                raise InvalidInputError(
+                    f"{key}={raw!r} is not a valid {kind.__name__}" + (" (use 1 or 0)" if kind is bool else "")
+                ) from None
+        settings = cls(**values)  # type: ignore[arg-type]
+        settings.validate()
+        return settings
+
+    def shm_lane_bytes_for(self, size: int) -> int:
+        """The small-op lane's bound in a job of ``size`` ranks: the setting, or by default 4 MiB /
+        ``size``, between 64 KiB and 2 MiB, so the region (4 entries per rank) stays within 16 MiB.
+        Measured at np 2, 3 and 4 against the ring and the shared-memory allreduce: faster at every
+        size up to the bound (np=2 2 MiB 0.61 vs 1.07-1.16 ms, np=3 1.3 MiB 1.13 vs 1.53 ms).
+
+            Settings().shm_lane_bytes_for(2) -> 2097152    ...(4) -> 1048576    ...(64) -> 65536
+        """
+        if self.shm_lane_bytes >= 0:
+            return self.shm_lane_bytes
+        return max(LANE_MIN_BYTES, min(LANE_MAX_BYTES, LANE_REGION_BYTES // (4 * max(1, size))))
+
+    def net_lane_bytes_for(self, size: int) -> int:
+        """The lane's bound across hosts in a job of ``size`` ranks: the setting (0, the default: off),
+        or with -1 128 KiB / ``size`` up to 8 ranks (each rank sends every payload to each of the
+        others, so its bytes on the wire grow with the size) and off past 8 ranks.
+
+            Settings(net_lane_bytes=-1).net_lane_bytes_for(2) -> 65536    ...(4) -> 32768    ...(16) -> 0
+        """
+        if self.net_lane_bytes >= 0:
+            return self.net_lane_bytes
+        return NET_LANE_RANK_BYTES // size if 1 < size <= NET_LANE_MAX_RANKS else 0
+
+    def small_allreduce_bytes_for(self, size: int) -> int:
+        """The rank-0 path's bound in a job of ``size`` ranks: the setting, or by default 16 KiB at
+        2 ranks, doubling with each rank up to 128 KiB, and from 8 ranks on 1 MiB / ``size``.
+
+        Rank 0 receives every payload and sends every result, so its cost grows with the size
+        while the ring's grows with its 2(p-1) steps; measured crossovers (np=2: 16-32 KiB, np=3:
+        32-64 KiB, np=4: 64-128 KiB) lie at or just above this rule's bound.  Past 8 ranks the
+        bound shrinks so that rank 0 never takes in more than 1 MiB of payloads per op, whatever
+        the job's size (at 4,096 ranks: 256 bytes, a few scalars).
+
+            Settings().small_allreduce_bytes_for(2) -> 16384    ...(4) -> 65536    ...(8) -> 131072
+            Settings().small_allreduce_bytes_for(64) -> 16384   ...(4096) -> 256
+        """
+        if self.small_allreduce_bytes >= 0:
+            return self.small_allreduce_bytes
+        return min(128 * 1024, (16 * 1024) << max(0, size - 2), SMALL_ALLREDUCE_RANK0_BYTES // max(1, size))
+
+    def doubling_allreduce_bytes_for(self, size: int) -> int:
+        """Recursive doubling's bound in a job of ``size`` ranks: the setting, or by default
+        :data:`DOUBLING_ALLREDUCE_BYTES` whatever the size (with a size that is not a power of two, the
+        extra ranks' hand-over adds two exchanges: at 3 ranks 3 in all against the ring's 4 steps).
+
+            Settings().doubling_allreduce_bytes_for(4) -> 262144
+        """
+        if self.doubling_allreduce_bytes >= 0:
+            return self.doubling_allreduce_bytes
+        return DOUBLING_ALLREDUCE_BYTES if size > 1 else 0
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidInputError` for values that cannot work."""
+        if self.fusion_threshold < 0:
+            raise InvalidInputError(f"RINGCOMM_FUSION_THRESHOLD must be >= 0, got {self.fusion_threshold}")
+        if self.segment_bytes < 1024:
+            raise InvalidInputError(f"RINGCOMM_SEGMENT_BYTES must be >= 1024, got {self.segment_bytes}")
+        if self.shm_allreduce_min_bytes < 0 or self.shm_allreduce_piece_bytes < 1024:
+            raise InvalidInputError(
+                "RINGCOMM_SHM_ALLREDUCE_MIN_BYTES must be >= 0 and RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES >= 1024, got "
+                f"{self.shm_allreduce_min_bytes} and {self.shm_allreduce_piece_bytes}"
+            )
+        if self.shm_allreduce_min_ranks < 2:
+            raise InvalidInputError(f"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS must be >= 2, got {self.shm_allreduce_min_ranks}")
+        if self.peer_timeout <= 0 or self.start_timeout <= 0:
+            raise InvalidInputError("RINGCOMM_PEER_TIMEOUT and RINGCOMM_START_TIMEOUT must be > 0")
+        if self.log_level.strip().upper() not in ("", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise InvalidInputError(
+                f"RINGCOMM_LOG_LEVEL={self.log_level!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL "
+                "(or leave it empty: the application's logging configuration decides)"
+            )
+        if self.hierarchical_piece_bytes < 0:
+            raise InvalidInputError(
+                f"RINGCOMM_HIERARCHICAL_PIECE_BYTES must be >= 0 (0: no pieces), got {self.hierarchical_piece_bytes}")
+        if self.hierarchical_allreduce not in (-1, 0, 1):
+            raise InvalidInputError(
+                f"RINGCOMM_HIERARCHICAL_ALLREDUCE must be 1 (on), 0 (off) or -1 (by size), got {self.hierarchical_allreduce}")
+        if self.shm_lane_bytes < -1 or self.shm_lane_bytes > 64 * 1024 * 1024:
+            raise InvalidInputError(
+                f"RINGCOMM_SHM_LANE_BYTES must be between 0 (off) and 64 MiB (or -1: by job size), got "
+                f"{self.shm_lane_bytes}")
+        if self.net_lane_bytes < -1 or self.net_lane_bytes > 4 * 1024 * 1024:
+            raise InvalidInputError(
+                f"RINGCOMM_NET_LANE_BYTES must be between 0 (off) and 4 MiB (or -1: by job size), got "
+                f"{self.net_lane_bytes}")
+        if self.small_allreduce_bytes < -1:
+            raise InvalidInputError(
+                f"RINGCOMM_SMALL_ALLREDUCE_BYTES must be >= 0 (or -1: by job size), got {self.small_allreduce_bytes}")
+        if self.doubling_allreduce_bytes < -1:
+            raise InvalidInputError(
+                f"RINGCOMM_DOUBLING_ALLREDUCE_BYTES must be >= 0 (or -1: the default), got {self.doubling_allreduce_bytes}")
+        if self.cycle_time < 0:
+            raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
+
+
+#: Settings that decide how an op's data is cut and which path it takes.  Ranks that held different
+#: values would wait for segments, pieces or paths their peers never use: ``init()`` compares them.
+AGREED = ("segment_bytes", "hierarchical_allreduce", "hierarchical_piece_bytes", "shm_allreduce_min_bytes",
+          "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes", "doubling_allreduce_bytes")
+
+
+def agreed(settings: Settings) -> dict[str, int]:
+    """This rank's values of the :data:`AGREED` settings (what it publishes at the rendezvous)."""
+    return {name: getattr(settings, name) for name in AGREED}
+
+
+def check_agreed(table: list[dict], rank: int) -> None:
+    """Raise naming the first :data:`AGREED` setting on which the ranks of ``table`` differ.
+
+    ``table``: every rank's rendezvous record, with ``rank`` and ``agreed`` (:func:`agreed`).
+    """
+    for name in AGREED:
+        holders: dict[object, list[int]] = {}
+        for peer in sorted(table, key=lambda p: int(p["rank"])):
+            holders.setdefault(peer.get("agreed", {}).get(name), []).append(int(peer["rank"]))
+        if len(holders) > 1:
+            var = "RINGCOMM_" + name.upper()
+            which = "; ".join(f"ranks {ranks} have {value}" for value, ranks in holders.items())
+            raise InvalidInputError(
+                f"rank {rank}: the ranks disagree on {var} ({which}). It decides how each op's data is cut and "
+                f"which path it takes, so ranks that differ would wait for data that never comes. Set {var} (or "
+                "its HOROVOD_* name) to the same value on every rank, or on none.")

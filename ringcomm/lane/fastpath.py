@@ -1,0 +1,599 @@
+"""Small collectives of a one-host job without the engine: the lane, driven by the calling thread.
+
+Every op of the global process set takes the next index of this rank's lane
+(:mod:`ringcomm.lane.shm_lane`); what each index becomes is decided from the ranks' entries alone
+(:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is posted *fast*:
+its payload goes into this rank's entry, and the thread that waits for its handle reads the others'
+entries, computes the result and returns: no thread hop, no message, no round trip through rank 0.
+Anything else (a large op, an alltoall, a refused call, a timeline being written) is posted as
+*engine*: the ranks divert that index, each hands its op to the engine, and rank 0 negotiates it as
+always.
+
+The waiting thread re-reads a peer's counter a few times (when the host has a core per rank), then
+sleeps on it in a futex, waking every :data:`SLICE` to see whether the engine has found a peer lost
+(its heartbeats and connection monitors keep running), to warn of a stall, and to honour a deadline.
+An async fast op nobody waits for is resolved by a sweeper thread within :data:`SWEEP_SECONDS`, so a
+peer that diverted it is never left waiting; the sweeper also posts the ops a submit queued rather
+than wait for a peer, and sleeps without a timeout once the lane is idle.
+
+    rank 0: allreduce(x) -> post k (fast, x)  -> every entry at k fast, same key -> reduce, return
+    rank 1: allreduce(y) -> post k (fast, y)  -> ... the same, bitwise
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..shm import futex
+from . import net_lane, shm_lane
+from ..core import lane, wire
+from ..core.coordinator import Stall
+from ..errors import ShutdownError, StallError
+from ..handles import Entry, Handle
+
+log = logging.getLogger("ringcomm")
+
+#: Seconds one futex sleep lasts before the waiter checks the engine, stalls and its deadline.
+SLICE = 0.05
+#: Re-reads of a peer's counter before sleeping on it (only with a core per local rank).
+SPINS = 400
+#: Yields of the core to a peer before sleeping on it (only with more local ranks than cores).
+YIELDS = 50
+#: An async fast op still unresolved after this long is resolved by the sweeper.
+SWEEP_SECONDS = 0.01
+#: After this long without a fast op the sweeper sleeps until the next one.
+IDLE_SECONDS = 1.0
+#: A small op behind ops in flight a peer has not posted yet stays queued this long for it at most
+#: (the submitting thread does not wait), then goes to the engine.
+AGREE_SECONDS = 0.002
+#: How often the sweeper tries to post queued ops.
+BACKLOG_POLL = 0.0005
+#: Finished engine ops are dropped from the record of open ones once it holds this many.
+OPEN_PRUNE = 32
+#: Requests whose key and fast size are kept (a training loop submits the same ones every step).
+PLANS = 4096
+
+
+class LaneHandle(Handle):
+    """A handle whose op may be resolved by the waiting thread itself (see :class:`FastPath`).
+
+    ``done()`` does not resolve it (an async op stays pending until waited for, or swept
+    after :data:`SWEEP_SECONDS`, as Horovod's ``poll()`` is False right after the submit)."""
+
+    __slots__ = ("_lane", "index")
+
+    def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
+        super().__init__(name, on_done)
+        self._lane: FastPath | None = None
+        self.index = -1
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done and self._lane is not None:
+            self._lane.drive(self, None if timeout is None else time.monotonic() + timeout, block=True)
+        if self._done:  # the usual case: resolved by this thread just now
+            if self._error is not None:
+                raise self._error
+            return self._result
+        return super().wait(timeout)
+
+
+class _Queued:
+    """An op submitted, not yet posted (its entry is still read, or a peer is behind)."""
+    __slots__ = ("entry", "key", "nbytes", "others", "deadline", "posted", "fast")
+
+    def __init__(self, entry: Entry, key: int, nbytes: int, others: int, deadline: float) -> None:
+        self.entry, self.key, self.nbytes, self.others, self.deadline = entry, key, nbytes, others, deadline
+        self.posted = self.fast = False  # set once posted: fast, or an engine entry
+
+
+class _Pending:
+    __slots__ = ("entry", "key", "posted_at", "nbytes")
+
+    def __init__(self, entry: Entry, key: int, posted_at: float, nbytes: int) -> None:
+        self.entry, self.key, self.posted_at, self.nbytes = entry, key, posted_at, nbytes
+
+    @property
+    def own(self) -> lane.Seen:
+        """This rank's entry, as the others read it."""
+        return lane.Seen(True, False, True, self.key, self.nbytes)
+
+
+def reacquire(cond: threading.Condition) -> None:
+    """Take ``cond``'s lock back after waiting without it, even if a signal handler raises meanwhile.
+
+    A blocked ``acquire()`` on the main thread runs signal handlers; one that raises (SIGINT's
+    KeyboardInterrupt, a handler calling ``sys.exit``) makes it return *without* the lock, and the
+    caller's ``with`` would then release the lock another thread holds (the sweeper, mid-op): the
+    lock ends up taken by no one and ``shutdown()`` waits for it forever.  The handler's exception
+    is raised once the lock is held."""
+    raised: BaseException | None = None
+    while True:
+        try:
+            cond.acquire()
+            break
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, with the lock held
+            raised = exc
+    if raised is not None:
+        raise raised
+
+
+def naming(err: BaseException, req: wire.Request, missing: list[int]) -> BaseException:
+    """The engine's failure, for an op it ends while the op waits in the lane: the engine's message
+    lists only the ops it holds, so this one adds the lane's op and the ranks it waited for."""
+    try:
+        named = type(err)(f"{err}; {req.kind} {req.name!r} was waiting in the small-op lane for "
+                          f"rank(s) {missing}")
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments: keep it as it is
+        return err
+    named.__cause__ = err.__cause__
+    return named
+
+
+def spin_allowed(local_ranks: int) -> bool:
+    """Re-read before sleeping only when every local rank has a core of its own."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return cores >= local_ranks
+
+
+class FastPath:
+    """This rank's side of the lane: posts every global op, resolves fast ones, diverts the rest.
+
+    ``engine_submit(entry)`` hands an op to the engine; ``failure()`` is the
+    engine's error once it has failed (a lost peer), else None; ``slow()`` is
+    True while this rank must not post fast (e.g. a timeline is being written).
+    """
+
+    def __init__(self, region: shm_lane.ShmLane | net_lane.NetLane, engine_submit: Callable[[Entry], Handle],
+                 failure: Callable[[], BaseException | None], slow: Callable[[], bool], max_bytes: int,
+                 stall_check: float, stall_shutdown: float) -> None:
+        self._region = region
+        self.rank, self.size = region.rank, region.size
+        self._submit = engine_submit
+        self._failure = failure
+        self._slow = slow
+        self._max = max_bytes
+        self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
+        # re-reads and yields help only where a peer's post lands in this host's memory
+        self._spins = SPINS if region.SPIN and spin_allowed(region.size) else 0
+        self._yields = YIELDS if region.SPIN and not self._spins else 0
+        self._slice = futex.timespec(SLICE)
+        self._lock = threading.Lock()  # taken directly on the hot paths: `with` on the lock itself is cheaper
+        self._cond = threading.Condition(self._lock)
+        self._next = 0  # the index of this rank's next post
+        self._free_below = 0  # every rank has finished reading every index below this one
+        self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
+        self._backlog: collections.deque[_Queued] = collections.deque()  # submitted, not yet posted
+        self._plans: dict[wire.Request, tuple[int, int]] = {}  # request -> (op key, fast bytes or -1)
+        # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
+        # the caller dropped is not kept alive here)
+        self._engine_open: dict[int, tuple[int, weakref.ref[Handle]]] = {}
+        self._closed = False  # posts no more (off)
+        self._closing = False  # close() or join() began
+        self._last_fast = 0.0
+        self._sweeper_idle = True
+        self._unlinked = self.rank != 0
+        self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
+        self._sweeper.start()
+        log.debug("rank %d: paths: ops of the global set up to %d B whose ops in flight every rank has "
+                  "submitted alike go through the small-op lane (%d ranks, %s before sleeping)",
+                  self.rank, max_bytes, self.size,
+                  f"{self._spins} re-reads" if self._spins else "no spinning: more ranks than cores")
+
+    # -- posting ----------------------------------------------------------------
+
+    def submit(self, entry: Entry, others: int) -> bool:
+        """Post ``entry`` (a global set's op) at the next index, or queue it: never waits for a peer.
+        True: the lane has it (fast, or queued); False: the caller hands it to the engine.
+
+        ``others`` (this rank's other ops in flight) must all sit at indices where every rank
+        posted the same op for this one to go fast (:meth:`_agreement`), else a fast op could
+        wait for a peer that waits, in the engine, for it.  While the next entry is still read,
+        or a peer has not posted those ops yet, the op is queued; the sweeper (or its waiter)
+        posts it later, fast if the peer caught up within :data:`AGREE_SECONDS`."""
+        req = entry.req
+        plan = self._plans.get(req)
+        if plan is None:
+            plan = self._plan(entry)
+        key, nbytes = plan
+        if nbytes >= 0 and ((entry.grouped and req.kind != wire.ALLREDUCE) or self._slow()):
+            nbytes = -1
+        with self._lock:
+            if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
+                self._close_locked(None)
+                return False
+            if self._closed:
+                return False
+            q = _Queued(entry, key, nbytes, others, time.monotonic() + AGREE_SECONDS)
+            self._backlog.append(q)
+            self._flush(block=False, own=q)
+            if q.posted:
+                return q.fast
+            handle = entry.handle
+            assert isinstance(handle, LaneHandle)
+            handle._lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
+            self._sweeper_idle = False
+            self._cond.notify()
+        return True
+
+    def _flush(self, block: bool, own: _Queued | None = None, until: _Queued | None = None) -> None:
+        """Post queued ops in order (lock held); stop at one that would wait for a peer, or with
+        ``block`` wait (lock released) until ``until`` is posted.  ``own``: the caller's op."""
+        backlog = self._backlog
+        while backlog and not self._closed and not (until is not None and until.posted):
+            if not self._room(block) or not backlog:  # (a wait released the lock)
+                return
+            q = backlog[0]
+            fast = q.nbytes >= 0
+            if fast and q.others:
+                agreement = self._agreement(q.others)
+                if agreement is not True:
+                    if agreement is not False and time.monotonic() < q.deadline:
+                        if not block:
+                            return
+                        self._await_agreement(agreement, q.deadline)
+                        continue  # waited with the lock released: everything is read again
+                    fast = False
+            backlog.popleft()
+            self._post(q, fast, q is own)
+
+    def _post(self, q: _Queued, fast: bool, own: bool) -> None:
+        """Write ``q`` at this rank's next index (its entry is free) and hand it on."""
+        k, entry = self._next, q.entry
+        self._region.post(k, q.key, fast, entry.arrays if fast and q.nbytes else ())
+        self._next, q.posted, q.fast = k + 1, True, fast
+        if not self._unlinked:
+            self._unlink_once_all_posted()
+        handle = entry.handle
+        assert isinstance(handle, LaneHandle)
+        if not fast:
+            if len(self._engine_open) >= OPEN_PRUNE:
+                self._prune_open()
+            self._engine_open[k] = (q.key, weakref.ref(handle))
+            self._publish_done()
+            handle._lane = None  # an ordinary handle: the engine finishes it (the caller's, if ``own``)
+            if not own:
+                self._divert_entry(entry)
+            return
+        now = time.monotonic()
+        self._pending[k] = _Pending(entry, q.key, now, q.nbytes)
+        handle._lane, handle.index, self._last_fast = self, k, now
+        if self._sweeper_idle:
+            self._sweeper_idle = False
+            self._cond.notify()
+
+    def _room(self, block: bool) -> bool:
+        """Whether the entry of this rank's next index is free; waits for it when ``block``."""
+        if block:
+            self._make_room()
+            return True
+        oldest = self._next - self._region.slots
+        if oldest < self._free_below:
+            return True
+        if oldest in self._pending:  # this rank's own: resolve it if the peers have posted
+            self._resolve(oldest, None, block=False)
+            if oldest in self._pending:
+                return False
+        free = self._region.all_done_below(oldest)
+        if free > oldest:
+            self._free_below = free
+            return True
+        return False
+
+    def _drain_backlog(self, err: BaseException | None) -> None:
+        """The lane is off, or the engine failed (``err``): queued ops go to the engine, or fail."""
+        while self._backlog:
+            q = self._backlog.popleft()
+            q.posted = True
+            handle = q.entry.handle
+            assert isinstance(handle, LaneHandle)
+            handle._lane = None
+            if err is not None:
+                handle.set_error(err)
+            else:
+                self._divert_entry(q.entry)
+
+    def _plan(self, entry: Entry) -> tuple[int, int]:
+        """``entry``'s op key and what this rank posts for it fast (-1: not fast), kept per request."""
+        req = entry.req
+        if len(self._plans) >= PLANS:
+            self._plans.clear()
+        plan = self._plans[req] = (lane.op_key(req), lane.fast_nbytes(req, entry.arrays, self.rank, self._max))
+        return plan
+
+    def _prune_open(self) -> None:
+        for k in [k for k, (_, ref) in self._engine_open.items() if (h := ref()) is None or h.done()]:
+            del self._engine_open[k]
+
+    def _agreement(self, others: int) -> bool | tuple[int, int]:
+        """Whether this rank's ``others`` ops in flight are all ops it posted on the lane at indices
+        where every rank posted the same op (the same key): fast ones still pending, or engine ones
+        not finished yet.  True or False, or ``(rank, index)``: so far so good, but that rank has not
+        posted that index yet.  An engine index this rank has finished reading may have been
+        rewritten since: it then counts as not agreed."""
+        self._prune_open()
+        if len(self._engine_open) + len(self._pending) != others:
+            return False  # ops of other process sets, or ops that left the lane: not known here
+        region, me = self._region, self.rank
+        peers = [r for r in range(self.size) if r != me]
+        unposted: tuple[int, int] | None = None
+        for k, (key, _) in self._engine_open.items():
+            for r in peers:
+                got = region.key_at(r, k)
+                if got is None and not lane.reached(region.posted(r), k) and not region.off(r):
+                    unposted = unposted or (r, k)
+                elif got != key:
+                    return False
+        for k, p in self._pending.items():  # this rank still reads k: the entries are intact
+            for r in peers:
+                s = region.seen(r, k)
+                if not s.posted and not s.off:
+                    unposted = unposted or (r, k)
+                elif not (s.posted and s.fast and s.key == p.key):
+                    return False
+        return True if unposted is None else unposted
+
+    def _await_agreement(self, unposted: tuple[int, int], deadline: float) -> bool:
+        """Wait (lock released) until rank ``r`` posts index ``k`` (``unposted``), until ``deadline``
+        at most (then the op goes to the engine); False once the deadline has passed."""
+        if time.monotonic() >= deadline:
+            return False
+        r, k = unposted
+        region = self._region
+        self._cond.release()
+        try:
+            for _ in range(self._spins):
+                if lane.reached(region.posted(r), k):
+                    return True
+            seen = region.posted(r)
+            if not lane.reached(seen, k) and not region.off(r):
+                left = deadline - time.monotonic()
+                if left > 0:
+                    region.sleep_on_posted(r, seen, futex.timespec(left))
+        finally:
+            reacquire(self._cond)
+        return True
+
+    def _make_room(self) -> int:
+        """Wait until the entry of this rank's next index k is free (every rank has finished
+        reading index k - slots); returns k."""
+        while not self._closed:
+            oldest = self._next - self._region.slots
+            if oldest in self._pending:  # this rank's own: resolve it first
+                self._resolve(oldest, None, block=True)
+            elif self._room(False):
+                break
+            else:
+                self._cond.release()  # another thread may post meanwhile: k is read again
+                try:
+                    self._check_engine()
+                    time.sleep(0.0002)
+                finally:
+                    reacquire(self._cond)
+        return self._next
+
+    def _publish_done(self) -> None:
+        """This rank has finished reading every index below the oldest it still holds."""
+        self._region.set_done(min(self._pending) if self._pending else self._next)
+
+    def _unlink_once_all_posted(self) -> None:
+        if all(lane.reached(self._region.posted(r), 0) for r in range(self.size)):
+            self._unlinked = True
+            self._region.unlink()  # every rank has it mapped: nothing stays in /dev/shm
+
+    # -- resolving --------------------------------------------------------------
+
+    def drive(self, handle: LaneHandle, deadline: float | None, block: bool) -> None:
+        """Resolve ``handle``'s index on this thread (waiting for the peers when ``block``)."""
+        with self._lock:
+            if handle.index < 0:  # still queued: post it (and the ops before it), waiting if need be
+                q = next((q for q in self._backlog if q.entry.handle is handle), None)
+                if q is not None:
+                    self._flush(block=True, until=q)
+                if handle.index < 0:
+                    return  # posted as an engine entry (or the lane went off): the engine finishes it
+            self._resolve(handle.index, deadline, block)
+
+    def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
+        """Resolve index ``k`` if it is still pending; the lock is held (and released while sleeping)."""
+        started, warned = 0.0, False
+        while True:
+            p = self._pending.get(k)
+            if p is None:
+                return True
+            sizes = self._region.fast_sizes(k, p.key, p.nbytes)
+            if sizes is not None:  # the common case (also right after a wait), read in one pass
+                self._finish_fast(k, p, sizes)
+                return True
+            if not started:
+                started = time.monotonic()
+            own = p.own
+            seen = [own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
+            decision = lane.decide(p.key, seen)
+            if decision == lane.FAST:
+                self._finish_fast(k, p, [s.nbytes for s in seen])
+                return True
+            if decision == lane.DIVERT:
+                self._divert(k, p)
+                return True
+            err = self._failure()
+            if err is not None:
+                self._fail(k, p, naming(err, p.entry.req, [r for r, s in enumerate(seen) if not s.posted]))
+                return True
+            if not block or (deadline is not None and time.monotonic() >= deadline):
+                return False
+            missing = [r for r, s in enumerate(seen) if not s.posted]
+            waited = time.monotonic() - started
+            if self._stall_check > 0 and waited >= min(self._stall_check, self._stall_shutdown or self._stall_check):
+                stall = Stall(p.entry.req.name, p.entry.req.kind, tuple(r for r, s in enumerate(seen) if s.posted),
+                              tuple(missing), waited)
+                if self._stall_shutdown and waited >= self._stall_shutdown:
+                    # this rank gives the op up; it goes off, so what the others submit meanwhile
+                    # diverts to the engine instead of waiting for this rank's next entries
+                    self._fail(k, p, StallError(stall.failure(self._stall_shutdown)))
+                    self._go_off()
+                    return True
+                if not warned and waited >= self._stall_check:
+                    warned = True
+                    log.warning("stall: %s; every rank must run the same collectives in the end", stall.text())
+            self._await_posts(missing, k, p.key)
+
+    def _await_posts(self, missing: list[int], k: int, key: int) -> None:
+        """Wait (lock released) until the ``missing`` ranks have posted index ``k`` fast with ``key``,
+        or one of them posts anything else or goes off (the index is decided then), or a slice passes.
+        Ranks that post the same op are checked off here, so the entries are read again only once."""
+        region = self._region
+        self._cond.release()
+        try:
+            left = missing
+            for i in range(self._spins + self._yields + 1):
+                now_left = region.still_missing(left, k, key)
+                if not now_left:  # every one posted the op, or one decided the index otherwise
+                    return
+                left = now_left
+                if self._spins <= i < self._spins + self._yields:
+                    os.sched_yield()  # more ranks than cores: let a peer run on this core
+            r = left[0]
+            seen = region.posted(r)
+            if not lane.reached(seen, k) and not region.off(r):
+                region.sleep_on_posted(r, seen, self._slice)
+        finally:
+            reacquire(self._cond)
+
+    def _finish_fast(self, k: int, p: _Pending, sizes: list[int]) -> None:
+        e = p.entry
+        req = e.req
+        try:
+            result = None if req.kind == wire.BARRIER else lane.finish(
+                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size)
+        except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
+            del self._pending[k]
+            self._publish_done()
+            e.handle.set_error(exc)
+            return
+        del self._pending[k]
+        self._publish_done()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank reduces "
+                      "the posted payloads)", self.rank, e.req.kind, e.req.name, sizes[self.rank], k)
+        e.handle.set_result(result)
+
+    def _divert(self, k: int, p: _Pending) -> None:
+        log.debug("rank %d: %s %r: lane index %d diverts to the engine (another rank posted another op, or "
+                  "not fast)", self.rank, p.entry.req.kind, p.entry.req.name, k)
+        del self._pending[k]
+        self._publish_done()
+        handle = p.entry.handle
+        assert isinstance(handle, LaneHandle)
+        handle._lane = None  # from here on an ordinary handle: the engine finishes it
+        self._divert_entry(p.entry)
+
+    def _divert_entry(self, entry: Entry) -> None:
+        try:
+            self._submit(entry)
+        except BaseException as exc:
+            entry.handle.set_error(exc)
+
+    def _fail(self, k: int, p: _Pending, err: BaseException) -> None:
+        del self._pending[k]
+        self._publish_done()
+        p.entry.handle.set_error(err)
+
+    def _check_engine(self) -> None:
+        err = self._failure()
+        if err is not None:
+            raise err
+
+    # -- the sweeper ------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Resolve async fast ops nobody waits for (a peer that diverted one waits for this rank's)."""
+        with self._cond:
+            while not self._closed:
+                if not self._pending and not self._backlog and time.monotonic() - self._last_fast > IDLE_SECONDS:
+                    self._sweeper_idle = True
+                    self._cond.wait()
+                    continue
+                self._cond.wait(BACKLOG_POLL if self._backlog else SWEEP_SECONDS)
+                now = time.monotonic()
+                for k in sorted(self._pending):
+                    p = self._pending.get(k)
+                    if p is not None and now - p.posted_at >= SWEEP_SECONDS:
+                        self._resolve(k, None, block=False)
+                if self._backlog:
+                    err = self._failure()
+                    if err is not None:
+                        self._drain_backlog(err)
+                    else:
+                        self._flush(block=False)
+
+    # -- closing ----------------------------------------------------------------
+
+    def close(self, timeout: float = 10.0) -> None:
+        """This rank posts no more (shutdown): the others divert what it never posts."""
+        with self._cond:
+            self._close_locked(time.monotonic() + timeout)
+        if self._sweeper is not threading.current_thread():
+            self._sweeper.join(timeout=1.0)
+
+    def _go_off(self) -> None:
+        """This rank posts no more: what it submits from now on goes to the engine, and an index
+        it never posts diverts on the others."""
+        if not self._closed:
+            self._closed = True
+            self._region.set_off()
+            self._drain_backlog(None)
+            self._cond.notify_all()
+
+    def _close_locked(self, deadline: float | None) -> None:
+        """Go off; ops already posted fast still resolve as the entries say (the others may have
+        finished them already), waiting for the peers until ``deadline`` (None: no limit)."""
+        if self._closing:
+            return
+        self._closing = True
+        self._go_off()
+        for k in sorted(self._pending):
+            if not self._resolve(k, deadline, block=True) and k in self._pending:
+                self._fail(k, self._pending[k], ShutdownError(
+                    f"rank {self.rank}: ringcomm was shut down while op {self._pending[k].entry.req.name!r} "
+                    "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
+        self._publish_done()  # reads no more: whatever an interrupted resolve left unpublished
+        if not self._unlinked:
+            # only once every rank has it mapped: a rank still starting (rank 0 may join or shut
+            # down right after init) would find no region and run without a lane, while this one
+            # reopens its lane after the join; the engine unlinks it when it closes otherwise
+            self._unlink_once_all_posted()
+
+    def reopen_after_join(self, barrier: Callable[[], None]) -> None:
+        """Every rank has joined, so every rank closed its lane before (and reads no entry any more):
+        each zeroes its counters, ``barrier()`` (through the engine) waits until all have, and the
+        lanes start again from index 0, so a training loop that joins every epoch keeps the lane."""
+        with self._cond:
+            ready = self._closing and not self._pending  # join closed it and resolved what it posted
+            if ready:
+                self._region.reset()
+                self._next = self._free_below = 0
+                self._engine_open.clear()
+        self._sweeper.join(timeout=1.0)  # it ended when the lane closed
+        barrier()  # on every rank, whatever happens here: the others wait for it
+        if not ready:  # pragma: no cover
+            return
+        with self._cond:
+            self._closed = self._closing = False
+            self._last_fast = 0.0
+            self._sweeper_idle = True
+            self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
+            self._sweeper.start()
+
+    def release(self) -> None:
+        """Unmap the region (after the engine is closed: nothing reads it any more)."""
+        self._region.close()

@@ -1,0 +1,1 @@
+"""The network: the data plane's ZeroMQ transport, peer liveness, authentication, and the rendezvous server and client."""

@@ -1,0 +1,513 @@
+"""Data plane: one ZeroMQ PAIR socket per pair of ranks, shared memory on the same host.
+
+Owned by the engine thread.  Messages on a pair's socket:
+
+- ``S`` notification (same host): the payload is in shared-memory slot
+  ``slot`` of the sender's ring to this rank; the receiver acks the slot once
+  it has used it.
+- ``I`` inline: the payload travels in a second ZeroMQ frame (other hosts,
+  small payloads, or no free slot).  Large inline payloads go zero-copy and
+  tracked; ``flush()`` waits until ZeroMQ has released them.
+- ``A`` ack: the sender may reuse that slot.
+
+Data messages carry ``(seq, tag)``; one that arrives before it is asked for
+(another segment or op from the same peer) waits in a per-peer stash.  An op
+owns ``seq_stride`` consecutive sequence numbers, which may be received in any
+interleaving (``recv_first``: several ring passes of one op at once); the
+messages of earlier ops are over.  A
+message that does not parse (``wire.parse_data``) is dropped and logged at
+DEBUG; frames larger than a segment are refused by ZeroMQ (``MAXMSGSIZE``).
+
+Nothing is left on the file system when a rank is killed: on Linux the ipc
+endpoints live in the abstract socket namespace (no files), and a
+shared-memory ring's name is unlinked as soon as both sides have it mapped
+(by the receiver when it maps it, by the sender at the first ack, and by the
+receiver at close for a ring it never mapped).
+
+Every connection is authenticated at the handshake (:mod:`.auth`): the bound
+sockets are security servers checked by the context's ZAP handler, the
+connecting ones present credentials derived from the job secret.  A stranger
+is refused before it can take a bound PAIR socket's single slot, so what a
+socket receives comes from the one peer it was meant for.  (The abstract ipc
+namespace has no file permissions: any local user can connect, and is refused
+there.)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import zmq
+
+from ..job import names
+from ..shm import slots as shm
+from ..core import wire
+from .auth import Credentials
+from ..errors import PeerLostError, ProtocolError
+from .peers import PeerWatch
+
+log = logging.getLogger("ringcomm.net.transport")
+
+_NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # layouts live in the pure codec
+_SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
+#: Seconds past RINGCOMM_PEER_TIMEOUT before a rank waiting on one peer gives up on it: a stopped or
+#: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
+#: name it), not by a rank that only waits behind it in a ring and would blame its innocent neighbour
+_HEARTBEAT_GRACE = 2 * _SLICE
+
+
+class DataPlane:
+    """Point-to-point messaging between the ranks of one job (implements ``algorithms.Link``)."""
+
+    def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
+                 socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
+                 shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0,
+                 max_payload_bytes: int = 0, *, credentials: Credentials, seq_stride: int = 1) -> None:
+        """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
+        must already have a ZAP handler for them (:class:`ringcomm.net.auth.ZapThread`).  ``seq_stride``:
+        how many sequence numbers each op owns (``seq // seq_stride`` numbers the op)."""
+        self.rank = rank
+        self.size = size
+        self._ctx = ctx
+        self._creds = credentials
+        self._zc_min = zero_copy_min_bytes
+        self._timeout = peer_timeout
+        self._sockbuf = socket_buffer_bytes
+        self._slots = shm_slots if shm.available() else 0
+        self._slot_bytes = shm_slot_bytes
+        self._shm_min = shm_min_bytes
+        self._job, self._round = job_id, round_
+        self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
+        self._stride = max(1, seq_stride)
+        self._socks: dict[int, zmq.Socket] = {}
+        self._trackers: dict[int, zmq.MessageTracker] = {}
+        self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
+        self._serving: tuple[zmq.Socket, Callable[[], None]] | None = None  # see serve_while_waiting()
+        self._serve_pollers: dict[int, zmq.Poller] = {}
+        self._out_rings: dict[int, shm.SlotRing] = {}
+        self._free: dict[int, collections.deque[int]] = {}
+        self._in_rings: dict[int, shm.SlotRing] = {}
+        self._held: dict[int, list[int]] = collections.defaultdict(list)
+        self._reserved: dict[int, int] = {}
+        self._shm_peers: set[int] = set()
+        self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
+        self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
+        self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
+        self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
+        self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
+        #: which peers are still there (reads the sockets above); its maps are shared, never rebound
+        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, self._slots, self._slot_bytes)
+        self.unconnected, self.suspects, self.lost = self.peers.unconnected, self.peers.suspects, self.peers.lost
+        self.reports, self.peer_names = self.peers.reports, self.peers.peer_names
+        #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers
+        self.stats: collections.Counter[str] = collections.Counter()
+
+    def _socket(self, peer: int, server: bool) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PAIR)
+        if server:
+            self._creds.apply_server(sock)
+        else:
+            self._creds.apply_client(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(min(self._timeout, _SLICE) * 1000)))
+        if self._max_payload > 0:
+            # ZeroMQ drops a connection whose frame announces more than this before allocating it
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload + 64)
+        # ZMTP heartbeats, answered by the peer's ZeroMQ I/O thread (no GIL involved): a peer
+        # process that is stopped or wedged as a whole stops answering, its connection is
+        # closed after the peer timeout, and the monitor below reports it as lost.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(min(1.0, self._timeout / 3) * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._timeout * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(self._timeout * 1000)))
+        if self._sockbuf > 0:
+            sock.setsockopt(zmq.SNDBUF, self._sockbuf)
+            sock.setsockopt(zmq.RCVBUF, self._sockbuf)
+        self._socks[peer] = sock
+        self.peers.watch(peer, sock)
+        return sock
+
+    # -- peer loss (ringcomm.net.peers) -----------------------------------------
+
+    @property
+    def monitor_sockets(self) -> list[zmq.Socket]:
+        return list(self.peers.monitors.values())
+
+    def check_peers(self) -> dict[int, str]:
+        """Read pending connection events; returns the peers found lost by this call."""
+        return self.peers.check_peers()
+
+    def raise_if_lost(self, awaited: int, what: str = "data", sending: bool = False) -> None:
+        """Raise :class:`PeerLostError` if a peer is found gone, naming the rank that failed first."""
+        self.peers.raise_if_lost(awaited, what, sending)
+
+    def culprit(self, awaited: int = -1) -> int:
+        """The rank to blame among the lost ones (:meth:`ringcomm.net.peers.PeerWatch.culprit`)."""
+        return self.peers.culprit(awaited)
+
+    def lost_error(self, peer: int, context: str = "") -> PeerLostError:
+        """The error naming ``peer``, with how its loss was learned; tells the other peers, once."""
+        return self.peers.lost_error(peer, context)
+
+    # -- setup ---------------------------------------------------------------
+
+    def bind(self, ipc_base: str, tcp_host: str) -> list[list[str] | None]:
+        """Bind one socket for each higher-ranked peer; returns ``[ipc, tcp]`` endpoints by peer rank."""
+        table: list[list[str] | None] = [None] * self.size
+        for peer in range(self.rank + 1, self.size):
+            sock = self._socket(peer, server=True)
+            eps = []
+            for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
+                sock.bind(ep)
+                eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                path = names.ipc_file(ep)
+                if path is not None:
+                    self.ipc_paths.append(path)
+            table[peer] = eps
+        return table
+
+    def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
+                pid: int | None = None) -> None:
+        """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
+        self.peers.expect(peer, description, pid if same_host else None)
+        if peer < self.rank:
+            eps = endpoints[self.rank]
+            if eps is None:
+                raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
+            self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
+        if same_host and self._slots > 0:
+            self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
+            self._shm_sources.add(peer)
+
+    def _out_ring(self, dst: int) -> shm.SlotRing | None:
+        """This rank's ring to ``dst``, created the first time a payload could use it."""
+        ring = self._out_rings.get(dst)
+        if ring is None and dst in self._shm_peers:
+            self._shm_peers.discard(dst)
+            path = names.shm_ring(self._job, self._round, self.rank, dst)
+            try:
+                ring = self._out_rings[dst] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
+                self._free[dst] = collections.deque(range(self._slots))
+            except OSError as exc:
+                log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, dst, exc)
+        return ring
+
+    def close(self) -> None:
+        self.peers.close()
+        for sock in self._socks.values():
+            sock.close(200 if self.peers.noticed else 0)  # a notice of a lost peer gets a moment to leave
+        self._socks.clear()
+        self._trackers.clear()
+        self._stash.clear()
+        for ring in (*self._out_rings.values(), *self._in_rings.values()):
+            ring.unlink()
+            ring.close()
+        # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
+        # remove it: this rank does (the name is unique to the pair, the round and the job).
+        names.remove_files([names.shm_ring(self._job, self._round, src, self.rank) for src in self._shm_sources])
+        self._shm_sources.clear()
+        self._out_rings.clear()
+        self._in_rings.clear()
+        names.remove_files(self.ipc_paths)
+        self.ipc_paths.clear()
+
+    # -- Link ----------------------------------------------------------------
+
+    def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
+        """A free shared-memory slot to ``dst`` to write a payload into directly, or None.
+
+        The caller fills it and calls :meth:`commit`; that saves the copy ``send`` makes.
+        """
+        if not self._shm_min <= nbytes <= self._slot_bytes:
+            return None
+        ring = self._out_ring(dst)
+        if ring is None:
+            return None
+        free = self._free[dst]
+        if not free:
+            self._pump(dst, block=False)
+            if not free:
+                return None
+        slot = free.popleft()
+        self._reserved[dst] = slot
+        return ring.slot(slot, nbytes)
+
+    def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None:
+        """Send the slot filled after :meth:`reserve`."""
+        slot = self._reserved.pop(dst)
+        self._send(dst, [_NOTE.pack(b"S", slot, view.nbytes, seq, tag)])
+        self.stats["shm_direct"] += 1
+
+    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
+        payload = arr if arr.ndim == 1 else arr.reshape(-1)
+        if payload.dtype != np.uint8:
+            payload = payload.view(np.uint8)
+        n = payload.nbytes
+        ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
+        if ring is not None:
+            free = self._free[dst]
+            if not free:
+                self._pump(dst, block=False)
+            if free:
+                slot = free.popleft()
+                ring.slot(slot, n)[...] = payload
+                self._send(dst, [_NOTE.pack(b"S", slot, n, seq, tag)])
+                self.stats["shm"] += 1
+                return
+            self.stats["shm_full"] += 1
+        header = _INLINE.pack(b"I", seq, tag)
+        self.stats["inline"] += 1
+        # A same-host peer whose slots are all in use is behind: copying costs nothing on the critical
+        # path, and a job on one host never starts pyzmq's zero-copy tracking thread for a rare case.
+        if n < self._zc_min or ring is not None:
+            self._send(dst, [header, payload])
+        else:
+            tracker = self._send(dst, [header, payload], copy=False)
+            if tracker is not None:  # always, for a zero-copy send
+                self._trackers[dst] = tracker
+
+    def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
+        """Queue one message for ``dst`` without ever blocking on a peer that is gone.
+
+        A bound PAIR socket whose peer died has no pipe, and a plain send would wait for one
+        forever.  Sends here never block: while ZeroMQ cannot take the message the socket is
+        polled in slices, between which the connection monitors are read (a lost peer raises
+        :class:`PeerLostError` naming it) and, after RINGCOMM_PEER_TIMEOUT with no way to
+        send, the peer is declared lost.  Zero-copy sends (``copy=False``) return their tracker.
+        """
+        sock = self._socks[dst]
+        waited = 0.0
+        while True:
+            try:
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=not copy)
+            except zmq.Again:
+                pass
+            if sock.poll(int(_SLICE * 1000), zmq.POLLOUT):
+                continue
+            waited = self._slice_waited(
+                dst, waited, "room to send", True,
+                f"could not send to rank {dst} ({self.peer_names.get(dst, '?')}) for {self._timeout:.0f} s: it is "
+                "not connected to this rank (it died, never connected, or hangs). Raise RINGCOMM_PEER_TIMEOUT if it "
+                "is only slow.")
+
+    def _slice_waited(self, peer: int, waited: float, what: str, sending: bool, timeout_message: str) -> float:
+        """One more slice spent waiting on ``peer``: raises if a peer is lost or ``peer`` used up the peer
+        timeout (``timeout_message``, after the rank); returns the time waited so far."""
+        waited += _SLICE
+        self.raise_if_lost(peer, what, sending=sending)
+        if waited >= self._timeout + _HEARTBEAT_GRACE:
+            self.peers.notify_lost(peer)  # so that the peers waiting on this rank name ``peer`` too
+            raise PeerLostError(f"rank {self.rank}: lost rank {peer}: {timeout_message}")
+        return waited
+
+    def _no_data(self, src: int) -> str:
+        return (f"no data from rank {src} ({self.peer_names.get(src, '?')}) for {self._timeout:.0f} s; the peer "
+                "hangs or is stopped. Raise RINGCOMM_PEER_TIMEOUT if it is only slow.")
+
+    def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
+        """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
+        sock = self._socks[src]
+        waited = 0.0
+        while True:
+            try:
+                frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
+            except zmq.Again:
+                if not block:
+                    return None
+                # a slice passed with no data: has a peer gone?
+                waited = self._slice_waited(
+                    src, waited, "data", False,
+                    self._no_data(src))
+                continue
+            try:
+                key = self._accept(src, frames)
+                if key is None and self.lost:  # a notice: the peer lost a rank and is failing
+                    self.raise_if_lost(src)
+                return key
+            except ProtocolError as exc:
+                # Not something a ringcomm peer sends: drop it (the stream itself is intact,
+                # since ZeroMQ delivers whole messages) and keep waiting for real data.
+                self.stats["dropped"] += 1
+                log.debug("rank %d: dropped a data message from rank %d: %s", self.rank, src, exc)
+                if not block:
+                    return None
+
+    def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
+        """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
+        msg = wire.parse_data(frames[0].bytes, len(frames), self._slots, self._slot_bytes)
+        if msg.kind == b"L":  # the peer lost a rank and is failing: the error will name that rank
+            self.peers.noted(src, msg.lost)
+            return None
+        if msg.kind == b"A":
+            free = self._free.get(src)
+            if free is None or msg.slot in free:
+                raise ProtocolError(f"ack of slot {msg.slot}, which is not in use towards rank {src}")
+            free.append(msg.slot)
+            if src not in self._acked:  # the receiver has the ring mapped: its name can go
+                self._acked.add(src)
+                self._out_rings[src].unlink()
+            return None
+        key = (msg.seq, msg.tag)
+        op, current = msg.seq // self._stride, self._op.get(src, -1)
+        if key in self._stash[src] or (op == current and key in self._taken[src]):
+            raise ProtocolError(f"a second message for op {msg.seq} tag {msg.tag}")
+        if op < current:  # every message of an earlier op was taken before it completed
+            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op "
+                                f"{current * self._stride})")
+        if msg.kind == b"S":
+            self._in_ring(src)
+            self._stash[src][key] = [msg.slot, msg.nbytes]
+        else:
+            self._stash[src][key] = frames[1]
+        return key
+
+    def _in_ring(self, src: int) -> shm.SlotRing:
+        """The ring ``src`` writes to this rank, mapped (and its name unlinked) on first use."""
+        ring = self._in_rings.get(src)
+        if ring is None:
+            path = names.shm_ring(self._job, self._round, src, self.rank)
+            try:
+                ring = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
+            except (OSError, ValueError) as exc:
+                raise ProtocolError(f"shared-memory notification, but no ring {path} to map: {exc}") from None
+            self._in_rings[src] = ring
+            ring.unlink()  # both sides have it mapped now
+        return ring
+
+    def _ack_held(self, src: int) -> None:
+        held = self._held.get(src)
+        if held:
+            for slot in held:
+                self._send(src, [_ACK.pack(b"A", slot)])
+            held.clear()
+
+    def _enter(self, src: int, seq: int) -> None:
+        """This rank now receives op ``seq`` from ``src``: earlier ops' messages are stale from here on."""
+        op = seq // self._stride
+        if op != self._op.get(src, -1):
+            self._op[src] = op
+            self._taken[src] = set()
+
+    def serve_while_waiting(self, sock: zmq.Socket, serve: Callable[[], None]) -> None:
+        """While a receive waits for a peer's data, also watch ``sock`` and call ``serve`` when it is readable.
+
+        Rank 0 hands its control socket and its negotiation step here: the ops of
+        process sets without rank 0 are then answered while rank 0 waits inside a
+        transfer of its own, instead of after it.
+        """
+        self._serving = (sock, serve)
+        self._serve_pollers.clear()
+
+    def _serve_until_data(self, src: int) -> None:
+        """Run the serving hook until ``src`` sends something (or a slice passes: the receive's own wait,
+        with its peer checks and timeout, takes over then)."""
+        if self._serving is None:
+            return
+        ctrl, serve = self._serving
+        poller = self._serve_pollers.get(src)
+        if poller is None:
+            poller = self._serve_pollers[src] = zmq.Poller()
+            poller.register(self._socks[src], zmq.POLLIN)
+            poller.register(ctrl, zmq.POLLIN)
+        data = self._socks[src]
+        deadline = time.monotonic() + 1.0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if ctrl in events:
+                serve()
+            if data in events or not events:
+                return
+
+    def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
+        self._ack_held(src)  # the view returned last time has been used by now
+        self._enter(src, seq)
+        key = (seq, tag)
+        stash = self._stash[src]
+        if key not in stash:
+            self._serve_until_data(src)
+        while key not in stash:
+            self._pump(src, block=True)
+        return self._open(src, key, stash.pop(key))
+
+    def recv_any(self, src: int, seq: int) -> tuple[int, memoryview | np.ndarray]:
+        """The next payload of op ``seq`` from ``src``, whichever tag arrives first."""
+        self._ack_held(src)
+        self._enter(src, seq)
+        stash = self._stash[src]
+        for key in stash:
+            if key[0] == seq:
+                return key[1], self._open(src, key, stash.pop(key))
+        self._serve_until_data(src)
+        while True:
+            got = self._pump(src, block=True)
+            if got is not None and got[0] == seq:
+                return got[1], self._open(src, got, stash.pop(got))
+
+    def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, memoryview | np.ndarray]:
+        """The next payload of any of the ops ``wants`` (``(src, seq)`` pairs, of one op's sequence
+        numbers per peer): ``(index in wants, tag, payload)``.  Waits like :meth:`recv`, on all at once."""
+        for src, seq in wants:
+            self._ack_held(src)
+            self._enter(src, seq)
+        for i, (src, seq) in enumerate(wants):
+            stash = self._stash[src]
+            for key in stash:
+                if key[0] == seq:
+                    return i, key[1], self._open(src, key, stash.pop(key))
+        poller = zmq.Poller()
+        srcs = list(dict.fromkeys(src for src, _ in wants))
+        for src in srcs:
+            poller.register(self._socks[src], zmq.POLLIN)
+        ctrl, serve = self._serving if self._serving is not None else (None, None)
+        if ctrl is not None:
+            poller.register(ctrl, zmq.POLLIN)
+        waited = 0.0
+        while True:
+            events = dict(poller.poll(int(_SLICE * 1000)))
+            if serve is not None and ctrl in events:
+                serve()
+            for src in srcs:
+                if self._socks[src] not in events:
+                    continue
+                while (got := self._pump(src, block=False)) is not None:
+                    for i, want in enumerate(wants):
+                        if want == (src, got[0]):
+                            return i, got[1], self._open(src, got, self._stash[src].pop(got))
+            if not events:
+                src = wants[0][0]
+                waited = self._slice_waited(
+                    src, waited, "data", False,
+                    self._no_data(src))
+
+    def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
+        self._taken[src].add(key)
+        if isinstance(item, list):
+            slot, n = item
+            self._held[src].append(slot)
+            return self._in_rings[src].slot(slot, n)
+        return item.buffer  # type: ignore[attr-defined]
+
+    def flush(self) -> None:
+        """Hand back every used slot and wait until ZeroMQ has released every zero-copy send."""
+        for src in list(self._held):
+            self._ack_held(src)
+        for dst, tracker in self._trackers.items():
+            waited = 0.0
+            while True:  # in slices, so a peer that died with data in flight is named at once
+                try:
+                    tracker.wait(_SLICE)
+                    break
+                except zmq.NotDone:
+                    pass
+                waited = self._slice_waited(
+                    dst, waited, "its data to be taken", True,
+                    f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
+        self._trackers.clear()
