@@ -118,6 +118,10 @@ def main() -> None:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(figures, f)
+    if torch.distributed.is_initialized():
+        # every rank leaves together: gloo aborts a rank whose peer exits while its threads still run
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
