@@ -88,19 +88,8 @@ def host_buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor
     >>> [len(b) for b in host_buckets([torch.zeros(100), torch.zeros(300), torch.zeros(10)], cap=1600)]
     [2, 1]
     """
-    out: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-    nbytes = 0
-    for p in reversed(params):
-        size = p.numel() * p.element_size()
-        if current and nbytes + size > cap:
-            out.append(current)
-            current, nbytes = [], 0
-        current.append(p)
-        nbytes += size
-    if current:
-        out.append(current)
-    return out
+    order = params[::-1]
+    return [[order[i] for i in run] for run in plan_buckets([p.numel() * p.element_size() for p in order], cap, cap)]
 
 
 def split_list(items: list[Any], n: int) -> list[list[Any]]:
