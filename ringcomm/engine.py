@@ -12,8 +12,10 @@ pure pieces and does what they return:
    :class:`~ringcomm.collectives.executor.Executor` (pack, ring or shared memory, unpack),
    and the handles completed with the results it returns.
 
-While rank 0 waits for a peer's data inside step 3, the data plane runs the negotiation hook handed
-to it (:meth:`DataPlane.serve_while_waiting`), so sets without rank 0 are answered meanwhile.  The
+Rank 0's control socket and its service live in one object, :class:`~ringcomm.net.control.Rank0Control`.
+While rank 0 waits for a peer's data inside step 3, the data plane runs that object's
+:meth:`~ringcomm.net.control.Rank0Control.step` when the socket is readable: it answers the sets
+without rank 0 and never hands rank 0 an op, so a transfer never starts inside another.  The
 loop sleeps in ``zmq.Poller.poll`` with no timeout when idle, so an idle job uses no CPU.
 """
 
@@ -46,6 +48,7 @@ from .timeline import Timeline, negotiate_phase
 from .job.topology import Topology
 from .job.names import ipc_base, ipc_file, remove_files
 from .net.transport import DataPlane
+from .net.control import Rank0Control
 from .core.wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
@@ -117,9 +120,9 @@ class Engine:
                                 self._small_gather, hierarchical.PHASES, records=self.rank != 0)
         self._service = Service(self.size, topo.secret, settings.fusion_threshold, self._small, settings.cache_capacity,
                                 settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None
-        self._backlog: collections.deque[Response] = collections.deque()  # rank 0: emitted, not yet executed
-        self._executing = False
-        self._warned_stalls: set[tuple[int, str]] = set()
+        # rank 0: its control socket (bound in _connect) and its service
+        self._control = Rank0Control(self._service, self.size, settings.stall_check_seconds,
+                                     settings.stall_shutdown_seconds) if self._service is not None else None
         #: How many ops of the global set rank 0 failed as stalled: the ranks are out of step (the
         #: runtime then stops posting to the small-op lane, whose indexes no longer line up; every
         #: rank gets these responses, so every rank stops).
@@ -127,12 +130,11 @@ class Engine:
         #: ``(set, name)`` of ops rank 0 failed as stalled that this rank never submitted: it skipped
         #: them, so its count of unnamed ops is behind (the runtime catches up; appended here only).
         self.skipped_ops: collections.deque[tuple[int, str]] = collections.deque(maxlen=1024)
-        self._reduced_at: dict[tuple[Any, ...], float] = {}  # timeline: when rank 0 began a small reduction
         self._thread: threading.Thread | None = None
-        self._idents = {r: f"rank{r}".encode() for r in range(1, self.size)}
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank, settings.timeline_mark_cycles)
+            self._note_timeline()
         self._server: Any = None  # a rendezvous.RendezvousServer on the rank that hosts it
         self._ipc_paths: list[str] = []
         self._ctx: zmq.Context | None = None
@@ -208,8 +210,9 @@ class Engine:
             ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
             creds.apply_client(ctrl)
         self._ctrl = ctrl
-        if self.rank == 0:
-            link.serve_while_waiting(ctrl, self._serve_control)
+        if self._control is not None:
+            self._control.socket = ctrl
+            link.serve_while_waiting(self._control)
         table = rendezvous.register(
             topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
             progress=_print_waiting if self.rank == 0 else None,
@@ -306,7 +309,7 @@ class Engine:
         for entry in self._session.pending() + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(err)
-        self._session.inflight.clear()
+        self._session.drop_all()
         self._queue.clear()
         if self._shm_ar is not None:
             self._shm_ar.close()
@@ -361,7 +364,7 @@ class Engine:
                     self._drain_queue()
                 if self._ctrl is not None and self._ctrl in events:
                     self._drain_control()
-                if self._service is not None:
+                if self._control is not None:
                     self._coordinate()
                 if monitors and (any(m in events for m in monitors) or self._link.suspects
                                  or self._link.unconnected):
@@ -381,21 +384,21 @@ class Engine:
         lost = link.check_peers()
         if not lost or self._stopping:
             return
-        leaving = self._session.inflight.pop((0, SHUTDOWN_NAME), None)
+        leaving = self._session.drop((0, SHUTDOWN_NAME))
         if leaving is not None:
             # This rank is shutting down too: a peer that left has most likely finished the
             # collective shutdown before this rank received its response.  Finish quietly.
             self._stopping = True
             leaving.handle.set_result(None)
             return
-        if self._ctrl is not None and (self._session.inflight or self._queue):
+        if self._ctrl is not None and (self._session.pending() or self._queue):
             # The peer may have left because of an error rank 0 already answered (a mismatch, a refused
             # call): take that answer first, so the ops it covers fail with their cause, not as lost.
-            if self._service is None:
+            if self._control is None:
                 self._ctrl.poll(_LATE_ANSWER_MS)
             while self._drain_control():
                 pass
-            if self._service is not None:
+            if self._control is not None:
                 self._coordinate()
         peer = link.culprit()
         pending = [e.req.name + set_label(e.req.pset, self._session.set_ranks(e.req.pset) or ())
@@ -406,7 +409,7 @@ class Engine:
     def _poll_timeout(self) -> int | None:
         if isinstance(self._link, DataPlane) and (self._link.suspects or self._link.unconnected):
             return 200  # re-check a peer whose connection closed while its process ran, or not yet made
-        return self._service.wait_ms(time.monotonic()) if self._service is not None else None
+        return self._control.next_wake_ms() if self._control is not None else None
 
     @property
     def failure(self) -> BaseException | None:
@@ -419,11 +422,10 @@ class Engine:
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
-        self._backlog.clear()
         for entry in self._session.pending() + list(self._queue):
             if not entry.handle.done():
                 entry.handle.set_error(exc)
-        self._session.inflight.clear()
+        self._session.drop_all()
         self._queue.clear()
 
     def _drain_queue(self) -> None:
@@ -449,80 +451,51 @@ class Engine:
 
         Returns whether there was one.
         """
+        if self._control is not None:
+            return self._control.receive_one()
         assert self._ctrl is not None
         try:
             frames = self._ctrl.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        if self._service is not None:
-            if len(frames) == 2:  # ROUTER: [sender identity, message]
-                self._service.receive(frames[1], time.monotonic())
-            return True
         for resp in self._session.receive(frames[0] if len(frames) == 1 else b""):
             self._execute(resp)
         return True
 
-    def _serve_control(self) -> None:
-        """Rank 0, called while it waits inside a transfer: take every waiting request, and answer
-        the ready ops of sets without rank 0 (the others wait for rank 0's main loop: a set with
-        rank 0 cannot run its next op before rank 0 is done, and a shutdown must not reach the
-        other ranks while rank 0 still needs their data)."""
-        while self._drain_control():
-            pass
-        self._coordinate(nested=True)
-
-    def _coordinate(self, nested: bool = False) -> None:
-        service = self._service
-        assert service is not None
-        now = time.monotonic()
-        out = service.take(now, nested)
-        if out is not None:
+    def _coordinate(self) -> None:
+        """Rank 0, in the loop: answer what is ready and run its own share, in the service's order."""
+        assert self._control is not None
+        for resp in self._control.answer():
+            self._execute(resp)
+        notes = self._control.notes
+        if notes.cycles:
             if self.timeline is not None:
-                if self.timeline.mark_cycles:
-                    self.timeline.marker("CYCLE", time.perf_counter())
-                self._reduced_at.update(out.reduced_at)
-            self._send_responses(out.frames)
-            self._backlog.extend(out.local)
-            if not self._executing:  # else this runs inside rank 0's current transfer: they wait their turn
-                while self._backlog:
-                    self._execute(self._backlog.popleft())
-        self._check_stalls(now)
-
-    def _send_responses(self, frames: dict[int, list[bytes]]) -> None:
-        """Each other rank gets the frames the service encoded for it."""
-        assert frames == {} or self._ctrl is not None
-        for r, batch in frames.items():
-            ident = self._idents[r]
-            try:
-                for frame in batch:
-                    self._ctrl.send_multipart([ident, frame])  # type: ignore[union-attr]
-            except zmq.ZMQError as exc:
-                # that rank's connection is gone: it left after the collective shutdown,
-                # or it died, which its data-plane monitor reports as a lost peer
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                log.debug("rank 0: %s is gone; response not delivered", ident.decode())
+                for t in notes.cycles:
+                    self.timeline.marker("CYCLE", t)
+            notes.cycles.clear()
 
     def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
         """Start writing a timeline (rank 0 only, as Horovod does); replaces one already running."""
         if self.rank != 0:
             return
         old, self.timeline = self.timeline, Timeline(path, self.rank, mark_cycles)
+        self._note_timeline()
         if old is not None:
             old.close()
 
     def stop_timeline(self) -> None:
         old, self.timeline = self.timeline, None
+        self._note_timeline()
         if old is not None:
             old.close()
 
-    def _check_stalls(self, now: float) -> None:
-        assert self._service is not None
-        st = self.settings
-        for key, text in self._service.stalls(now, st.stall_check_seconds, st.stall_shutdown_seconds):
-            if key not in self._warned_stalls:
-                self._warned_stalls.add(key)
-                log.warning("stall: %s; every rank must run the same collectives in the end", text)
+    def _note_timeline(self) -> None:
+        """Rank 0's control notes what the timeline needs only while one is written."""
+        if self._control is not None:
+            notes = self._control.notes
+            notes.on, notes.mark_cycles = self.timeline is not None, bool(self.timeline and self.timeline.mark_cycles)
+            if not notes.on:
+                notes.reduced_at.clear()
 
     # -- execution -----------------------------------------------------------
 
@@ -531,7 +504,8 @@ class Engine:
         entries = step.entries
         tl = self.timeline
         start = time.perf_counter()
-        reduced_at = self._reduced_at.pop((resp.pset, *resp.names), None)  # rank 0 reduced it before answering
+        # rank 0 reduced it before answering
+        reduced_at = None if self._control is None else self._control.notes.reduced_at.pop((resp.pset, *resp.names), None)
         if tl is not None:
             for e in entries:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
@@ -548,7 +522,6 @@ class Engine:
         phases: list[tuple[str, float, float]] = []
         if resp.kind in DATA_KINDS:
             try:
-                self._executing = True
                 results, phases = self._exec.execute(resp, entries, step.seq, step.members, timed=tl is not None,
                                                      reduced_at=reduced_at)
             except PeerLostError as exc:
@@ -562,8 +535,6 @@ class Engine:
                 for e in entries:
                     e.handle.set_error(err)
                 raise err from exc
-            finally:
-                self._executing = False
         else:
             results = [self._session.complete(resp)] * len(entries)
             if resp.kind == wire.REMOVE_PSET:

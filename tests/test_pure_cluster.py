@@ -67,8 +67,8 @@ class Cluster:
         while self.to_root.get(rank):
             self.service.receive(self.to_root[rank].popleft(), 0.0)
         out = self.service.take(0.0, nested)
-        # the engine loop sleeps for wait_ms() after every turn: an op left ready must not wait
-        assert not self.service.has_ready() or self.service.wait_ms(0.0) == 0, "a ready op waits for a timer"
+        # the engine loop sleeps for next_wake() after every turn: an op left ready must not wait
+        assert not self.service.has_ready() or self.service.next_wake(0.0) == 0, "a ready op waits for a timer"
         if out is None:
             return
         for r, frames in out.frames.items():
@@ -137,9 +137,9 @@ def test_any_interleaving_gives_every_rank_the_same_order_and_the_sum(size: int,
         if op[0] == "add":
             return True
         if op[0] in ("join", "shutdown"):  # after this rank's ops are done
-            return not session.inflight
+            return not session.pending()
         name, _, pset = op
-        return session.set_ranks(pset) is not None and (pset, name) not in session.inflight
+        return session.set_ranks(pset) is not None and not session.in_flight((pset, name))
 
     def submit(r: int) -> None:
         op = todo[r].popleft()
@@ -179,7 +179,7 @@ def test_any_interleaving_gives_every_rank_the_same_order_and_the_sum(size: int,
         if not moved and not any(todo.values()):
             break
     assert not any(todo.values()), f"ops never submitted: {todo}"
-    assert all(not s.inflight for s in cluster.sessions), "ops never completed"
+    assert all(not s.pending() for s in cluster.sessions), "ops never completed"
 
     # every member of a set executes that set's responses in one order, with one numbering
     for pset, members in ((0, tuple(range(size))), (1, set_ranks)):

@@ -28,10 +28,10 @@ def test_an_op_left_ready_by_a_nested_take_wakes_the_loop_at_once() -> None:
     svc.submit_local(_allreduce("t"), [np.ones(4, np.float32)], now=0.0)
     svc.controller.submit(1, _allreduce("t"), 0.0)
     assert svc.take(0.0, nested=True) is None  # rank 0 is inside a transfer: its own sets wait
-    assert svc.wait_ms(0.0) == 0  # ... but not for a timer once the loop is back
+    assert svc.next_wake(0.0) == 0  # ... but not for a timer once the loop is back
     out = svc.take(0.0)
     assert out is not None and [r.names for r in out.local] == [("t",)]
-    assert svc.wait_ms(0.0) is None  # nothing pending: sleep until a message or a submit
+    assert svc.next_wake(0.0) is None  # nothing pending: sleep until a message or a submit
 
 
 def test_with_a_cycle_time_a_ready_op_waits_only_for_what_is_left_of_the_cycle() -> None:
@@ -42,14 +42,14 @@ def test_with_a_cycle_time_a_ready_op_waits_only_for_what_is_left_of_the_cycle()
     svc.submit_local(_allreduce("b"), [np.ones(4, np.float32)], now=10.01)
     svc.controller.submit(1, _allreduce("b"), 10.01)
     assert svc.take(10.02) is None  # held: 20 ms of the 50 ms cycle have passed
-    assert 29 <= svc.wait_ms(10.02) <= 31
-    assert svc.wait_ms(10.2) == 0
+    assert 29 <= svc.next_wake(10.02) <= 31
+    assert svc.next_wake(10.2) == 0
 
 
 def test_pending_but_not_ready_sleeps_only_until_the_stall_check() -> None:
     svc = Service(2, SECRET, fusion_threshold=1 << 20, small_bytes=0, cache_capacity=0)
     svc.submit_local(_allreduce("late"), [np.ones(4, np.float32)], now=0.0)
-    assert svc.wait_ms(0.0) == 1000
+    assert svc.next_wake(0.0) == 1000
 
 
 @pytest.mark.multiprocess

@@ -106,7 +106,7 @@ class Service:
     def has_pending(self) -> bool:
         return self.controller.has_pending()
 
-    def wait_ms(self, now: float | None = None) -> int | None:
+    def next_wake(self, now: float | None = None) -> int | None:
         """How long the loop may sleep before the service needs another turn (None: until an event).
 
         An op that is ready never waits for a timer: 0 with no cycle time, else what is left of the

@@ -80,7 +80,7 @@ class Session(Generic[E]):
         self._small, self._small_gather = small_bytes, small_gather_bytes
         self._phases = phases
         self._records = records
-        self.inflight: dict[tuple[int, str], E] = {}
+        self._inflight: dict[tuple[int, str], E] = {}
         self._sets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
         self._seqs: dict[int, int] = {0: 0}
         self._caches: dict[int, ResponseCache] = {0: ResponseCache(cache_capacity)}
@@ -105,13 +105,13 @@ class Session(Generic[E]):
 
     def track(self, entry: E) -> None:
         """``entry`` is in flight from now on (rank 0: its service has the request)."""
-        self.inflight[entry.key] = entry
+        self._inflight[entry.key] = entry
 
     def announce(self, entries: list[E]) -> list[bytes]:
         """Track ``entries`` and return the control frames that announce them to rank 0."""
         items: list[tuple[Request | int, int, bytes | None]] = []
         for entry in entries:
-            self.inflight[entry.key] = entry
+            self._inflight[entry.key] = entry
             req = entry.req
             cache = self._caches.get(req.pset)
             cid = cache.lookup(req) if cache is not None else None
@@ -134,7 +134,7 @@ class Session(Generic[E]):
     def begin(self, resp: Response) -> Step[E]:
         """Take the entries ``resp`` completes; number the op; record its request in the set's cache."""
         pset = resp.pset
-        entries = [self.inflight.pop((pset, name)) for name in resp.names if (pset, name) in self.inflight]
+        entries = [self._inflight.pop((pset, name)) for name in resp.names if (pset, name) in self._inflight]
         members = self._sets.get(pset, ())
         if resp.error:
             cls = StallError if resp.error_kind == "stall" else MismatchError
@@ -169,4 +169,19 @@ class Session(Generic[E]):
         return None
 
     def pending(self) -> list[E]:
-        return list(self.inflight.values())
+        """The ops in flight (announced, not yet begun)."""
+        return list(self._inflight.values())
+
+    def in_flight(self, key: tuple[int, str]) -> bool:
+        """Whether the op ``(set, name)`` is announced and not yet begun."""
+        return key in self._inflight
+
+    def drop(self, key: tuple[int, str]) -> E | None:
+        """Stop tracking the op ``(set, name)``; returns it, or None if it was not in flight."""
+        return self._inflight.pop(key, None)
+
+    def drop_all(self) -> list[E]:
+        """Stop tracking every op (the engine failed or closed); returns them."""
+        out = list(self._inflight.values())
+        self._inflight.clear()
+        return out

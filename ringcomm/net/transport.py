@@ -38,7 +38,8 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import zmq
@@ -58,6 +59,14 @@ _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer 
 #: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
 #: name it), not by a rank that only waits behind it in a ring and would blame its innocent neighbour
 _HEARTBEAT_GRACE = 2 * _SLICE
+
+
+class ControlStep(Protocol):
+    """A socket to watch while a receive waits, and the step to run when it is readable."""
+
+    socket: zmq.Socket | None  # None: nothing to watch
+
+    def step(self) -> None: ...
 
 
 class DataPlane:
@@ -86,7 +95,7 @@ class DataPlane:
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
-        self._serving: tuple[zmq.Socket, Callable[[], None]] | None = None  # see serve_while_waiting()
+        self._serving: ControlStep | None = None  # see serve_while_waiting()
         self._serve_pollers: dict[int, zmq.Poller] = {}
         self._out_rings: dict[int, shm.SlotRing] = {}
         self._free: dict[int, collections.deque[int]] = {}
@@ -393,22 +402,23 @@ class DataPlane:
             self._op[src] = op
             self._taken[src] = set()
 
-    def serve_while_waiting(self, sock: zmq.Socket, serve: Callable[[], None]) -> None:
-        """While a receive waits for a peer's data, also watch ``sock`` and call ``serve`` when it is readable.
+    def serve_while_waiting(self, control: ControlStep) -> None:
+        """While a receive waits for a peer's data, also watch ``control.socket`` and run
+        ``control.step()`` whenever it is readable.
 
-        Rank 0 hands its control socket and its negotiation step here: the ops of
-        process sets without rank 0 are then answered while rank 0 waits inside a
-        transfer of its own, instead of after it.
+        Rank 0 hands its :class:`~ringcomm.net.control.Rank0Control` here: the ops of process
+        sets without rank 0 are then answered while rank 0 waits inside a transfer of its own,
+        instead of after it.  The step returns nothing and starts no transfer.
         """
-        self._serving = (sock, serve)
+        self._serving = control
         self._serve_pollers.clear()
 
     def _serve_until_data(self, src: int) -> None:
         """Run the serving hook until ``src`` sends something (or a slice passes: the receive's own wait,
         with its peer checks and timeout, takes over then)."""
-        if self._serving is None:
+        if self._serving is None or self._serving.socket is None:
             return
-        ctrl, serve = self._serving
+        ctrl, serve = self._serving.socket, self._serving.step
         poller = self._serve_pollers.get(src)
         if poller is None:
             poller = self._serve_pollers[src] = zmq.Poller()
@@ -466,7 +476,7 @@ class DataPlane:
         srcs = list(dict.fromkeys(src for src, _ in wants))
         for src in srcs:
             poller.register(self._socks[src], zmq.POLLIN)
-        ctrl, serve = self._serving if self._serving is not None else (None, None)
+        ctrl, serve = (self._serving.socket, self._serving.step) if self._serving is not None else (None, None)
         if ctrl is not None:
             poller.register(ctrl, zmq.POLLIN)
         waited = 0.0
