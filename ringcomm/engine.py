@@ -35,7 +35,7 @@ import zmq
 from .net import auth
 from .job import config
 from .collectives import hierarchical, shm_allreduce
-from .lane import net_lane, shm_lane
+from .lane.owner import LaneOwner
 from .core import wire
 from .job.config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
@@ -54,10 +54,6 @@ from .core.wire import Request, Response
 log = logging.getLogger("ringcomm.engine")
 
 
-
-
-#: Entries per rank in the small-op lane (a rank rewrites one once every rank has read it).
-LANE_SLOTS = 4
 
 
 class _NullLink:
@@ -142,9 +138,9 @@ class Engine:
         self._ctrl: zmq.Socket | None = None
         self._link: Any = _NullLink()
         self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
-        # small ops (fastpath.py): a shared region when all ranks share one host, else TCP between ranks
-        self.lane_region: shm_lane.ShmLane | net_lane.NetLane | None = None
-        self._net_listener: Any = None  # until the lane across hosts is connected
+        #: The small-op lane's lifecycle: a shared region when all ranks share one host, else TCP
+        #: between ranks; the engine makes it at the rendezvous and releases it when it closes.
+        self.lane_owner = LaneOwner(self.rank, self.size)
         self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
         if self.size > 1:
             try:
@@ -174,16 +170,15 @@ class Engine:
         self._link = link  # from here on, _close() closes it
         base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
-        self.lane_region, lane_offer = shm_lane.offer(topo.job_id, round_, self.rank, self.size, LANE_SLOTS,
-                                                      st.shm_lane_bytes_for(self.size))
-        self._net_listener, net_offer = net_lane.offer(self.rank, self.size, topo.addr, st.net_lane_bytes_for(self.size),
-                                                       st.encrypt)
+        lane_offers = self.lane_owner.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(self.size),
+                                            st.net_lane_bytes_for(self.size), st.encrypt)
         info: dict[str, Any] = {
             "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
             "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
             "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
-            "lane": lane_offer,  # rank 0: the small-op lane's path; the others: whether they can map one
-            "net_lane": net_offer,  # where this rank listens for the lane across hosts, or False
+            # "lane": rank 0: the small-op lane's path; the others: whether they can map one;
+            # "net_lane": where this rank listens for the lane across hosts, or False
+            **lane_offers,
         }
         if self.rank == 0:
             ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
@@ -229,13 +224,7 @@ class Engine:
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                                        st.peer_timeout)
-        self.lane_region = shm_lane.accept(self.lane_region, table, self.rank, LANE_SLOTS, st.peer_timeout)
-        listener, self._net_listener = self._net_listener, None
-        if self.lane_region is None:
-            self.lane_region = net_lane.accept(listener, table, self.rank, topo.secret, topo.job_id, round_,
-                                               st.start_timeout, st.peer_timeout, lambda: self._failed)
-        elif listener is not None:
-            listener.close()
+        self.lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
         if self.rank != 0:
             root = table[0]
             ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
@@ -313,12 +302,7 @@ class Engine:
         self._queue.clear()
         if self._shm_ar is not None:
             self._shm_ar.close()
-        if self._net_listener is not None:
-            self._net_listener.close()
-            self._net_listener = None
-        if self.lane_region is not None:
-            self.lane_region.unlink()  # gone already unless setup was cut short
-            self.lane_region.close()
+        self.lane_owner.release()
         if isinstance(self._link, DataPlane):
             self._link.close()
         if self._ctrl is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .job import config, horovod_env, logsetup, topology
-from .lane import fastpath, net_lane
+from .lane.driver import LaneHandle
 from .core import wire
 from .elastic import worker as elastic_worker
 from .engine import Engine
@@ -73,17 +73,11 @@ class Runtime:
                   self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
                   self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
         self.engine.start()
-        engine = self.engine
-        region = engine.lane_region  # small ops of the global set skip the engine
-        if isinstance(region, net_lane.NetLane):
-            lane_bytes = region.payload_bytes  # this rank's own bound
-        else:  # the region's entries are rank 0's size; this rank posts fast what its setting allows
-            lane_bytes = 0 if region is None else min(self.settings.shm_lane_bytes_for(self.topo.size),
-                                                      region.payload_bytes)
-        self.lane = None if region is None else fastpath.FastPath(
-            region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active, lane_bytes,
-            self.settings.stall_check_seconds,
-            self.settings.stall_shutdown_seconds)
+        # small ops of the global set skip the engine: the lane's owner starts its driver (None: no
+        # lane in this job), which hands the engine what it cannot take
+        self.lane_owner = self.engine.lane_owner
+        self.lane = self.lane_owner.start(self.engine, self.settings.stall_check_seconds,
+                                          self.settings.stall_shutdown_seconds)
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
@@ -133,7 +127,7 @@ class Runtime:
         reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
         req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
         lane = self.lane if pset == 0 else None
-        handle = Handle(name) if lane is None else fastpath.LaneHandle(name)
+        handle = Handle(name) if lane is None else LaneHandle(name)
         try:
             entry = Entry(req, [], handle)
             # in the lane, a refused op is never fast, so the others divert theirs too; the lane hands
@@ -192,9 +186,9 @@ class Runtime:
             # rank 0 failed an op of the global set as stalled: the ranks' lane indexes no longer
             # line up, so every rank posts no more (all ops go through the engine from here on)
             self._stalled_seen = self.engine.stalled_ops
-            self.lane.close(timeout=0.0)
+            self.lane_owner.close(timeout=0.0)
         lane = self.lane if req.pset == 0 else None
-        handle = Handle(name, release) if lane is None else fastpath.LaneHandle(name, release)
+        handle = Handle(name, release) if lane is None else LaneHandle(name, release)
         try:
             entry = Entry(req, arrays, handle, outs or [], grouped)
             if lane is None or not lane.submit(entry, others=len(self._names) - 1):  # the other names in flight
@@ -208,9 +202,9 @@ class Runtime:
         """Every rank has joined: unnamed ops are numbered from 0 again (see :meth:`auto_name`) and
         the small-op lane, off since this rank joined, starts again.
 
-        Every rank runs the lane's barrier, a rank without a lane too: ranks may disagree on having
-        one (a rank that could not map rank 0's region runs without it), and a rank that skipped
-        the barrier would leave the others waiting in it.
+        Every rank runs the lane's barrier, a rank without a lane too (the lane's owner sees to it):
+        ranks may disagree on having one (a rank that could not map rank 0's region runs without
+        it), and a rank that skipped the barrier would leave the others waiting in it.
         """
         with self._lock:
             self._joins += 1
@@ -219,15 +213,11 @@ class Runtime:
 
         def barrier() -> None:
             self.submit(wire.Request(name, wire.BARRIER), []).wait()
-        if self.lane is None:
-            barrier()
-        else:
-            self.lane.reopen_after_join(barrier)
+        self.lane_owner.reopen_after_join(barrier)
 
     def shutdown(self) -> None:
         timeout = 0.0 if _dying.is_set() else 10.0
-        if self.lane is not None:
-            self.lane.close(timeout)  # the others divert what this rank will not post
+        self.lane_owner.close(timeout)  # the others divert what this rank will not post
         self.engine.shutdown(timeout=timeout)
 
 

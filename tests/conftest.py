@@ -122,13 +122,28 @@ def hosts(tmp_path: Path):  # type: ignore[no-untyped-def]
         two.close()
 
 
+class RecordingEngine:
+    """The engine side of a lane driver in a test: records the ops handed to it in ``diverted``."""
+
+    def __init__(self, diverted: list | None = None) -> None:
+        self.diverted = [] if diverted is None else diverted
+        self.failure: BaseException | None = None
+        self.timeline_active = False
+
+    def submit(self, entry):
+        if self.failure is not None:
+            raise self.failure
+        self.diverted.append(entry)
+        return entry.handle
+
+
 @pytest.fixture
 def lane_pair():
-    """Rank 0's FastPath over a fresh two-rank lane (4 slots of 4 KiB), rank 1's view of it, and
+    """Rank 0's LaneDriver over a fresh two-rank lane (4 slots of 4 KiB), rank 1's view of it, and
     the list of entries rank 0 handed to the engine."""
     import uuid
 
-    from ringcomm.lane import fastpath, shm_lane
+    from ringcomm.lane import driver, shm_lane
     from ringcomm.job import names
     from ringcomm.handles import Entry
 
@@ -136,12 +151,12 @@ def lane_pair():
     mine = shm_lane.ShmLane(path, 0, 2, 4, 4096, create=True)
     peer = shm_lane.ShmLane(path, 1, 2, 4, 4096, create=False)
     submitted: list[Entry] = []
-    fp = fastpath.FastPath(mine, submitted.append, lambda: None, lambda: False, 4096, 0.0, 0.0)
+    lane_driver = driver.LaneDriver(mine, RecordingEngine(submitted), 4096, 0.0, 0.0)
     try:
-        yield fp, peer, submitted
+        yield lane_driver, peer, submitted
     finally:
-        fp.close(timeout=1.0)
+        lane_driver.close(timeout=1.0)
         peer.close()
-        fp.release()
+        mine.close()
         if os.path.exists(path):
             os.unlink(path)

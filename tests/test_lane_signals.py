@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm.lane import fastpath
+from ringcomm.lane import driver
 from ringcomm.shm import futex, slots as shm
 from ringcomm.core import wire
 from ringcomm.errors import ShutdownError
@@ -40,24 +40,24 @@ class Interrupted(Exception):
 def _allreduce(name: str) -> Entry:
     x = np.ones(16, np.float32)
     req = wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1)
-    return Entry(req, [x], fastpath.LaneHandle(name))
+    return Entry(req, [x], driver.LaneHandle(name))
 
 
 def test_a_handler_raising_while_the_waiter_takes_the_lock_back_leaves_the_lock_usable(lane_pair):
-    fp, peer, submitted = lane_pair
+    lane_driver, peer, submitted = lane_pair
     entry = _allreduce("x")
-    assert fp.submit(entry, others=0)  # posted fast; rank 1 has not posted
+    assert lane_driver.submit(entry, others=0)  # posted fast; rank 1 has not posted
     main = threading.get_ident()
     state: dict[str, object] = {}
 
     def sweeper_like() -> None:
         time.sleep(0.3)  # the waiter is asleep on rank 1's counter by now (it holds no lock there)
-        with fp._cond:  # held as the sweeper holds it while it finishes an op
+        with lane_driver._cond:  # held as the sweeper holds it while it finishes an op
             peer.set_off()  # wakes the waiter: it leaves its futex sleep and blocks taking the lock
             time.sleep(0.3)
             signal.pthread_kill(main, signal.SIGUSR1)  # the handler raises on the blocked waiter
             time.sleep(0.3)
-            state["held while the handler ran"] = fp._cond._lock.locked()  # type: ignore[attr-defined]
+            state["held while the handler ran"] = lane_driver._cond._lock.locked()  # type: ignore[attr-defined]
         state["released"] = True
 
     def raise_interrupted(signum, frame):
@@ -74,17 +74,17 @@ def test_a_handler_raising_while_the_waiter_takes_the_lock_back_leaves_the_lock_
         signal.signal(signal.SIGUSR1, old)
     assert state == {"held while the handler ran": True, "released": True}
     # the lock is free and works: the op resolves (rank 1 went off, so it diverts to the engine)
-    assert fp._cond.acquire(timeout=2)
-    fp._cond.release()
+    assert lane_driver._cond.acquire(timeout=2)
+    lane_driver._cond.release()
     with pytest.raises(TimeoutError):  # it resolves: rank 1 went off, so it goes to the engine
         entry.handle.wait(timeout=0)
     assert submitted == [entry]
 
 
 def test_shutdown_after_an_interrupted_wait_returns_and_fails_what_the_peer_never_posted(lane_pair):
-    fp, peer, submitted = lane_pair
+    lane_driver, peer, submitted = lane_pair
     entry = _allreduce("y")
-    assert fp.submit(entry, others=0)
+    assert lane_driver.submit(entry, others=0)
     main = threading.get_ident()
 
     def raise_interrupted(signum, frame):
@@ -98,8 +98,8 @@ def test_shutdown_after_an_interrupted_wait_returns_and_fails_what_the_peer_neve
     finally:
         signal.signal(signal.SIGUSR1, old)
     started = time.monotonic()
-    fp.close(timeout=0.5)  # rank 1 never posts: the op fails instead of waiting
+    lane_driver.close(timeout=0.5)  # rank 1 never posts: the op fails instead of waiting
     assert time.monotonic() - started < 5
     with pytest.raises(ShutdownError):
         entry.handle.wait(timeout=1)
-    assert peer.done(0) == 1  # rank 0 reads no more: a peer reusing the entry does not wait for it
+    assert peer.read_below(0) == 1  # rank 0 reads no more: a peer reusing the slot does not wait for it

@@ -48,7 +48,7 @@ def wait_posted(x: net_lane.NetLane, rank: int, index: int) -> None:
         x.sleep_on_posted(rank, x.posted(rank), futex.timespec(0.1))
 
 
-def test_every_rank_reads_every_rank_s_entry_and_the_same_parts(three):
+def test_every_rank_reads_every_rank_s_slot_and_the_same_parts(three):
     arrays = [np.arange(6, dtype=np.float32) * (r + 1) for r in range(3)]
     for r, x in enumerate(three):
         x.post(0, 77, True, [arrays[r]])
@@ -62,7 +62,7 @@ def test_every_rank_reads_every_rank_s_entry_and_the_same_parts(three):
         assert all(np.array_equal(p, a) for p, a in zip(parts, arrays))
 
 
-def test_an_engine_entry_and_an_unposted_index_read_as_on_one_host(three):
+def test_an_index_posted_for_the_engine_and_an_unposted_index_read_as_on_one_host(three):
     a, b, c = three
     b.post(0, 5, False, ())
     wait_posted(a, 1, 0)
@@ -118,13 +118,13 @@ def test_two_ranks_posting_more_than_their_buffers_hold_to_each_other_both_finis
     b.close()
 
 
-def test_entries_this_rank_finished_reading_are_dropped_once_newer_ones_arrive(three):
+def test_slots_this_rank_finished_reading_are_dropped_once_newer_ones_arrive(three):
     a, b, _ = three
     for k in range(net_lane.KEEP + 10):
         b.post(k, 1000 + k, False, ())
     wait_posted(a, 1, net_lane.KEEP + 9)
     assert a.key_at(1, 0) == 1000  # not finished reading yet: kept
-    a.set_done(net_lane.KEEP + 10)
+    a.set_read_below(net_lane.KEEP + 10)
     b.post(net_lane.KEEP + 10, 7, False, ())
     wait_posted(a, 1, net_lane.KEEP + 10)
     assert a.key_at(1, 0) is None and a.key_at(1, 10) == 1010

@@ -194,7 +194,7 @@ def test_the_core_imports_nothing_outside_itself_but_the_errors() -> None:
 def test_the_lane_shared_memory_network_and_elastic_workers_do_not_import_the_launcher() -> None:
     graph = _module_graph(functions=True)
     mods = [m for m in graph if any(_in(m, f) for f in ("lane", "shm", "net", "elastic"))]
-    assert {"ringcomm.lane.fastpath", "ringcomm.shm.slots", "ringcomm.net.transport", "ringcomm.elastic.worker"} <= set(mods)
+    assert {"ringcomm.lane.driver", "ringcomm.shm.slots", "ringcomm.net.transport", "ringcomm.elastic.worker"} <= set(mods)
     bad = {m: sorted(d for d in graph[m] if _in(d, "launch")) for m in mods}
     assert not any(bad.values()), f"these import the launcher: {bad}"
 
@@ -220,7 +220,7 @@ def test_nothing_below_the_api_imports_the_api() -> None:
 
 
 def test_the_layer_checks_catch_a_wrong_import() -> None:
-    graph = {"ringcomm.lane.fastpath": {"ringcomm.launch.supervise"}, "ringcomm.launch.supervise": {"ringcomm.engine"}}
-    assert any(_in(d, "launch") for d in graph["ringcomm.lane.fastpath"])
-    assert "ringcomm.engine" in _reach(graph, "ringcomm.lane.fastpath")
+    graph = {"ringcomm.lane.driver": {"ringcomm.launch.supervise"}, "ringcomm.launch.supervise": {"ringcomm.engine"}}
+    assert any(_in(d, "launch") for d in graph["ringcomm.lane.driver"])
+    assert "ringcomm.engine" in _reach(graph, "ringcomm.lane.driver")
     assert not _in("ringcomm.launcher", "launch") and _in("ringcomm.launch", "launch")

@@ -1,23 +1,23 @@
 """The small-op lane's decisions and arithmetic, with no I/O.
 
 On one host, every op of the global process set a rank submits takes the
-next index of that rank's lane (its k-th op: index k), and the rank posts an
-entry there: the op's key (a hash of what must agree across ranks), whether
-the rank wants it *fast*, and for a fast entry its payload.  Index k then
-resolves the same way on every rank, from the entries alone:
+next index of that rank's lane (its k-th op: index k), and the rank posts it
+in a slot: the op's key (a hash of what must agree across ranks), whether
+the rank wants it *fast*, and for a fast op its payload.  Index k then
+resolves the same way on every rank, from the slots alone:
 
-- every rank's entry at k is fast with the same key: **fast**.  Each rank
+- every rank's slot at k is fast with the same key: **fast**.  Each rank
   computes the result itself from the posted payloads, in rank order (so
   every rank holds bitwise the same result, and the same as rank 0's small
   path: :func:`reduce_ordered`); no message, no rank 0, no engine thread;
-- some entry at k is not fast, or has another key, or a rank that will never
+- some slot at k is not fast, or has another key, or a rank that will never
   post again (joined, shut down) has not posted k: **divert**.  Each rank
   hands its own k-th op to the engine, whose rank-0 negotiation matches ops
   by name in any order (and raises the mismatch errors);
 - otherwise (a rank has not posted k yet): **wait**.
 
-A divert is decided by one entry, so ranks may decide it early; a fast
-index needs every entry.  Whether a rank wants an op fast is its own choice
+A divert is decided by one slot, so ranks may decide it early; a fast
+index needs every slot.  Whether a rank wants an op fast is its own choice
 (:func:`eligible`): ranks that choose differently only divert.
 
     >>> decide(7, [Seen(True, False, True, 7, 16), Seen(True, False, True, 7, 16)])
@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -51,8 +51,8 @@ class Seen(NamedTuple):
 
     posted: bool  # the rank has posted this index
     off: bool  # the rank posts no more (joined or shut down)
-    fast: bool  # its entry asks for the fast path
-    key: int  # its entry's op key
+    fast: bool  # its slot asks for the op to go fast
+    key: int  # its slot's op key
     nbytes: int  # its payload's length
 
 
@@ -97,7 +97,7 @@ def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -
 
 
 def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> bool:
-    """Whether this rank asks for the fast path for ``req`` (its own view; the others may differ)."""
+    """Whether this rank asks for ``req`` to go fast (its own view; the others may differ)."""
     return fast_nbytes(req, arrays, rank, max_bytes) >= 0
 
 
@@ -118,7 +118,7 @@ def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_
 
 
 def decide(key: int, seen: Sequence[Seen]) -> str:
-    """How one index resolves, from every rank's entry there (this rank's included, with ``key``)."""
+    """How one index resolves, from every rank's slot there (this rank's included, with ``key``)."""
     waiting = False
     for s in seen:
         if s.posted:
@@ -137,6 +137,88 @@ def reached(count: int, index: int) -> bool:
         reached(5, 4) -> True    reached(4, 4) -> False    reached(0, 2**32 - 1) -> True
     """
     return (count - (index + 1)) & 0xFFFFFFFF < 0x80000000
+
+
+# -- the region a lane is driven over -----------------------------------------
+
+
+@runtime_checkable
+class LaneRegion(Protocol):
+    """What the lane's driver (:mod:`ringcomm.lane.driver`) reads and writes: every rank's post
+    counter, finished-reading counter and off flag, and its slots, one per index modulo ``slots``.
+
+    A rank writes only its own counters and slots and reads everyone's.  Implemented by a shared
+    file on one host (``ShmLane``), by TCP between hosts (``NetLane``) and by plain memory for
+    ranks that are threads of one process (``MemoryLane``)."""
+
+    #: True where a peer's post lands in this process's memory (re-reading a counter sees it at once).
+    SPIN: bool
+    rank: int
+    size: int
+    #: Slots per rank: index k lives in slot k % slots, rewritten once every rank has read index k.
+    slots: int
+
+    def posted(self, rank: int) -> int:
+        """``rank``'s post counter (32 bits, wrapping): the indices it has posted."""
+        ...
+
+    def off(self, rank: int) -> bool:
+        """Whether ``rank`` posts no more (joined or shut down)."""
+        ...
+
+    def seen(self, rank: int, index: int) -> Seen:
+        """What ``rank``'s slot holds for ``index``."""
+        ...
+
+    def key_at(self, rank: int, index: int) -> int | None:
+        """The key ``rank`` posted at ``index``; None if not posted yet or its slot was rewritten."""
+        ...
+
+    def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
+        """Every rank's payload length at ``index`` once every peer posted it fast with ``key``, else None."""
+        ...
+
+    def still_missing(self, ranks: list[int], index: int, key: int) -> list[int] | None:
+        """Those of ``ranks`` that have not posted ``index``; None once one posted something else or went off."""
+        ...
+
+    def typed_parts(self, index: int, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
+        """Every rank's payload at ``index`` as arrays of ``dtype``, in rank order (valid until rewritten)."""
+        ...
+
+    def all_read_below(self, index: int) -> int:
+        """The first index at or after ``index`` that some rank has not finished reading."""
+        ...
+
+    def set_read_below(self, count: int) -> None:
+        """This rank has finished reading every index below ``count``."""
+        ...
+
+    def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
+        """Write this rank's slot for ``index`` (the arrays, concatenated) and publish it."""
+        ...
+
+    def set_off(self) -> None:
+        """This rank posts no more: wake whoever waits on it, so they divert."""
+        ...
+
+    def reset(self) -> None:
+        """Start this rank again from index 0 (only while no rank reads its counters)."""
+        ...
+
+    def unlink(self) -> None:
+        """Remove the region's name once every rank has it (where it has one)."""
+        ...
+
+    def close(self) -> None:
+        """Release the region (nothing reads it any more)."""
+        ...
+
+    def sleep_on_posted(self, rank: int, seen: int, timeout: Any) -> bool:
+        """Sleep while ``rank``'s post counter holds ``seen`` and it is not off, ``timeout`` at most: a
+        ``ringcomm.shm.futex.Timespec`` (``tv_sec``, ``tv_nsec``), made once by the driver, as the futex
+        takes it (a type of the shared-memory layer, which the core does not import)."""
+        ...
 
 
 # -- results -----------------------------------------------------------------
@@ -201,7 +283,7 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
            parts: Sequence[np.ndarray], size: int) -> Any:
     """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload, flat,
     viewed as the op's dtype (:func:`dtype_of`), in rank order.  ``arrays``/``outs``/``grouped``
-    are this rank's submission.  No result aliases a part (they are views of the lane's entries).
+    are this rank's submission.  No result aliases a part (they are views of the lane's slots).
     """
     kind = req.kind
     if kind == wire.BARRIER:
@@ -228,4 +310,4 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         joined = np.concatenate(parts)
         row = int(np.prod(rest, dtype=np.int64))
         return joined.reshape(joined.size // row, *rest)
-    raise ValueError(f"no fast path for {kind!r}")  # pragma: no cover - eligible() keeps them out
+    raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out

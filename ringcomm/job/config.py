@@ -94,7 +94,7 @@ class Settings:
     #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
     #: set with payloads up to this many bytes (and barriers) go through the shared-memory lane:
     #: every rank computes the result from the others' posted payloads, no engine, no rank 0
-    #: (``fastpath.py``; 0: never; -1: by job size, :meth:`shm_lane_bytes_for`).
+    #: (``lane/driver.py``; 0: never; -1: by job size, :meth:`shm_lane_bytes_for`).
     shm_lane_bytes: int = -1
     #: In a job that spans hosts, the same ops up to this many bytes go through the lane across
     #: hosts: each rank sends its entry to every other rank over TCP and computes the result

@@ -1,1 +1,1 @@
-"""The small-op lane: its driver and the two regions it runs over, shared memory on one host and TCP across hosts."""
+"""The small-op lane: its owner, its driver and the regions it runs over (shared memory on one host, TCP across hosts, plain memory for threads)."""

@@ -1,18 +1,18 @@
-"""The small-op lane of a job that spans hosts: each rank's entries sent to every peer over TCP.
+"""The small-op lane of a job that spans hosts: each rank's slots sent to every peer over TCP.
 
 On one host the lane is a shared region (:mod:`ringcomm.lane.shm_lane`).  Across
-hosts each rank sends every lane entry it posts (its index, op key, whether
-fast, and a fast entry's payload: :mod:`ringcomm.core.lane_frames`) straight
+hosts each rank sends every lane slot it posts (its index, op key, whether
+fast, and a fast op's payload: :mod:`ringcomm.core.lane_frames`) straight
 to every other rank, from the thread that posts it, over one TCP connection
 per pair of ranks (Nagle off).  Each rank keeps what it receives, so every
-rank reads every rank's entry at an index, and :class:`~ringcomm.lane.fastpath.FastPath`
-decides each index exactly as on one host: a small op whose entries agree is
+rank reads every rank's slot at an index, and :class:`~ringcomm.lane.driver.LaneDriver`
+decides each index exactly as on one host: a small op whose slots agree is
 computed by every rank from the payloads, in rank order, with no engine
 thread, no rank 0 and no ZeroMQ I/O thread between the caller and the wire.
 
 One thread at a time reads the sockets (whoever waits, or a sender whose
 peer's buffer is full, which keeps reading meanwhile, so two ranks that send
-to each other never wait for each other's reads).  Entries a rank has
+to each other never wait for each other's reads).  Slots a rank has
 finished reading are dropped once :data:`KEEP` newer ones arrived.
 
 The connections are made once, at ``init()``: the higher rank of each pair
@@ -45,7 +45,7 @@ from ..errors import HorovodInternalError, PeerLostError, ProtocolError
 
 log = logging.getLogger("ringcomm")
 
-#: Entries per peer kept after this rank finished reading them (an op in flight compares its key).
+#: Slots per peer kept after this rank finished reading them (an op in flight compares its key).
 KEEP = 64
 #: A rank never waits for room: every rank holds its own copy of what it read.
 SLOTS = 1 << 30
@@ -56,14 +56,14 @@ _IN = select.POLLIN | select.POLLERR | select.POLLHUP
 
 
 class NetLane:
-    """One rank's lane across hosts: what :class:`~ringcomm.lane.fastpath.FastPath` reads and posts.
+    """One rank's lane across hosts: what :class:`~ringcomm.lane.driver.LaneDriver` reads and posts.
 
     ``socks`` holds one connected socket per peer; ``payload_bytes`` is this rank's own bound
     (what it posts fast), ``max_payload`` the largest any rank may post; ``failure()`` is the
     engine's error once it found a peer lost (a post that waits for a peer's room gives up then).
     """
 
-    #: Waits sleep in poll(): re-reading a counter would not bring a peer's entry sooner.
+    #: Waits sleep in poll(): re-reading a counter would not bring a peer's slot sooner.
     SPIN = False
 
     def __init__(self, rank: int, size: int, socks: Mapping[int, socket.socket], payload_bytes: int,
@@ -85,14 +85,14 @@ class NetLane:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, select.POLLIN)
         self._readers = {r: FrameReader(max_payload) for r in self._socks}
-        # per rank (this one's own too): index -> (key, fast, payload)
-        self._entries: list[dict[int, tuple[int, bool, bytes]]] = [{} for _ in range(size)]
+        # per rank (this one's own too): index -> its slot (key, fast, payload)
+        self._kept: list[dict[int, tuple[int, bool, bytes]]] = [{} for _ in range(size)]
         self._oldest = [0] * size  # the lowest index each rank's dict may still hold
-        self._count = [0] * size  # entries posted (received, for the peers)
+        self._count = [0] * size  # indices posted (received, for the peers)
         self._off = [False] * size
         self._lost: dict[int, str] = {}  # peers whose connection broke: what the socket said
         self._epoch = 0
-        self._done = 0
+        self._read_below = 0  # this rank has finished reading every index below it
         self._out: dict[int, collections.deque[memoryview]] = {r: collections.deque() for r in self._socks}
         self._send_lock = threading.Lock()
         self._io = threading.Lock()  # held by the one thread that polls and reads
@@ -100,7 +100,7 @@ class NetLane:
         self._gen = 0  # bumped (under _arrived) whenever a read took frames in
         self._closed = False
 
-    # -- what FastPath reads ------------------------------------------------------
+    # -- what the driver reads---------------------------------------------------
 
     def posted(self, rank: int) -> int:
         return self._count[rank] & _M32
@@ -112,29 +112,29 @@ class NetLane:
         off = self._off[rank]  # before the count: a rank that is off posts no more, so the count is final
         if not lane.reached(self._count[rank] & _M32, index):
             return lane.Seen(False, off, False, 0, 0)
-        entry = self._entries[rank].get(index)
-        if entry is None:
-            raise HorovodInternalError(f"rank {self.rank}: small-op lane entry {index} of rank {rank} was dropped "
+        slot = self._kept[rank].get(index)
+        if slot is None:
+            raise HorovodInternalError(f"rank {self.rank}: small-op lane slot for index {index} of rank {rank} was dropped "
                                        "before this rank read it; set RINGCOMM_NET_LANE_BYTES=0 to run without the lane")
-        key, fast, payload = entry
+        key, fast, payload = slot
         return lane.Seen(True, off, fast, key, len(payload))
 
     def key_at(self, rank: int, index: int) -> int | None:
-        entry = self._entries[rank].get(index)
-        return None if entry is None else entry[0]
+        slot = self._kept[rank].get(index)
+        return None if slot is None else slot[0]
 
     def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
         """Every rank's payload length at ``index`` once every peer posted it fast with ``key``, else None."""
         self._read_now()
         sizes = []
-        for r, entries in enumerate(self._entries):
+        for r, kept in enumerate(self._kept):
             if r == self.rank:
                 sizes.append(own_nbytes)
                 continue
-            entry = entries.get(index)
-            if entry is None or entry[0] != key or not entry[1]:
+            slot = kept.get(index)
+            if slot is None or slot[0] != key or not slot[1]:
                 return None
-            sizes.append(len(entry[2]))
+            sizes.append(len(slot[2]))
         return sizes
 
     def still_missing(self, ranks: list[int], index: int, key: int) -> list[int] | None:
@@ -147,28 +147,28 @@ class NetLane:
                     return None
                 left.append(r)
                 continue
-            entry = self._entries[r].get(index)
-            if entry is None or entry[0] != key or not entry[1]:
+            slot = self._kept[r].get(index)
+            if slot is None or slot[0] != key or not slot[1]:
                 return None
         return left
 
     def typed_parts(self, index: int, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's payload at ``index`` as read-only arrays of ``dtype``, in rank order."""
-        return [np.frombuffer(self._entries[r][index][2], dtype=dtype) for r in range(self.size)]
+        return [np.frombuffer(self._kept[r][index][2], dtype=dtype) for r in range(self.size)]
 
-    def all_done_below(self, index: int) -> int:
+    def all_read_below(self, index: int) -> int:
         return index + SLOTS  # no rank rewrites what another reads: each holds its own copy
 
-    def set_done(self, count: int) -> None:
-        self._done = count
+    def set_read_below(self, count: int) -> None:
+        self._read_below = count
 
     # -- posting --------------------------------------------------------------------
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
-        """Keep this rank's entry ``index`` and send it to every peer (a peer's full buffer is read
+        """Keep this rank's slot for ``index`` and send it to every peer (a peer's full buffer is read
         from meanwhile: :meth:`_drain`)."""
         own = b"".join([a.tobytes() for a in payload if a.nbytes]) if payload else b""
-        self._entries[self.rank][index] = (key, fast, own)
+        self._kept[self.rank][index] = (key, fast, own)
         self._count[self.rank] = index + 1
         self._prune(self.rank, index)
         self._send(entry_head(self._epoch, index, key, fast, len(own)) + own)
@@ -182,16 +182,16 @@ class NetLane:
             log.debug("rank %d: small-op lane: going off: %s", self.rank, exc)
 
     def reset(self) -> None:
-        """Start again from index 0 (after a join: no rank reads an entry now); frames the peers sent
+        """Start again from index 0 (after a join: no rank reads a slot now); frames the peers sent
         before their own reset are stale, and dropped as they arrive."""
         with self._io:
             self._epoch += 1
-            for entries in self._entries:
-                entries.clear()
+            for kept in self._kept:
+                kept.clear()
             self._oldest = [0] * self.size
             self._count = [0] * self.size
             self._off = [False] * self.size
-            self._done = 0
+            self._read_below = 0
 
     def unlink(self) -> None:
         """Nothing to remove: the lane lives in the connections."""
@@ -300,17 +300,17 @@ class NetLane:
         if frame.lane_index != expected:
             raise ProtocolError(f"rank {self.rank}: small-op lane: rank {r} sent index {frame.lane_index}, "
                                 f"expected {expected}")
-        self._entries[r][frame.lane_index] = (frame.key, frame.fast, frame.payload)
+        self._kept[r][frame.lane_index] = (frame.key, frame.fast, frame.payload)
         self._count[r] = expected + 1
         self._prune(r, frame.lane_index)
         return True
 
     def _prune(self, r: int, newest: int) -> None:
-        """Drop ``r``'s entries this rank finished reading, keeping the newest :data:`KEEP`."""
-        entries, below = self._entries[r], min(self._done, newest - KEEP)
+        """Drop ``r``'s slots this rank finished reading, keeping the newest :data:`KEEP`."""
+        kept, below = self._kept[r], min(self._read_below, newest - KEEP)
         oldest = self._oldest[r]
         while oldest < below:
-            entries.pop(oldest, None)
+            kept.pop(oldest, None)
             oldest += 1
         self._oldest[r] = max(oldest, self._oldest[r])
 

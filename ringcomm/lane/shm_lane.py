@@ -1,24 +1,24 @@
-"""The small-op lane's shared region: per-rank counters and entry slots in one mapped file.
+"""The small-op lane's shared region: per-rank counters and slots in one mapped file.
 
-Layout (``size`` ranks, ``slots`` entries per rank, payloads up to ``payload_bytes``)::
+Layout (``size`` ranks, ``slots`` slots per rank, payloads up to ``payload_bytes``)::
 
-    counters   one cache line per rank: posted (entries posted, a futex word), done
+    counters   one cache line per rank: posted (indices posted, a futex word), read
                (indices this rank has finished reading), off (1: posts no more),
                sleeping (how many of this rank's threads sleep on a posted word)
-    entries    per rank, ``slots`` entries: a 64-byte head (index, key, fast, nbytes)
-               and the payload; index k lives in entry k % slots
+    slots      per rank, ``slots`` slots: a 64-byte head (index, key, fast, nbytes)
+               and the payload; index k lives in slot k % slots
 
-A rank writes only its own line and entries; it reads everyone's.  Posting
-index k writes the entry, then stores posted = k + 1 and wakes the futex
-sleepers on that word: a reader that sees the count sees the entry (x86-64
+A rank writes only its own line and slots; it reads everyone's.  Posting
+index k writes the slot, then stores posted = k + 1 and wakes the futex
+sleepers on that word: a reader that sees the count sees the slot (x86-64
 keeps stores in order; :func:`ringcomm.shm.futex.available` is False elsewhere).
 A poster skips the wake (a
 system call) while no other rank has a thread asleep: each side stores its
 word (posted / sleeping) and then reads the other's through a full fence
 (a lock's atomic instruction; the kernel's futex lock on the sleeper's
 side), so at least one of them sees the other's store: no wake is lost.
-An entry is rewritten (index k + slots) only once every rank's ``done`` shows
-it finished reading index k.  What the entries mean is decided in
+A slot is rewritten (index k + slots) only once every rank's ``read`` shows
+it finished reading index k.  What the slots mean is decided in
 :mod:`ringcomm.core.lane`; this module only moves bytes and waits.
 
 Rank 0 creates the file (mode 0600, exclusively) before the ranks meet, but
@@ -51,11 +51,11 @@ log = logging.getLogger("ringcomm")
 #: Bytes of one rank's counters (one cache line: ranks never write the same line), laid out as
 #: the futex barrier's are.
 LINE = shm_barrier.STRIDE
-#: Bytes of an entry's head.
+#: Bytes of a slot's head.
 HEAD = 64
 #: Typed payload views kept for reuse (slot, dtype and sizes each): dropped all at once past this.
 TYPED_VIEWS = 512
-_POSTED, _DONE, _OFF, _SLEEPING = 0, 1, 2, 3
+_POSTED, _READ, _OFF, _SLEEPING = 0, 1, 2, 3
 _LINE_WORDS = LINE // 4
 
 
@@ -64,10 +64,10 @@ def region_path(job_id: str, round_: int) -> str:
 
 
 def region_bytes(size: int, slots: int, payload_bytes: int) -> int:
-    return shm_barrier.header_bytes(size) + size * slots * _entry_bytes(payload_bytes)
+    return shm_barrier.header_bytes(size) + size * slots * _slot_bytes(payload_bytes)
 
 
-def _entry_bytes(payload_bytes: int) -> int:
+def _slot_bytes(payload_bytes: int) -> int:
     return HEAD + -(-payload_bytes // 64) * 64
 
 
@@ -81,7 +81,7 @@ class ShmLane(shm.MappedFile):
                  named: bool = True) -> None:
         super().__init__(path, region_bytes(size, slots, payload_bytes), create, reserve=create, named=named)
         self.rank, self.size, self.slots, self.payload_bytes = rank, size, slots, payload_bytes
-        self._entry = _entry_bytes(payload_bytes)
+        self._slot = _slot_bytes(payload_bytes)
         self._base = shm_barrier.header_bytes(size)
         # counters and heads through memoryviews: an item read or write is several times cheaper
         # than through a NumPy scalar, and the lane's waits re-read them in a loop
@@ -90,9 +90,9 @@ class ShmLane(shm.MappedFile):
         self._heads = self._view[self._base:].cast("Q")
         self._addr = self._bytes.ctypes.data
         self._peer_sleep_words = [r * _LINE_WORDS + _SLEEPING for r in range(size) if r != rank]
-        # where each of this rank's entries starts: its head (in 8-byte words) and its payload (bytes)
+        # where each of this rank's slots starts: its head (in 8-byte words) and its payload (bytes)
         self._own = [(h, self._base + h * 8 + HEAD) for h in (self._head(rank, s) for s in range(slots))]
-        self._words_per_entry = self._entry // 8
+        self._words_per_slot = self._slot // 8
         self._fence = _thread.allocate_lock()  # acquiring it is an atomic instruction: a full fence on x86-64
         self._sleep_lock = _thread.allocate_lock()
         self._sleepers = 0  # this rank's threads asleep in sleep_on_posted
@@ -101,8 +101,8 @@ class ShmLane(shm.MappedFile):
         self._typed: dict[tuple[int, np.dtype, tuple[int, ...]], list[np.ndarray]] = {}
 
     def _head(self, rank: int, index: int) -> int:
-        """Where ``rank``'s entry for ``index`` starts in :attr:`_heads` (8-byte words)."""
-        return (rank * self.slots + index % self.slots) * self._entry // 8
+        """Where ``rank``'s slot for ``index`` starts in :attr:`_heads` (8-byte words)."""
+        return (rank * self.slots + index % self.slots) * self._slot // 8
 
     def close(self) -> None:
         self._typed.clear()  # its arrays view the map
@@ -115,8 +115,9 @@ class ShmLane(shm.MappedFile):
     def posted(self, rank: int) -> int:
         return self._words[rank * _LINE_WORDS + _POSTED]
 
-    def done(self, rank: int) -> int:
-        return self._words[rank * _LINE_WORDS + _DONE]
+    def read_below(self, rank: int) -> int:
+        """``rank``'s read counter: it has finished reading every index below it."""
+        return self._words[rank * _LINE_WORDS + _READ]
 
     def sleeping(self, rank: int) -> int:
         """How many of ``rank``'s threads sleep on a posted word now."""
@@ -125,19 +126,19 @@ class ShmLane(shm.MappedFile):
     def off(self, rank: int) -> bool:
         return bool(self._words[rank * _LINE_WORDS + _OFF])
 
-    def all_done_below(self, index: int) -> int:
+    def all_read_below(self, index: int) -> int:
         """The first index at or after ``index`` that some rank has not finished reading (``index``
         itself when a rank has not finished it): every rank has finished every index below it."""
         words, lo = self._words, 0x80000000
-        for at in range(_DONE, self.size * _LINE_WORDS, _LINE_WORDS):
+        for at in range(_READ, self.size * _LINE_WORDS, _LINE_WORDS):
             ahead = (words[at] - index) & 0xFFFFFFFF  # a rank that finished index is ahead by >= 1
             if ahead >= 0x80000000:
                 return index
             lo = min(lo, ahead)
         return index + lo
 
-    def set_done(self, count: int) -> None:
-        self._words[self.rank * _LINE_WORDS + _DONE] = count & 0xFFFFFFFF
+    def set_read_below(self, count: int) -> None:
+        self._words[self.rank * _LINE_WORDS + _READ] = count & 0xFFFFFFFF
 
     def set_off(self) -> None:
         """This rank posts no more: wake whoever waits on it, so they divert."""
@@ -145,9 +146,9 @@ class ShmLane(shm.MappedFile):
         futex.wake(self._addr + self.rank * LINE)
 
     def reset(self) -> None:
-        """Zero this rank's counters (only while no rank reads them: see FastPath.reopen_after_join)."""
+        """Zero this rank's counters (only while no rank reads them: see LaneDriver.reopen_after_join)."""
         at = self.rank * _LINE_WORDS
-        self._words[at + _POSTED] = self._words[at + _DONE] = self._words[at + _OFF] = 0
+        self._words[at + _POSTED] = self._words[at + _READ] = self._words[at + _OFF] = 0
 
     def seen(self, rank: int, index: int) -> lane.Seen:
         """What ``rank``'s lane holds at ``index`` (``off`` is read before ``posted``: a rank that
@@ -158,14 +159,14 @@ class ShmLane(shm.MappedFile):
             return lane.Seen(False, bool(off), False, 0, 0)
         heads, h = self._heads, self._head(rank, index)
         stored, key, fast, nbytes = heads[h], heads[h + 1], heads[h + 2], heads[h + 3]
-        if stored != index:  # the entry was rewritten before this rank read it: a broken promise
-            raise HorovodInternalError(f"rank {self.rank}: small-op lane entry {index} of rank {rank} holds "
+        if stored != index:  # the slot was rewritten before this rank read it: a broken promise
+            raise HorovodInternalError(f"rank {self.rank}: small-op lane slot for index {index} of rank {rank} holds "
                                        f"index {stored}; set RINGCOMM_SHM_LANE_BYTES=0 to run without the lane")
         return lane.Seen(True, bool(off), bool(fast), key, nbytes)
 
     def key_at(self, rank: int, index: int) -> int | None:
         """The key ``rank`` posted at ``index``, or None if it has not posted it or has rewritten the
-        entry since (its index is read before and after the key: a rewrite stores the index first)."""
+        slot since (its index is read before and after the key: a rewrite stores the index first)."""
         if not lane.reached(self._words[rank * _LINE_WORDS + _POSTED], index):
             return None
         heads, h = self._heads, self._head(rank, index)
@@ -174,10 +175,10 @@ class ShmLane(shm.MappedFile):
         key = heads[h + 1]
         return key if heads[h] == index else None
 
-    # -- entries ---------------------------------------------------------------
+    # -- slots -----------------------------------------------------------------
 
     def post(self, index: int, key: int, fast: bool, payload: Sequence[np.ndarray]) -> None:
-        """Write this rank's entry ``index`` (its payload: the arrays, concatenated) and publish it."""
+        """Write this rank's slot for ``index`` (its payload: the arrays, concatenated) and publish it."""
         h, start = self._own[index % self.slots]
         pos = start
         for a in payload:
@@ -227,10 +228,10 @@ class ShmLane(shm.MappedFile):
 
     def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
         """Every rank's payload length at ``index`` when every other rank has posted it fast with
-        ``key`` (this rank's own entry counts as ``own_nbytes``), else None: the common case of
+        ``key`` (this rank's own slot counts as ``own_nbytes``), else None: the common case of
         :func:`ringcomm.core.lane.decide` read in one pass; anything else takes :meth:`seen`."""
         words, heads, me, slots = self._words, self._heads, self.rank, self.slots
-        first, stride = index % slots * self._words_per_entry, slots * self._words_per_entry
+        first, stride = index % slots * self._words_per_slot, slots * self._words_per_slot
         sizes = []
         for r in range(self.size):  # _matched, unrolled: this runs once per op
             if r == me:
@@ -251,7 +252,7 @@ class ShmLane(shm.MappedFile):
 
     def typed_parts(self, index: int, sizes: Sequence[int], dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's payload at ``index`` (``sizes[r]`` bytes each) as arrays of ``dtype``, in rank
-        order: views into the region, valid until the entries are rewritten."""
+        order: views into the region, valid until the slots are rewritten."""
         at = (index % self.slots, dtype, tuple(sizes))
         parts = self._typed.get(at)
         if parts is None:
@@ -285,7 +286,7 @@ def offer(job_id: str, round_: int, rank: int, size: int, slots: int,
           payload_bytes: int) -> tuple[ShmLane | None, Any]:
     """Before the ranks meet: rank 0 creates the region (with no name yet) and offers ``[path, payload
     bytes]`` (False if it could not); the others say whether they could map one.  Returns (rank 0's
-    region, the offer).  The region's entries are rank 0's size; each rank posts fast only what its own
+    region, the offer).  The region's slots are rank 0's size; each rank posts fast only what its own
     setting allows."""
     able = size > 1 and payload_bytes > 0 and shm.available() and futex.available()
     if rank != 0 or not able:

@@ -1,10 +1,12 @@
-"""Small collectives of a one-host job without the engine: the lane, driven by the calling thread.
+"""The lane's driver: small collectives of the global set without the engine, run by the calling thread.
 
-Every op of the global process set takes the next index of this rank's lane
-(:mod:`ringcomm.lane.shm_lane`); what each index becomes is decided from the ranks' entries alone
-(:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is posted *fast*:
-its payload goes into this rank's entry, and the thread that waits for its handle reads the others'
-entries, computes the result and returns: no thread hop, no message, no round trip through rank 0.
+Every op of the global process set takes the next index of this rank's lane, a region of slots
+(:class:`ringcomm.core.lane.LaneRegion`: :mod:`ringcomm.lane.shm_lane` on one host,
+:mod:`ringcomm.lane.net_lane` across hosts); what each index becomes is decided from the ranks'
+slots alone (:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is
+posted *fast*: its payload goes into this rank's slot, and the thread that waits for its handle
+reads the others' slots, computes the result and returns: no thread hop, no message, no round
+trip through rank 0.
 Anything else (a large op, an alltoall, a refused call, a timeline being written) is posted as
 *engine*: the ranks divert that index, each hands its op to the engine, and rank 0 negotiates it as
 always.
@@ -16,7 +18,7 @@ An async fast op nobody waits for is resolved by a sweeper thread within :data:`
 peer that diverted it is never left waiting; the sweeper also posts the ops a submit queued rather
 than wait for a peer, and sleeps without a timeout once the lane is idle.
 
-    rank 0: allreduce(x) -> post k (fast, x)  -> every entry at k fast, same key -> reduce, return
+    rank 0: allreduce(x) -> post k (fast, x)  -> every slot at k fast, same key -> reduce, return
     rank 1: allreduce(y) -> post k (fast, y)  -> ... the same, bitwise
 """
 
@@ -32,11 +34,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..shm import futex
-from . import net_lane, shm_lane
 from ..core import lane, wire
 from ..core.coordinator import Stall
 from ..errors import ShutdownError, StallError
 from ..handles import Entry, Handle
+from .records import EngineSide, Pending, Queued, State, naming, reacquire, spin_allowed
 
 log = logging.getLogger("ringcomm")
 
@@ -62,7 +64,7 @@ PLANS = 4096
 
 
 class LaneHandle(Handle):
-    """A handle whose op may be resolved by the waiting thread itself (see :class:`FastPath`).
+    """A handle whose op may be resolved by the waiting thread itself (see :class:`LaneDriver`).
 
     ``done()`` does not resolve it (an async op stays pending until waited for, or swept
     after :data:`SWEEP_SECONDS`, as Horovod's ``poll()`` is False right after the submit)."""
@@ -71,7 +73,7 @@ class LaneHandle(Handle):
 
     def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
         super().__init__(name, on_done)
-        self._lane: FastPath | None = None
+        self._lane: LaneDriver | None = None
         self.index = -1
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -84,83 +86,23 @@ class LaneHandle(Handle):
         return super().wait(timeout)
 
 
-class _Queued:
-    """An op submitted, not yet posted (its entry is still read, or a peer is behind)."""
-    __slots__ = ("entry", "key", "nbytes", "others", "deadline", "posted", "fast")
-
-    def __init__(self, entry: Entry, key: int, nbytes: int, others: int, deadline: float) -> None:
-        self.entry, self.key, self.nbytes, self.others, self.deadline = entry, key, nbytes, others, deadline
-        self.posted = self.fast = False  # set once posted: fast, or an engine entry
-
-
-class _Pending:
-    __slots__ = ("entry", "key", "posted_at", "nbytes")
-
-    def __init__(self, entry: Entry, key: int, posted_at: float, nbytes: int) -> None:
-        self.entry, self.key, self.posted_at, self.nbytes = entry, key, posted_at, nbytes
-
-    @property
-    def own(self) -> lane.Seen:
-        """This rank's entry, as the others read it."""
-        return lane.Seen(True, False, True, self.key, self.nbytes)
-
-
-def reacquire(cond: threading.Condition) -> None:
-    """Take ``cond``'s lock back after waiting without it, even if a signal handler raises meanwhile.
-
-    A blocked ``acquire()`` on the main thread runs signal handlers; one that raises (SIGINT's
-    KeyboardInterrupt, a handler calling ``sys.exit``) makes it return *without* the lock, and the
-    caller's ``with`` would then release the lock another thread holds (the sweeper, mid-op): the
-    lock ends up taken by no one and ``shutdown()`` waits for it forever.  The handler's exception
-    is raised once the lock is held."""
-    raised: BaseException | None = None
-    while True:
-        try:
-            cond.acquire()
-            break
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, with the lock held
-            raised = exc
-    if raised is not None:
-        raise raised
-
-
-def naming(err: BaseException, req: wire.Request, missing: list[int]) -> BaseException:
-    """The engine's failure, for an op it ends while the op waits in the lane: the engine's message
-    lists only the ops it holds, so this one adds the lane's op and the ranks it waited for."""
-    try:
-        named = type(err)(f"{err}; {req.kind} {req.name!r} was waiting in the small-op lane for "
-                          f"rank(s) {missing}")
-    except Exception:  # noqa: BLE001 - an error type that takes other arguments: keep it as it is
-        return err
-    named.__cause__ = err.__cause__
-    return named
-
-
-def spin_allowed(local_ranks: int) -> bool:
-    """Re-read before sleeping only when every local rank has a core of its own."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return cores >= local_ranks
-
-
-class FastPath:
+class LaneDriver:
     """This rank's side of the lane: posts every global op, resolves fast ones, diverts the rest.
 
-    ``engine_submit(entry)`` hands an op to the engine; ``failure()`` is the
-    engine's error once it has failed (a lost peer), else None; ``slow()`` is
-    True while this rank must not post fast (e.g. a timeline is being written).
+    ``region`` holds every rank's slots; ``engine`` is where diverted ops go and what says the
+    engine has failed or times ops (:class:`~ringcomm.lane.records.EngineSide`).  The lane's
+    lifecycle (making the region, closing it) is :class:`~ringcomm.lane.owner.LaneOwner`'s.
+
+    One lock guards the driver's state; the calls that may block while holding it each say so.
+    The waits for a peer (:meth:`_await_posts`, :meth:`_await_agreement`, :meth:`_make_room`)
+    release it first.
     """
 
-    def __init__(self, region: shm_lane.ShmLane | net_lane.NetLane, engine_submit: Callable[[Entry], Handle],
-                 failure: Callable[[], BaseException | None], slow: Callable[[], bool], max_bytes: int,
-                 stall_check: float, stall_shutdown: float) -> None:
+    def __init__(self, region: lane.LaneRegion, engine: EngineSide, max_bytes: int, stall_check: float,
+                 stall_shutdown: float) -> None:
         self._region = region
         self.rank, self.size = region.rank, region.size
-        self._submit = engine_submit
-        self._failure = failure
-        self._slow = slow
+        self._engine = engine
         self._max = max_bytes
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
         # re-reads and yields help only where a peer's post lands in this host's memory
@@ -171,14 +113,13 @@ class FastPath:
         self._cond = threading.Condition(self._lock)
         self._next = 0  # the index of this rank's next post
         self._free_below = 0  # every rank has finished reading every index below this one
-        self._pending: dict[int, _Pending] = {}  # fast entries posted, not yet resolved
-        self._backlog: collections.deque[_Queued] = collections.deque()  # submitted, not yet posted
+        self._pending: dict[int, Pending] = {}  # ops posted fast, not yet resolved
+        self._backlog: collections.deque[Queued] = collections.deque()  # submitted, not yet posted
         self._plans: dict[wire.Request, tuple[int, int]] = {}  # request -> (op key, fast bytes or -1)
-        # engine entries posted and maybe in flight: index -> (key, the op's handle, weakly: a result
-        # the caller dropped is not kept alive here)
+        # indices posted for the engine, their ops maybe in flight: index -> (key, the op's handle,
+        # weakly: a result the caller dropped is not kept alive here)
         self._engine_open: dict[int, tuple[int, weakref.ref[Handle]]] = {}
-        self._closed = False  # posts no more (off)
-        self._closing = False  # close() or join() began
+        self._state = State.OPEN
         self._last_fast = 0.0
         self._sweeper_idle = True
         self._unlinked = self.rank != 0
@@ -189,6 +130,11 @@ class FastPath:
                   self.rank, max_bytes, self.size,
                   f"{self._spins} re-reads" if self._spins else "no spinning: more ranks than cores")
 
+    @property
+    def state(self) -> State:
+        """Where this rank's side of the lane stands (:class:`~ringcomm.lane.records.State`)."""
+        return self._state
+
     # -- posting ----------------------------------------------------------------
 
     def submit(self, entry: Entry, others: int) -> bool:
@@ -197,39 +143,53 @@ class FastPath:
 
         ``others`` (this rank's other ops in flight) must all sit at indices where every rank
         posted the same op for this one to go fast (:meth:`_agreement`), else a fast op could
-        wait for a peer that waits, in the engine, for it.  While the next entry is still read,
-        or a peer has not posted those ops yet, the op is queued; the sweeper (or its waiter)
-        posts it later, fast if the peer caught up within :data:`AGREE_SECONDS`."""
+        wait for a peer that waits, in the engine, for it.  While the slot of the next index is
+        still read, or a peer has not posted those ops yet, the op is queued; the sweeper (or its
+        waiter) posts it later, fast if the peer caught up within :data:`AGREE_SECONDS`.
+
+        The steps: :meth:`_choose` (fast or not, from this rank's view), :meth:`_flush` (post what
+        is queued, this op last, as far as the slots and the peers allow), :meth:`_park` (left queued)."""
+        key, nbytes = self._choose(entry)
+        with self._lock:
+            if entry.req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
+                # may block: resolves what this rank posted fast, waiting for the peers with the lock released
+                self._close_locked(None)
+                return False
+            if self._state is not State.OPEN:
+                return False
+            q = Queued(entry, key, nbytes, others, time.monotonic() + AGREE_SECONDS)
+            self._backlog.append(q)
+            self._flush(block=False, own=q)  # waits for no peer; a NetLane post may wait for a full socket (_post)
+            if q.posted:
+                return q.fast
+            self._park(entry)
+        return True
+
+    def _choose(self, entry: Entry) -> tuple[int, int]:
+        """``entry``'s op key and what this rank posts for it fast, -1 when it asks for the engine
+        (too large, not a lane op, a grouped op other than an allreduce, a timeline being written)."""
         req = entry.req
         plan = self._plans.get(req)
         if plan is None:
             plan = self._plan(entry)
         key, nbytes = plan
-        if nbytes >= 0 and ((entry.grouped and req.kind != wire.ALLREDUCE) or self._slow()):
+        if nbytes >= 0 and ((entry.grouped and req.kind != wire.ALLREDUCE) or self._engine.timeline_active):
             nbytes = -1
-        with self._lock:
-            if req.kind == wire.JOIN:  # a joined rank posts no more: the others divert what it misses
-                self._close_locked(None)
-                return False
-            if self._closed:
-                return False
-            q = _Queued(entry, key, nbytes, others, time.monotonic() + AGREE_SECONDS)
-            self._backlog.append(q)
-            self._flush(block=False, own=q)
-            if q.posted:
-                return q.fast
-            handle = entry.handle
-            assert isinstance(handle, LaneHandle)
-            handle._lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
-            self._sweeper_idle = False
-            self._cond.notify()
-        return True
+        return key, nbytes
 
-    def _flush(self, block: bool, own: _Queued | None = None, until: _Queued | None = None) -> None:
+    def _park(self, entry: Entry) -> None:
+        """``entry`` stays queued (lock held): its waiter or the sweeper posts it later."""
+        handle = entry.handle
+        assert isinstance(handle, LaneHandle)
+        handle._lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
+        self._sweeper_idle = False
+        self._cond.notify()
+
+    def _flush(self, block: bool, own: Queued | None = None, until: Queued | None = None) -> None:
         """Post queued ops in order (lock held); stop at one that would wait for a peer, or with
         ``block`` wait (lock released) until ``until`` is posted.  ``own``: the caller's op."""
         backlog = self._backlog
-        while backlog and not self._closed and not (until is not None and until.posted):
+        while backlog and self._state is State.OPEN and not (until is not None and until.posted):
             if not self._room(block) or not backlog:  # (a wait released the lock)
                 return
             q = backlog[0]
@@ -246,9 +206,11 @@ class FastPath:
             backlog.popleft()
             self._post(q, fast, q is own)
 
-    def _post(self, q: _Queued, fast: bool, own: bool) -> None:
-        """Write ``q`` at this rank's next index (its entry is free) and hand it on."""
+    def _post(self, q: Queued, fast: bool, own: bool) -> None:
+        """Write ``q`` at this rank's next index (its slot is free) and hand it on."""
         k, entry = self._next, q.entry
+        # lock held: a NetLane post may wait in _drain for a peer's full socket buffer to take the
+        # frame; bounded by that peer reading (it reads while it waits) or the engine finding it lost
         self._region.post(k, q.key, fast, entry.arrays if fast and q.nbytes else ())
         self._next, q.posted, q.fast = k + 1, True, fast
         if not self._unlinked:
@@ -259,20 +221,20 @@ class FastPath:
             if len(self._engine_open) >= OPEN_PRUNE:
                 self._prune_open()
             self._engine_open[k] = (q.key, weakref.ref(handle))
-            self._publish_done()
+            self._publish_read()
             handle._lane = None  # an ordinary handle: the engine finishes it (the caller's, if ``own``)
             if not own:
                 self._divert_entry(entry)
             return
         now = time.monotonic()
-        self._pending[k] = _Pending(entry, q.key, now, q.nbytes)
+        self._pending[k] = Pending(entry, q.key, now, q.nbytes)
         handle._lane, handle.index, self._last_fast = self, k, now
         if self._sweeper_idle:
             self._sweeper_idle = False
             self._cond.notify()
 
     def _room(self, block: bool) -> bool:
-        """Whether the entry of this rank's next index is free; waits for it when ``block``."""
+        """Whether the slot of this rank's next index is free; waits for it when ``block``."""
         if block:
             self._make_room()
             return True
@@ -283,7 +245,7 @@ class FastPath:
             self._resolve(oldest, None, block=False)
             if oldest in self._pending:
                 return False
-        free = self._region.all_done_below(oldest)
+        free = self._region.all_read_below(oldest)
         if free > oldest:
             self._free_below = free
             return True
@@ -316,10 +278,10 @@ class FastPath:
 
     def _agreement(self, others: int) -> bool | tuple[int, int]:
         """Whether this rank's ``others`` ops in flight are all ops it posted on the lane at indices
-        where every rank posted the same op (the same key): fast ones still pending, or engine ones
-        not finished yet.  True or False, or ``(rank, index)``: so far so good, but that rank has not
-        posted that index yet.  An engine index this rank has finished reading may have been
-        rewritten since: it then counts as not agreed."""
+        where every rank posted the same op (the same key): fast ones still pending, or ones posted
+        for the engine not finished yet.  True or False, or ``(rank, index)``: so far so good, but that rank has not
+        posted that index yet.  An index posted for the engine that this rank has finished
+        reading may have been rewritten since: it then counts as not agreed."""
         self._prune_open()
         if len(self._engine_open) + len(self._pending) != others:
             return False  # ops of other process sets, or ops that left the lane: not known here
@@ -333,7 +295,7 @@ class FastPath:
                     unposted = unposted or (r, k)
                 elif got != key:
                     return False
-        for k, p in self._pending.items():  # this rank still reads k: the entries are intact
+        for k, p in self._pending.items():  # this rank still reads k: the slots are intact
             for r in peers:
                 s = region.seen(r, k)
                 if not s.posted and not s.off:
@@ -364,9 +326,9 @@ class FastPath:
         return True
 
     def _make_room(self) -> int:
-        """Wait until the entry of this rank's next index k is free (every rank has finished
+        """Wait until the slot of this rank's next index k is free (every rank has finished
         reading index k - slots); returns k."""
-        while not self._closed:
+        while self._state is State.OPEN:
             oldest = self._next - self._region.slots
             if oldest in self._pending:  # this rank's own: resolve it first
                 self._resolve(oldest, None, block=True)
@@ -381,14 +343,14 @@ class FastPath:
                     reacquire(self._cond)
         return self._next
 
-    def _publish_done(self) -> None:
+    def _publish_read(self) -> None:
         """This rank has finished reading every index below the oldest it still holds."""
-        self._region.set_done(min(self._pending) if self._pending else self._next)
+        self._region.set_read_below(min(self._pending) if self._pending else self._next)
 
     def _unlink_once_all_posted(self) -> None:
         if all(lane.reached(self._region.posted(r), 0) for r in range(self.size)):
             self._unlinked = True
-            self._region.unlink()  # every rank has it mapped: nothing stays in /dev/shm
+            self._region.unlink()  # every rank has it mapped: nothing stays in /dev/shm (a quick system call)
 
     # -- resolving --------------------------------------------------------------
 
@@ -400,7 +362,7 @@ class FastPath:
                 if q is not None:
                     self._flush(block=True, until=q)
                 if handle.index < 0:
-                    return  # posted as an engine entry (or the lane went off): the engine finishes it
+                    return  # posted for the engine (or the lane went off): the engine finishes it
             self._resolve(handle.index, deadline, block)
 
     def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
@@ -425,7 +387,7 @@ class FastPath:
             if decision == lane.DIVERT:
                 self._divert(k, p)
                 return True
-            err = self._failure()
+            err = self._engine.failure
             if err is not None:
                 self._fail(k, p, naming(err, p.entry.req, [r for r, s in enumerate(seen) if not s.posted]))
                 return True
@@ -438,7 +400,7 @@ class FastPath:
                               tuple(missing), waited)
                 if self._stall_shutdown and waited >= self._stall_shutdown:
                     # this rank gives the op up; it goes off, so what the others submit meanwhile
-                    # diverts to the engine instead of waiting for this rank's next entries
+                    # diverts to the engine instead of waiting for this rank's next slots
                     self._fail(k, p, StallError(stall.failure(self._stall_shutdown)))
                     self._go_off()
                     return True
@@ -450,7 +412,7 @@ class FastPath:
     def _await_posts(self, missing: list[int], k: int, key: int) -> None:
         """Wait (lock released) until the ``missing`` ranks have posted index ``k`` fast with ``key``,
         or one of them posts anything else or goes off (the index is decided then), or a slice passes.
-        Ranks that post the same op are checked off here, so the entries are read again only once."""
+        Ranks that post the same op are checked off here, so the slots are read again only once."""
         region = self._region
         self._cond.release()
         try:
@@ -469,47 +431,48 @@ class FastPath:
         finally:
             reacquire(self._cond)
 
-    def _finish_fast(self, k: int, p: _Pending, sizes: list[int]) -> None:
+    def _finish_fast(self, k: int, p: Pending, sizes: list[int]) -> None:
         e = p.entry
         req = e.req
         try:
             result = None if req.kind == wire.BARRIER else lane.finish(
                 req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size)
-        except BaseException as exc:  # pragma: no cover - the entries agreed on dtype and shapes
+        except BaseException as exc:  # pragma: no cover - the slots agreed on dtype and shapes
             del self._pending[k]
-            self._publish_done()
+            self._publish_read()
             e.handle.set_error(exc)
             return
         del self._pending[k]
-        self._publish_done()
+        self._publish_read()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank reduces "
                       "the posted payloads)", self.rank, e.req.kind, e.req.name, sizes[self.rank], k)
-        e.handle.set_result(result)
+        e.handle.set_result(result)  # lock held: runs only the handle's name release, which does not block
 
-    def _divert(self, k: int, p: _Pending) -> None:
+    def _divert(self, k: int, p: Pending) -> None:
         log.debug("rank %d: %s %r: lane index %d diverts to the engine (another rank posted another op, or "
                   "not fast)", self.rank, p.entry.req.kind, p.entry.req.name, k)
         del self._pending[k]
-        self._publish_done()
+        self._publish_read()
         handle = p.entry.handle
         assert isinstance(handle, LaneHandle)
         handle._lane = None  # from here on an ordinary handle: the engine finishes it
         self._divert_entry(p.entry)
 
     def _divert_entry(self, entry: Entry) -> None:
+        """Hand ``entry`` to the engine (lock held: the engine only queues it and writes one wake byte)."""
         try:
-            self._submit(entry)
+            self._engine.submit(entry)
         except BaseException as exc:
             entry.handle.set_error(exc)
 
-    def _fail(self, k: int, p: _Pending, err: BaseException) -> None:
+    def _fail(self, k: int, p: Pending, err: BaseException) -> None:
         del self._pending[k]
-        self._publish_done()
+        self._publish_read()
         p.entry.handle.set_error(err)
 
     def _check_engine(self) -> None:
-        err = self._failure()
+        err = self._engine.failure
         if err is not None:
             raise err
 
@@ -518,10 +481,10 @@ class FastPath:
     def _sweep(self) -> None:
         """Resolve async fast ops nobody waits for (a peer that diverted one waits for this rank's)."""
         with self._cond:
-            while not self._closed:
+            while self._state is State.OPEN:
                 if not self._pending and not self._backlog and time.monotonic() - self._last_fast > IDLE_SECONDS:
                     self._sweeper_idle = True
-                    self._cond.wait()
+                    self._cond.wait()  # the lock is released while it sleeps
                     continue
                 self._cond.wait(BACKLOG_POLL if self._backlog else SWEEP_SECONDS)
                 now = time.monotonic()
@@ -530,7 +493,7 @@ class FastPath:
                     if p is not None and now - p.posted_at >= SWEEP_SECONDS:
                         self._resolve(k, None, block=False)
                 if self._backlog:
-                    err = self._failure()
+                    err = self._engine.failure
                     if err is not None:
                         self._drain_backlog(err)
                     else:
@@ -547,40 +510,43 @@ class FastPath:
 
     def _go_off(self) -> None:
         """This rank posts no more: what it submits from now on goes to the engine, and an index
-        it never posts diverts on the others."""
-        if not self._closed:
-            self._closed = True
+        it never posts diverts on the others (a stall gave an op up: OFF; a close: CLOSING)."""
+        if self._state is State.OPEN:
+            self._state = State.OFF
+            # lock held: a NetLane sends its off frame, which may wait in _drain as a post does
             self._region.set_off()
             self._drain_backlog(None)
             self._cond.notify_all()
 
     def _close_locked(self, deadline: float | None) -> None:
-        """Go off; ops already posted fast still resolve as the entries say (the others may have
-        finished them already), waiting for the peers until ``deadline`` (None: no limit)."""
-        if self._closing:
+        """Go off; ops already posted fast still resolve as the slots say (the others may have
+        finished them already), waiting for the peers until ``deadline`` (None: no limit) with the
+        lock released while it waits."""
+        if self._state in (State.CLOSING, State.CLOSED):
             return
-        self._closing = True
         self._go_off()
+        self._state = State.CLOSING
         for k in sorted(self._pending):
             if not self._resolve(k, deadline, block=True) and k in self._pending:
                 self._fail(k, self._pending[k], ShutdownError(
                     f"rank {self.rank}: ringcomm was shut down while op {self._pending[k].entry.req.name!r} "
                     "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
-        self._publish_done()  # reads no more: whatever an interrupted resolve left unpublished
+        self._publish_read()  # reads no more: whatever an interrupted resolve left unpublished
+        self._state = State.CLOSED
         if not self._unlinked:
             # only once every rank has it mapped: a rank still starting (rank 0 may join or shut
             # down right after init) would find no region and run without a lane, while this one
-            # reopens its lane after the join; the engine unlinks it when it closes otherwise
+            # reopens its lane after the join; the lane's owner unlinks it when the engine closes otherwise
             self._unlink_once_all_posted()
 
     def reopen_after_join(self, barrier: Callable[[], None]) -> None:
-        """Every rank has joined, so every rank closed its lane before (and reads no entry any more):
+        """Every rank has joined, so every rank closed its lane before (and reads no slot any more):
         each zeroes its counters, ``barrier()`` (through the engine) waits until all have, and the
         lanes start again from index 0, so a training loop that joins every epoch keeps the lane."""
         with self._cond:
-            ready = self._closing and not self._pending  # join closed it and resolved what it posted
+            ready = self._state in (State.CLOSING, State.CLOSED) and not self._pending  # join closed it and resolved what it posted
             if ready:
-                self._region.reset()
+                self._region.reset()  # lock held: a NetLane waits for its socket reader, one poll slice at most
                 self._next = self._free_below = 0
                 self._engine_open.clear()
         self._sweeper.join(timeout=1.0)  # it ended when the lane closed
@@ -588,12 +554,8 @@ class FastPath:
         if not ready:  # pragma: no cover
             return
         with self._cond:
-            self._closed = self._closing = False
+            self._state = State.OPEN
             self._last_fast = 0.0
             self._sweeper_idle = True
             self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
             self._sweeper.start()
-
-    def release(self) -> None:
-        """Unmap the region (after the engine is closed: nothing reads it any more)."""
-        self._region.close()
