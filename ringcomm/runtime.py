@@ -23,7 +23,7 @@ import numpy as np
 
 from .job import config, horovod_env, logsetup, topology
 from .lane import fastpath, net_lane
-from .core import wire
+from .core import routing, wire
 from .elastic import worker as elastic_worker
 from .engine import Engine
 from .errors import (
@@ -75,11 +75,10 @@ class Runtime:
         self.engine.start()
         engine = self.engine
         region = engine.lane_region  # small ops of the global set skip the engine
-        if isinstance(region, net_lane.NetLane):
-            lane_bytes = region.payload_bytes  # this rank's own bound
-        else:  # the region's entries are rank 0's size; this rank posts fast what its setting allows
-            lane_bytes = 0 if region is None else min(self.settings.shm_lane_bytes_for(self.topo.size),
-                                                      region.payload_bytes)
+        # a net lane's bound is this rank's own; a shared region's entries are rank 0's size, and this
+        # rank posts fast what its setting allows
+        own = None if isinstance(region, net_lane.NetLane) else self.settings.shm_lane_bytes_for(self.topo.size)
+        lane_bytes = routing.lane_bytes(None if region is None else region.payload_bytes, own)
         self.lane = None if region is None else fastpath.FastPath(
             region, engine.submit, lambda: engine.failure, lambda: engine.timeline_active, lane_bytes,
             self.settings.stall_check_seconds,
