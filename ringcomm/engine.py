@@ -36,7 +36,7 @@ from .net import auth
 from .job import config
 from .collectives import hierarchical, shm_allreduce
 from .lane.owner import LaneOwner
-from .core import wire
+from .core import routing, wire
 from .job.config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
 from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
@@ -106,15 +106,13 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         self._stopping = False
         self._failed: BaseException | None = None
-        # payloads travel inside control frames, which are bounded: never more than one frame's share
-        self._small = min(settings.small_allreduce_bytes_for(self.size), wire.CONTROL_DATA_BYTES) if self.size > 1 else 0
-        # an allgather's result is every rank's part: a rank's part goes through rank 0 up to 1/size of that
-        self._small_gather = self._small // max(1, self.size)
+        # the sizes that pick an op's path (rank 0, shared memory, hierarchical, doubling, the ring)
+        self.limits = lim = routing.limits_for(settings, self.size)
         # in-flight ops, op counts, response caches (every member records a set's responses in the
         # same order; rank 0's service records every set's) and the process-set registry
-        self._session: Session[Entry] = Session(self.rank, self.size, topo.secret, settings.cache_capacity, self._small,
-                                self._small_gather, hierarchical.PHASES, records=self.rank != 0)
-        self._service = Service(self.size, topo.secret, settings.fusion_threshold, self._small, settings.cache_capacity,
+        self._session: Session[Entry] = Session(self.rank, self.size, topo.secret, settings.cache_capacity, lim.small_bytes,
+                                lim.small_gather_bytes, hierarchical.PHASES, records=self.rank != 0)
+        self._service = Service(self.size, topo.secret, settings.fusion_threshold, lim.small_bytes, settings.cache_capacity,
                                 settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None
         # rank 0: its control socket (bound in _connect) and its service
         self._control = Rank0Control(self._service, self.size, settings.stall_check_seconds,
@@ -149,7 +147,7 @@ class Engine:
                 self._close()  # a failed init() leaves no socket, context or file behind
                 raise
         self._exec = Executor(self.rank, self.size, settings, self._link, shm_ar=self._shm_ar,
-                              hosts=[str(p["host"]) for p in self.peer_table])
+                              hosts=[str(p["host"]) for p in self.peer_table], limits=lim)
 
     # -- setup ---------------------------------------------------------------
 
@@ -246,14 +244,15 @@ class Engine:
         else:
             via = "ipc" if table[0]["host"] == host else "tcp"
             log.debug("rank %d: control plane: connected to rank 0 over %s", self.rank, via)
-        hier = {1: "whenever the hosts allow it", 0: "off", -1: f"from {hierarchical.AUTO_MIN_BYTES} B when the hosts allow it"}
+        lim = self.limits  # the same numbers core/routing.py decides with
+        hier = {1: "whenever the hosts allow it", 0: "off", -1: f"from {lim.hierarchical_min_bytes} B when the hosts allow it"}
         log.debug("rank %d: paths: allreduces up to %d B go through rank 0 in one round trip (allgather parts up "
-                  "to %d B); larger ones take the ring in %d B segments%s; hierarchical allreduce %s (%d host(s)); "
-                  "ops fused up to %d B, cycle time %g ms", self.rank, self._small, self._small_gather,
-                  st.segment_bytes,
-                  f", or one shared-memory region from {st.shm_allreduce_min_bytes} B (all ranks on this host)"
+                  "to %d B); larger ones up to %d B by recursive doubling, the rest by the ring in %d B segments%s; "
+                  "hierarchical allreduce %s (%d host(s)); ops fused up to %d B, cycle time %g ms", self.rank,
+                  lim.small_bytes, lim.small_gather_bytes, lim.doubling_bytes, st.segment_bytes,
+                  f", or one shared-memory region from {lim.shm_min_bytes} B (all ranks on this host)"
                   if self._shm_ar is not None else "; no shared-memory allreduce (not every rank on one host, "
-                  "or switched off)", hier.get(st.hierarchical_allreduce, str(st.hierarchical_allreduce)),
+                  "or switched off)", hier.get(lim.hierarchical, str(lim.hierarchical)),
                   len({p["host"] for p in table}), st.fusion_threshold, st.cycle_time)
 
     def start(self) -> None:

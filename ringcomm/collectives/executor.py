@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import algorithms, hierarchical, shm_allreduce
-from ..core import ops, ring, wire
+from ..core import ops, ring, routing, wire
 from ..errors import HorovodInternalError
 from ..core.ops import ReduceOp
 from ..net.transport import DataPlane
@@ -38,7 +38,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringcomm.collectives.executor")
 
 #: Kinds that move data; the others (barrier, join, shutdown, set management) complete on their response.
-DATA_KINDS = (wire.ALLREDUCE, wire.ALLGATHER, wire.BROADCAST, wire.ALLTOALL, wire.REDUCESCATTER)
+DATA_KINDS = routing.DATA_KINDS
+#: How the DEBUG log names an allreduce's path.
+_PATH_TEXT = {routing.Path.RANK0: "reduced at rank 0 (small)", routing.Path.SHM: "shared memory",
+              routing.Path.HIERARCHICAL: "hierarchical (host, then across hosts)",
+              routing.Path.DOUBLING: "recursive doubling", routing.Path.RING: "ring"}
 
 Phase = tuple[str, float, float]
 
@@ -56,15 +60,17 @@ class Executor:
 
     ``link`` is the job's data plane (or a single-process stand-in; on rank 0 it
     keeps negotiating while it waits, see :meth:`DataPlane.serve_while_waiting`), ``shm_ar`` the shared-memory allreduce when every rank is on
-    this host, ``hosts`` each global rank's host name.
+    this host, ``hosts`` each global rank's host name, ``limits`` the sizes that pick an allreduce's
+    path (:func:`routing.limits_for` of ``settings`` when not given).
     """
 
     def __init__(self, rank: int, size: int, settings: Settings, link: Any,
-                 shm_ar: shm_allreduce.ShmAllreduce | None = None, hosts: list[str] | None = None) -> None:
+                 shm_ar: shm_allreduce.ShmAllreduce | None = None, hosts: list[str] | None = None,
+                 limits: routing.RouteLimits | None = None) -> None:
         self.rank, self.size, self.settings = rank, size, settings
         self._link = link
         self._shm_ar = shm_ar
-        self._doubling_bytes = settings.doubling_allreduce_bytes_for(size)
+        self._limits = limits if limits is not None else routing.limits_for(settings, size)
         self._hosts = hosts if hosts is not None else [""] * size
         self._fusion = np.empty(0, dtype=np.uint8)
         self._links: dict[int, Any] = {}  # process set -> its SubLink
@@ -230,40 +236,39 @@ class Executor:
                     pos += a.size
         t1 = time.perf_counter()
         marks: list[float] | None = [] if self._timed else None
-        hier = used_shm = doubled = False
-        if not resp.data:
+        shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
+        plan = self._host_plan(resp.pset, members)  # several hosts: reduce within each host first
+        facts = routing.PathFacts(routing.Where.EXECUTE, resp.pset, op, carried=bool(resp.data),
+                                  shm=shm_ar is not None, host_plan=plan is not None)
+        path = routing.route(wire.ALLREDUCE, buf.nbytes, facts, self._limits)
+        if path is not routing.Path.RANK0:
             ops.scale_inplace(buf, resp.prescale)
-            shm_ar = self._shm_ar  # the whole job on one host: large allreduces of the global set
-            used_shm = (shm_ar is not None and resp.pset == 0 and buf.nbytes >= self.settings.shm_allreduce_min_bytes
-                        and shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks,
-                                             watch=self._watch_peer))
-            if not used_shm:
-                plan = self._host_plan(resp.pset, members)  # several hosts: reduce within each host first
-                hier = hierarchical.choose(self.settings.hierarchical_allreduce, buf.nbytes, plan, op)
-                if hier and plan is not None:
-                    hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src, pieces=hierarchical.pieces_for(
-                        buf.nbytes, self.settings.hierarchical_piece_bytes))
-                    if isinstance(self._link, DataPlane):
-                        self._link.stats["hierarchical_allreduce"] += 1
-                elif buf.nbytes <= self._doubling_bytes:
-                    doubled = True
-                    algorithms.doubling_allreduce(link, buf, op, seq, seg, post, src_buf=src)
-                else:
-                    algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
+            if path is routing.Path.SHM:
+                assert shm_ar is not None
+                if not shm_ar.allreduce(link, buf, op, seq, post, src_buf=src, marks=marks, watch=self._watch_peer):
+                    # the region is unavailable on some rank: the path without it
+                    path = routing.route(wire.ALLREDUCE, buf.nbytes, facts._replace(shm=False), self._limits)
+            if path is routing.Path.HIERARCHICAL:
+                assert plan is not None
+                hierarchical.allreduce(link, plan, buf, op, seq, seg, post, src_buf=src, pieces=hierarchical.pieces_for(
+                    buf.nbytes, self.settings.hierarchical_piece_bytes))
+                if isinstance(self._link, DataPlane):
+                    self._link.stats["hierarchical_allreduce"] += 1
+            elif path is routing.Path.DOUBLING:
+                algorithms.doubling_allreduce(link, buf, op, seq, seg, post, src_buf=src)
+            elif path is routing.Path.RING:
+                algorithms.ring_allreduce(link, buf, op, seq, seg, post, src_buf=src, marks=marks)
         t2 = time.perf_counter()
         if log.isEnabledFor(logging.DEBUG):
-            path = ("reduced at rank 0 (small)" if resp.data else "shared memory" if used_shm
-                    else "hierarchical (host, then across hosts)" if hier
-                    else "recursive doubling" if doubled else "ring")
             log.debug("rank %d: allreduce %s: %d B in %d op(s), process set %d: %s", self.rank, resp.names,
-                      buf.nbytes, len(resp.names), resp.pset, path)
+                      buf.nbytes, len(resp.names), resp.pset, _PATH_TEXT[path])
         if marks is not None:
             phases = [("MEMCPY_IN_FUSION_BUFFER", t0, t1)] if not single and not resp.data else []
             if resp.data:
                 phases.append(("RANK0_REDUCE", t0 if self._reduced_at is None else self._reduced_at, t2))
-            elif hier:
+            elif path is routing.Path.HIERARCHICAL:
                 phases.append(("HIERARCHICAL_ALLREDUCE", t1, t2))
-            elif doubled:
+            elif path is routing.Path.DOUBLING:
                 phases.append(("DOUBLING_ALLREDUCE", t1, t2))
             elif marks:
                 phases += [("RING_REDUCE_SCATTER", t1, marks[0]), ("RING_ALLGATHER", marks[0], t2)]

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import algorithms
-from ..core import pipeline, ring
+from ..core import pipeline, ring, routing, wire
 from ..core.ops import ReduceOp
 
 #: Sequence numbers of one op (a pass each): the engine numbers ops in steps of this.
@@ -41,7 +41,7 @@ PHASES = 32
 #: At most this many pieces (three passes each, one sequence number per pass).
 MAX_PIECES = 8
 #: Allreduces of at least this many bytes take the hierarchical path when it is on automatically.
-AUTO_MIN_BYTES = 1 << 20
+AUTO_MIN_BYTES = routing.HIERARCHICAL_MIN_BYTES
 
 
 class HostPlan(NamedTuple):
@@ -70,15 +70,15 @@ def plan(hosts: Sequence[str], me: int) -> HostPlan | None:
 
 
 def choose(setting: int, nbytes: int, host_plan: HostPlan | None, op: ReduceOp) -> bool:
-    """Whether an allreduce of ``nbytes`` takes the hierarchical path.
+    """Whether an allreduce of ``nbytes`` takes the hierarchical path (the rule is :func:`routing.route`'s).
 
     ``setting``: 1 forces it wherever the layout allows it, 0 never, -1 (default) from
     :data:`AUTO_MIN_BYTES` up.  Small allreduces gain nothing from it: their time is latency,
     and three phases cost more round trips than one ring.
     """
-    if host_plan is None or setting == 0 or op is ReduceOp.ADASUM:
-        return False
-    return setting == 1 or nbytes >= AUTO_MIN_BYTES
+    facts = routing.PathFacts(routing.Where.EXECUTE, op=op, host_plan=host_plan is not None)
+    path = routing.route(wire.ALLREDUCE, nbytes, facts, routing.RouteLimits(hierarchical=setting))
+    return path is routing.Path.HIERARCHICAL
 
 
 def pieces_for(nbytes: int, piece_bytes: int) -> int:

@@ -57,7 +57,7 @@ import numpy as np
 
 from ..job import names
 from ..shm import slots as shm, barrier as shm_barrier
-from ..core import ring
+from ..core import ring, routing
 from .algorithms import Link
 from ..core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
@@ -300,5 +300,6 @@ class ShmAllreduce:
 
 
 def usable(size: int, hosts: Sequence[str], min_bytes: int, min_ranks: int) -> bool:
-    """Whether a job of ``size`` ranks on ``hosts`` (one entry per rank) may use the shared-memory allreduce."""
-    return min_bytes > 0 and size >= max(2, min_ranks) and len(set(hosts)) == 1 and shm.available()
+    """Whether a job of ``size`` ranks on ``hosts`` (one entry per rank) may use the shared-memory allreduce
+    (:func:`routing.shm_possible`, and shared memory on this machine)."""
+    return routing.shm_possible(size, hosts, min_bytes, min_ranks) and shm.available()

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import wire
+from . import routing, wire
 from .fusion import FusionItem, plan_fusion
 from .wire import Request, Response
 
@@ -188,7 +188,8 @@ class Coordinator:
         self.pset = pset
         self.where = set_label(pset, self.ranks)
         self.fusion_threshold = fusion_threshold
-        self.small_bytes = small_bytes  # small allreduces fuse only with each other (rank 0 reduces them)
+        # allreduces of the rank-0 path fuse only with each other (rank 0 reduces them)
+        self._limits = routing.RouteLimits(small_bytes=small_bytes)
         self._itemsize = itemsize
         self._pending: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
@@ -290,7 +291,8 @@ class Coordinator:
             items = []
             for _, _, q in fusable:
                 nbytes = q.numel() * self._itemsize(q.dtype)
-                items.append(FusionItem((q.dtype, q.op, q.prescale, q.postscale, nbytes <= self.small_bytes), nbytes))
+                rank0 = routing.route(wire.ALLREDUCE, nbytes, routing.ENGINE_FACTS, self._limits) is routing.Path.RANK0
+                items.append(FusionItem((q.dtype, q.op, q.prescale, q.postscale, rank0), nbytes))
             for group in plan_fusion(items, self.fusion_threshold):
                 members = [fusable[i] for i in group]
                 q = members[0][2]

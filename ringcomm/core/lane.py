@@ -37,11 +37,11 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import ops, wire
+from . import ops, routing, wire
 from .ops import ReduceOp
 
 #: Collectives the lane can finish from posted payloads.
-FAST_KINDS = frozenset({wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.BARRIER})
+FAST_KINDS = routing.LANE_KINDS
 
 FAST, WAIT, DIVERT = "fast", "wait", "divert"
 
@@ -103,18 +103,14 @@ def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_byt
 
 def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> int:
     """What this rank posts if it asks for the fast path for ``req`` (:func:`payload_nbytes`), or -1
-    when it does not (:func:`eligible`)."""
+    when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the bound)."""
     kind = req.kind
-    if req.pset != 0 or kind not in FAST_KINDS or req.refused or max_bytes <= 0:
+    nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
+    facts = routing.PathFacts(routing.Where.LANE, req.pset, req.op, bool(req.refused),
+                              kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes))
+    if routing.route(kind, nbytes, facts, routing.RouteLimits(lane_bytes=max_bytes)) is not routing.Path.LANE:
         return -1
-    if kind == wire.ALLREDUCE and req.op == ReduceOp.ADASUM:
-        return -1
-    if kind == wire.BROADCAST and sum(int(a.nbytes) for a in arrays) > max_bytes:
-        return -1  # the root's payload must fit its slot: every rank can tell from the shape
-    if kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes):
-        return -1  # rows of no bytes: the payloads could not tell how many each rank sent
-    nbytes = payload_nbytes(req, arrays, rank)
-    return nbytes if nbytes <= max_bytes else -1
+    return payload_nbytes(req, arrays, rank)
 
 
 def decide(key: int, seen: Sequence[Seen]) -> str:

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import lane, ops, wire
+from . import lane, ops, routing, wire
 from .cache import ResponseCache
 from .controller import Controller
 from ..errors import ProtocolError
@@ -54,7 +54,7 @@ class Service:
     def __init__(self, size: int, secret: bytes, fusion_threshold: int, small_bytes: int, cache_capacity: int,
                  cycle_time_ms: float = 0.0, clock: Callable[[], float] | None = None) -> None:
         self.size, self._secret = size, secret
-        self._small = small_bytes
+        self._limits = routing.RouteLimits(small_bytes=small_bytes)  # and rank 0 finishes one control frame's worth
         self._capacity = cache_capacity
         self._cycle = cycle_time_ms
         self._clock = clock
@@ -218,8 +218,9 @@ class Service:
         if req is None or len(resp.first_dims) != len(members):
             return resp
         row_bytes = int(np.prod(req.shapes[0][1:], dtype=np.int64)) * np.dtype(resp.dtype).itemsize
-        if sum(resp.first_dims) * row_bytes > wire.CONTROL_DATA_BYTES:
-            return resp
+        if routing.route(wire.ALLGATHER, sum(resp.first_dims) * row_bytes, routing.RANK0_FACTS,
+                         self._limits) is not routing.Path.RANK0:
+            return resp  # too much to carry in one control frame: run the ring
         parts: list[bytes] = []
         for rank, dim in zip(members, resp.first_dims):
             if rank == 0:
@@ -235,7 +236,8 @@ class Service:
     def _reduce(self, resp: Response, members: tuple[int, ...], payloads: list[dict[int, bytes]]) -> Response:
         """A small allreduce reduced from the payloads sent with the requests."""
         dtype = np.dtype(resp.dtype)
-        if sum(resp.numels) * dtype.itemsize > wire.CONTROL_DATA_BYTES:
+        if routing.route(wire.ALLREDUCE, sum(resp.numels) * dtype.itemsize, routing.RANK0_FACTS,
+                         self._limits) is not routing.Path.RANK0:
             return resp  # too much to carry in one control frame (many small ones fused): run the ring
         op = ReduceOp(resp.op)
         joined = set(resp.joined)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-from . import wire
+from . import routing, wire
 from .cache import ResponseCache
 from ..errors import MismatchError, ProtocolError, StallError
 from .wire import Request, Response
@@ -66,7 +66,8 @@ class Session(Generic[E]):
     """The per-rank state: in-flight ops, response caches, op counts, the process-set registry.
 
     ``small_bytes``: an allreduce up to this size travels with its request (rank 0
-    reduces it); ``small_gather_bytes``: the same for an allgather's part.  ``phases``:
+    reduces it); ``small_gather_bytes``: the same for an allgather's part (the rule is
+    :func:`routing.route`'s; the engine takes both from :func:`routing.limits_for`).  ``phases``:
     the data-plane sequence numbers one op may use.  ``records``: whether this rank
     records responses in its caches as it executes them (rank 0's service records
     them as it emits them instead).
@@ -77,7 +78,7 @@ class Session(Generic[E]):
         self.rank, self.size = rank, size
         self._secret = secret
         self._capacity = cache_capacity
-        self._small, self._small_gather = small_bytes, small_gather_bytes
+        self._limits = routing.RouteLimits(small_bytes=small_bytes, small_gather_bytes=small_gather_bytes)
         self._phases = phases
         self._records = records
         self._inflight: dict[tuple[int, str], E] = {}
@@ -117,8 +118,8 @@ class Session(Generic[E]):
             cid = cache.lookup(req) if cache is not None else None
             nbytes = sum(a.nbytes for a in entry.arrays)
             data = None
-            if 0 < nbytes and (req.kind == wire.ALLREDUCE and nbytes <= self._small
-                               or req.kind == wire.ALLGATHER and nbytes <= self._small_gather):
+            # an op of no bytes has nothing to carry: it takes the data plane
+            if 0 < nbytes and routing.route(req.kind, nbytes, routing.ENGINE_FACTS, self._limits) is routing.Path.RANK0:
                 data = b"".join(a.tobytes() for a in entry.arrays)
             items.append((req if cid is None else cid, req.pset, data))
         return wire.encode_requests(self._secret, self.rank, items) if items else []

@@ -21,6 +21,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from ..core import routing
 from . import net_lane, shm_lane
 from .driver import LaneDriver
 from .records import EngineSide
@@ -88,10 +89,8 @@ class LaneOwner:
         region = self.region
         if region is None:
             return None
-        if isinstance(region, net_lane.NetLane):
-            max_bytes = region.payload_bytes
-        else:
-            max_bytes = min(self._shm_bytes, region.payload_bytes)
+        own = None if isinstance(region, net_lane.NetLane) else self._shm_bytes
+        max_bytes = routing.lane_bytes(region.payload_bytes, own)
         self.driver = LaneDriver(region, engine, max_bytes, stall_check, stall_shutdown)
         return self.driver
 
