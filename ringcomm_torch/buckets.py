@@ -6,15 +6,26 @@ When its last gradient is ready the hook (autograd thread) only *queues* work on
 stream and returns:
 
 1. the side stream waits for an event recorded on the current stream (the gradients' producers);
-2. one batched copy packs the gradients into the flat buffer (compressed if asked);
+2. one batched copy packs into the flat buffer the gradients that are not already there
+   (compressed if asked);
 3. one device-to-host copy into the pinned buffer, then a *ready* event;
 4. the stager thread (:mod:`.device`) waits for that event, GIL released, and starts one core
-   allreduce of the pinned buffer in place.
+   allreduce of the pinned buffer in place;
+5. a completer thread waits for that allreduce and, the moment it is done, queues on the same
+   side stream one host-to-device copy into the flat buffer (then the decompression and one
+   batched copy into the gradients that are not views of it), and records a *back* event.
 
-``synchronize()`` waits for the core op, then queues one host-to-device copy into the flat
-buffer and one batched copy back into the gradients on the side stream, records an event and
-makes the current stream wait for it: no thread but the stager (and ``synchronize()``'s wait
-for the peers) ever waits, and nothing synchronizes a stream or the device.
+``synchronize()`` only makes the current stream wait for each bucket's *back* event: it copies
+nothing, and nothing but the stager synchronizes with the device.
+
+As DDP's ``gradient_as_bucket_view``: where the compression leaves the flat buffer as it is
+(``Compression.none``), the first reduction makes each contiguous parameter's ``.grad`` a view
+of its part of the flat buffer.  Autograd then accumulates straight into the bucket and the
+reduced values land in place, so a step packs and unpacks nothing.  A gradient that is no
+longer the view (``zero_grad(set_to_none=True)``, torch's default, or a ``.grad`` you
+assigned) is packed for that step and becomes the view again::
+
+    opt.zero_grad(set_to_none=False); loss.backward(); opt.step()  # copies: one each way per bucket
 
 Sizes follow DDP: a first bucket of :data:`FIRST_BUCKET_BYTES` (so communication starts
 early), then :data:`BUCKET_BYTES`, never above the fusion threshold::
