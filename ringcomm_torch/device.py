@@ -141,8 +141,9 @@ class _FakeEvent:
 class FakeOps:
     """:class:`DeviceOps` on CPU tensors, for tests; ``calls`` lists ``(call, thread name)``.
 
-    While :meth:`hold` is on, copies are deferred (their destinations hold NaN meanwhile) and
-    recorded events stay not ready until :meth:`fire`.  ``pinned_allocations`` counts buffers;
+    While :meth:`hold` is on, copies and unpacks are deferred, in order (their destinations hold
+    NaN meanwhile), and recorded events stay not ready until :meth:`fire`; packs and torch
+    operations under :meth:`on` run at once.  ``pinned_allocations`` counts buffers;
     ``count(call, buffer=flat)`` counts the packs and unpacks (batched or in parts) of one
     bucket's flat buffer, and the copies into or out of it."""
 
@@ -224,8 +225,7 @@ class FakeOps:
 
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any) -> None:
         self._note("unpack", flat)
-        with torch.no_grad():
-            torch._foreach_copy_(list(tensors), _views(flat, tensors))
+        self._run_or_defer(list(tensors), lambda: torch._foreach_copy_(list(tensors), _views(flat, tensors)))
 
     def pack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
         self._note("pack", *parts[:1])
@@ -234,8 +234,23 @@ class FakeOps:
 
     def unpack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
         self._note("unpack", *parts[:1])
-        with torch.no_grad():
-            torch._foreach_copy_(list(tensors), list(parts))
+        self._run_or_defer(list(tensors), lambda: torch._foreach_copy_(list(tensors), list(parts)))
+
+    def _run_or_defer(self, dsts: list[torch.Tensor], run: Callable[[], Any]) -> None:
+        """``run()`` now, or (held) at :meth:`fire`, after the copies queued before it, with the
+        destinations NaN meanwhile: the way back reads the host-to-device copy's destination."""
+        def later() -> None:
+            with torch.no_grad():
+                run()
+        with self._lock:
+            if self._held:
+                with torch.no_grad():
+                    for t in dsts:
+                        if t.is_floating_point():
+                            t.fill_(float("nan"))
+                self._deferred.append(later)
+                return
+        later()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self._note("copy", dst, src)

@@ -304,3 +304,22 @@ def test_the_timeline_shows_each_buckets_unpack(tmp_path):
     for phase in ("BUCKET_PACK", "BUCKET_UNPACK"):
         carried = [e["args"]["parameters"] for e in events if e.get("name") == phase]
         assert sorted(n for names in carried for n in names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_a_gradient_that_is_not_a_view_stays_poison_until_the_event_fires(monkeypatch):
+    ops = device.FakeOps()
+    w = torch.nn.Parameter(torch.randn(8, 32, generator=torch.Generator().manual_seed(2)).t())  # not contiguous
+    tw = torch.nn.Parameter(w.detach().clone())
+    with device.override(ops):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)])
+    gate = threading.Event()
+    real = rc.allreduce_async
+    monkeypatch.setattr(rc, "allreduce_async", lambda *a, **k: _Gated(real(*a, **k), gate))
+    (X @ w).square().sum().backward()
+    (X @ tw).square().sum().backward()
+    ops.hold()
+    gate.set()
+    opt.synchronize()  # the copy home and the unpack are queued behind a held event
+    assert torch.isnan(w.grad).all() and ops.count("unpack", COMPLETER) == 1
+    ops.fire()
+    assert torch.equal(w.grad, tw.grad)
