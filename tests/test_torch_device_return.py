@@ -323,3 +323,26 @@ def test_a_gradient_that_is_not_a_view_stays_poison_until_the_event_fires(monkey
     assert torch.isnan(w.grad).all() and ops.count("unpack", COMPLETER) == 1
     ops.fire()
     assert torch.equal(w.grad, tw.grad)
+
+
+def test_gradients_that_swapped_places_in_a_bucket_are_packed_from_copies():
+    ops = device.FakeOps()
+    model, opt, twin, twin_opt = make(ops)
+    train(model, opt, twin, twin_opt, set_to_none=False)
+    bucket = next(iter(opt._device_buckets.values()))
+    i, j = [k for k, p in enumerate(bucket.params) if p.dim() == 2][:2]
+    names = {id(p): n for n, p in model.named_parameters()}
+    twins = dict(twin.named_parameters())
+    a, b = bucket.params[i], bucket.params[j]
+    ta, tb = twins[names[id(a)]], twins[names[id(b)]]
+    for step in range(2):
+        opt.zero_grad(set_to_none=False)
+        twin_opt.zero_grad(set_to_none=False)
+        a.grad, b.grad = b.grad, a.grad  # each now lies where the other's belongs
+        ta.grad, tb.grad = tb.grad, ta.grad
+        model(X).square().mean().backward()
+        twin(X).square().mean().backward()
+        opt.step()
+        twin_opt.step()
+        assert_same(model, twin)
+        assert all(bucket.views())
