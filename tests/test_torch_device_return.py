@@ -335,7 +335,7 @@ def test_gradients_that_swapped_places_in_a_bucket_are_packed_from_copies():
     twins = dict(twin.named_parameters())
     a, b = bucket.params[i], bucket.params[j]
     ta, tb = twins[names[id(a)]], twins[names[id(b)]]
-    for step in range(2):
+    for _ in range(2):
         opt.zero_grad(set_to_none=False)
         twin_opt.zero_grad(set_to_none=False)
         a.grad, b.grad = b.grad, a.grad  # each now lies where the other's belongs
