@@ -6,15 +6,26 @@ When its last gradient is ready the hook (autograd thread) only *queues* work on
 stream and returns:
 
 1. the side stream waits for an event recorded on the current stream (the gradients' producers);
-2. one batched copy packs the gradients into the flat buffer (compressed if asked);
+2. one batched copy packs into the flat buffer the gradients that are not already there
+   (compressed if asked);
 3. one device-to-host copy into the pinned buffer, then a *ready* event;
 4. the stager thread (:mod:`.device`) waits for that event, GIL released, and starts one core
-   allreduce of the pinned buffer in place.
+   allreduce of the pinned buffer in place;
+5. a completer thread waits for that allreduce and, the moment it is done, queues on the same
+   side stream one host-to-device copy into the flat buffer (then the decompression and one
+   batched copy into the gradients that are not views of it), and records a *back* event.
 
-``synchronize()`` waits for the core op, then queues one host-to-device copy into the flat
-buffer and one batched copy back into the gradients on the side stream, records an event and
-makes the current stream wait for it: no thread but the stager (and ``synchronize()``'s wait
-for the peers) ever waits, and nothing synchronizes a stream or the device.
+``synchronize()`` only makes the current stream wait for each bucket's *back* event: it copies
+nothing, and nothing but the stager synchronizes with the device.
+
+As DDP's ``gradient_as_bucket_view``: where the compression leaves the flat buffer as it is
+(``Compression.none``), the first reduction makes each contiguous parameter's ``.grad`` a view
+of its part of the flat buffer.  Autograd then accumulates straight into the bucket and the
+reduced values land in place, so a step packs and unpacks nothing.  A gradient that is no
+longer the view (``zero_grad(set_to_none=True)``, torch's default, or a ``.grad`` you
+assigned) is packed for that step and becomes the view again::
+
+    opt.zero_grad(set_to_none=False); loss.backward(); opt.step()  # copies: one each way per bucket
 
 Sizes follow DDP: a first bucket of :data:`FIRST_BUCKET_BYTES` (so communication starts
 early), then :data:`BUCKET_BYTES`, never above the fusion threshold::
@@ -33,7 +44,7 @@ import torch
 import ringcomm as _rc
 from ringcomm import api as _core_api
 
-from .device import DeviceOps, stager
+from .device import DeviceOps, completer, stager
 from .handles import Handle
 
 __all__ = ["DeviceBucket", "plan_buckets", "host_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
@@ -104,6 +115,12 @@ def split_list(items: list[Any], n: int) -> list[list[Any]]:
     return [g for g in out if g]
 
 
+def _same(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """``grad`` is ``view`` (the same memory, shape and strides): autograd accumulated in place."""
+    return (grad.layout is torch.strided and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+            and grad.stride() == view.stride() and grad.dtype is view.dtype and grad.device == view.device)
+
+
 class DeviceBucket:
     """One bucket's buffers and its in-place reduction (see the module docstring)."""
 
@@ -116,19 +133,62 @@ class DeviceBucket:
         self.numel = sum(p.numel() for p in self.params)
         self._flat: torch.Tensor | None = None
         self._pinned: torch.Tensor | None = None
+        self._parts: list[torch.Tensor] = []  # each parameter's place in the flat buffer, shaped like it
+        self._in_place: bool | None = None  # whether the compression reduces the flat buffer itself
 
     def _buffers(self, wire: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._flat is None:
             self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._parts, start = [], 0
+            for p in self.params:
+                self._parts.append(self._flat[start:start + p.numel()].view(p.shape))
+                start += p.numel()
         nbytes = self.numel * wire.itemsize
         if self._pinned is None or self._pinned.numel() < nbytes:
             self._pinned = self.ops.pinned(nbytes)
         return self._flat, self._pinned[:nbytes].view(wire)
 
+    def views(self) -> list[bool]:
+        """Per parameter: whether its ``.grad`` is its view of the flat buffer right now."""
+        return [p.grad is not None and bool(self._parts) and _same(p.grad, part)
+                for p, part in zip(self.params, self._parts)]
+
+    def _pack(self, flat: torch.Tensor, grads: list[torch.Tensor], side: Any) -> None:
+        """Bring into the flat buffer the gradients that are not already there (all of them until
+        the compression is known to leave the buffer as it is)."""
+        todo = [i for i, (g, part) in enumerate(zip(grads, self._parts)) if not (self._in_place and _same(g, part))]
+        if not todo:
+            return
+        home = flat.untyped_storage().data_ptr()
+        sources = [grads[i] for i in todo]
+        if any(g.untyped_storage().data_ptr() == home for g in sources):  # a view moved to another place
+            with self.ops.on(side):
+                sources = [g.clone() if g.untyped_storage().data_ptr() == home else g for g in sources]
+        if len(todo) == len(grads):
+            self.ops.pack(flat, sources, side)
+        else:
+            self.ops.pack_parts([self._parts[i] for i in todo], sources, side)
+
+    def _become_views(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """Point each contiguous parameter's ``.grad`` at its part of the flat buffer (the values
+        are there already, or queued to be); returns the gradients as they are now and the indices
+        of those that are not views (their results are copied back)."""
+        now, rest = list(grads), []
+        for i, (p, g, part) in enumerate(zip(self.params, grads, self._parts)):
+            if _same(g, part):
+                continue
+            if p.is_contiguous() and p.grad is g and not g.requires_grad:
+                p.grad = now[i] = part
+            else:
+                rest.append(i)
+        return now, rest
+
     def start(self, grads: list[torch.Tensor], *, name: str, op: Any, compression: Any, prescale: float,
               postscale: float, process_set: Any) -> Handle:
-        """Queue the copies and hand the op to the stager; returns at once.  ``synchronize`` on the
-        handle waits for the reduction and queues the results back into ``grads``."""
+        """Queue the copies and hand the op to the stager, and its way back to the completer;
+        returns at once.  ``synchronize`` on the handle waits for both and makes the current
+        stream wait for the results, which are then in ``grads`` (or in the flat buffer, where
+        each gradient is a view of it)."""
         ops, dev = self.ops, self.device
         t0 = time.perf_counter()
         side = ops.side_stream(dev)
@@ -136,9 +196,13 @@ class DeviceBucket:
         ops.record(produced, ops.current_stream(dev))
         ops.stream_wait(side, produced)  # the gradients' producers come first
         flat, _ = self._buffers(self.dtype)
-        ops.pack(flat, grads, side)
+        self._pack(flat, grads, side)
         with ops.on(side):
             wire, ctx = compression.compress(flat)
+        if self._in_place is None:
+            self._in_place = wire is flat
+        # the reduced values land in the flat buffer: gradients that are views of it need no copy back
+        grads, back_into = self._become_views(grads) if wire is flat else (grads, list(range(len(grads))))
         _, host = self._buffers(wire.dtype)
         ops.copy(host, wire, side)
         ready = ops.event()
@@ -153,16 +217,26 @@ class DeviceBucket:
             return _rc.allreduce_async(array, op=op, name=core_name, prescale_factor=prescale,
                                        postscale_factor=postscale, out=array, process_set=process_set)
 
-        staging = stager.submit(ops, ready, begin, core_name)
-
-        def finish(_raw: Any) -> list[torch.Tensor]:  # on the thread in synchronize()
-            ops.copy(wire, host, side)
+        def home(_raw: Any) -> Any:  # on a completer thread, once the reduction is done
+            t1 = time.perf_counter()
+            ops.copy(wire, host, side)  # after the device-to-host copy on the same stream
             with ops.on(side):
                 value = compression.decompress(wire, ctx)
-            ops.unpack(value, grads, side)
+            if value is not flat:
+                ops.unpack(value, grads, side)
+            elif back_into:
+                ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
             back = ops.event()
             ops.record(back, side)
+            if _core_api.timeline_active():
+                _core_api.timeline_span(core_name, "BUCKET_UNPACK", t1, time.perf_counter(),
+                                        {"parameters": self.names})
+            return back
+
+        returning = completer.submit(stager.submit(ops, ready, begin, core_name), home, core_name)
+
+        def finish(back: Any) -> list[torch.Tensor]:  # on the thread in synchronize(): no copy, no wait
             ops.stream_wait(ops.current_stream(dev), back)  # later kernels see the reduced values
             return grads
 
-        return Handle("allreduce", name, staging, finish, None, int(array.nbytes))
+        return Handle("allreduce", name, returning, finish, None, int(array.nbytes))

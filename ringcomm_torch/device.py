@@ -7,11 +7,15 @@ leaves recorded events *not ready* and fills the destinations of the copies with
 :meth:`FakeOps.fire` runs them, so a reader that does not wait for the event reads poison.
 
 Nothing here blocks the calling thread except :meth:`DeviceOps.wait_event`, which only the
-:class:`Stager` thread calls (and ``synchronize()``/``wait()`` through it)::
+:class:`Stager` thread calls (and ``synchronize()``/``wait()`` through it).  The
+:class:`Completer`'s threads wait for core ops and then queue the device work that brings their
+results back, so the thread in ``synchronize()`` only makes its stream wait for an event::
 
     ops.record(ready, ops.side_stream(dev))   # autograd thread: queue the copy, record its event
-    stager.submit(ops, ready, start_op)       # returns at once
+    staging = stager.submit(ops, ready, start_op)   # returns at once
     # stager thread: ops.wait_event(ready) (GIL released), then start_op() hands the buffer to the core
+    back = completer.submit(staging, copy_back)     # returns at once
+    # a completer thread: staging.wait(), then copy_back(result) queues the copy home, records an event
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "FakeOps", "cuda_ops", "staging_ops", "ops_for", "override", "Stager", "Staging", "stager"]
+__all__ = ["DeviceOps", "CudaOps", "FakeOps", "cuda_ops", "staging_ops", "ops_for", "override", "Stager", "Staging",
+           "stager", "Completer", "Returning", "completer"]
 
 
 class DeviceOps(Protocol):
@@ -45,6 +50,10 @@ class DeviceOps(Protocol):
         """``flat`` = the tensors one after another (one batched copy on ``stream``)."""
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any) -> None:
         """The tensors = their parts of ``flat`` (one batched copy on ``stream``)."""
+    def pack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        """Each of ``parts`` (views of one flat buffer) = its tensor (one batched copy on ``stream``)."""
+    def unpack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        """Each tensor = its part (views of one flat buffer; one batched copy on ``stream``)."""
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         """``dst`` = ``src`` on ``stream``, without the host waiting (pinned <-> device)."""
     def on(self, stream: Any) -> Any:
@@ -106,6 +115,16 @@ class CudaOps:
         with torch.cuda.stream(stream), torch.no_grad():
             torch._foreach_copy_(list(tensors), _views(flat, tensors))
 
+    def pack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        with torch.cuda.stream(stream), torch.no_grad():
+            torch._foreach_copy_(list(parts), [t.detach() for t in tensors])
+        for t in tensors:
+            t.record_stream(stream)
+
+    def unpack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        with torch.cuda.stream(stream), torch.no_grad():
+            torch._foreach_copy_(list(tensors), list(parts))
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
@@ -122,25 +141,34 @@ class _FakeEvent:
 class FakeOps:
     """:class:`DeviceOps` on CPU tensors, for tests; ``calls`` lists ``(call, thread name)``.
 
-    While :meth:`hold` is on, copies are deferred (their destinations hold NaN meanwhile) and
-    recorded events stay not ready until :meth:`fire`.  ``pinned_allocations`` counts buffers."""
+    While :meth:`hold` is on, copies and unpacks are deferred, in order (their destinations hold
+    NaN meanwhile), and recorded events stay not ready until :meth:`fire`; packs and torch
+    operations under :meth:`on` run at once.  ``pinned_allocations`` counts buffers;
+    ``count(call, buffer=flat)`` counts the packs and unpacks (batched or in parts) of one
+    bucket's flat buffer, and the copies into or out of it."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
+        self._storages: list[tuple[int, ...]] = []  # per call: the storages it wrote or read in bulk
         self.pinned_allocations = 0
         self._held = False
         self._deferred: list[Callable[[], None]] = []
         self._events: list[_FakeEvent] = []
         self._lock = threading.Lock()
 
-    def _note(self, call: str) -> None:
+    def _note(self, call: str, *tensors: torch.Tensor) -> None:
+        storages = tuple(t.untyped_storage().data_ptr() for t in tensors)
         with self._lock:
             self.calls.append((call, threading.current_thread().name))
+            self._storages.append(storages)
 
-    def count(self, call: str, thread: str | None = None) -> int:
-        """How many ``call`` calls were made (on the thread named ``thread``, if given)."""
+    def count(self, call: str, thread: str | None = None, buffer: torch.Tensor | None = None) -> int:
+        """How many ``call`` calls were made (on the thread named ``thread``, and touching the
+        memory of ``buffer`` as a whole, if given)."""
+        key = None if buffer is None else buffer.untyped_storage().data_ptr()
         with self._lock:
-            return sum(1 for c, t in self.calls if c == call and (thread is None or t == thread))
+            return sum(1 for (c, t), s in zip(self.calls, self._storages)
+                       if c == call and (thread is None or t == thread) and (key is None or key in s))
 
     def hold(self) -> None:
         with self._lock:
@@ -191,17 +219,41 @@ class FakeOps:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def pack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any) -> None:
-        self._note("pack")
+        self._note("pack", flat)
         with torch.no_grad():
             torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
 
     def unpack(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], stream: Any) -> None:
-        self._note("unpack")
+        self._note("unpack", flat)
+        self._run_or_defer(list(tensors), lambda: torch._foreach_copy_(list(tensors), _views(flat, tensors)))
+
+    def pack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        self._note("pack", *parts[:1])
         with torch.no_grad():
-            torch._foreach_copy_(list(tensors), _views(flat, tensors))
+            torch._foreach_copy_(list(parts), [t.detach() for t in tensors])
+
+    def unpack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
+        self._note("unpack", *parts[:1])
+        self._run_or_defer(list(tensors), lambda: torch._foreach_copy_(list(tensors), list(parts)))
+
+    def _run_or_defer(self, dsts: list[torch.Tensor], run: Callable[[], Any]) -> None:
+        """``run()`` now, or (held) at :meth:`fire`, after the copies queued before it, with the
+        destinations NaN meanwhile: the way back reads the host-to-device copy's destination."""
+        def later() -> None:
+            with torch.no_grad():
+                run()
+        with self._lock:
+            if self._held:
+                with torch.no_grad():
+                    for t in dsts:
+                        if t.is_floating_point():
+                            t.fill_(float("nan"))
+                self._deferred.append(later)
+                return
+        later()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        self._note("copy")
+        self._note("copy", dst, src)
         snapshot = src.detach().clone()
 
         def run() -> None:
@@ -328,3 +380,72 @@ class Stager:
 
 
 stager = Stager()
+
+
+class Returning:
+    """One op's way back: ``done()``/``wait()`` as a core handle's; ``wait()`` returns what the
+    completer's ``then`` returned (or raises the op's error, or ``then``'s)."""
+
+    __slots__ = ("name", "_done", "_result", "_error")
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class Completer:
+    """Daemon threads that each wait for one op (its ``wait()``, GIL released) and then run its
+    ``then(result)`` there, which queues the device work that brings the results back.
+
+    A job takes an idle thread, or a new one when none is idle, so an op whose peers are late
+    never holds back the way back of another that is done; the threads stay for later jobs."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[tuple[Any, Callable[[Any], Any], Returning]] = collections.deque()
+        self._idle = 0
+        self._pid = 0
+
+    def submit(self, op: Any, then: Callable[[Any], Any], name: str | None) -> Returning:
+        """``then(op.wait())`` runs on a completer thread; returns at once."""
+        import os
+
+        returning = Returning(name)
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child has none of its parent's threads
+                self._pid, self._idle = os.getpid(), 0
+                self._jobs.clear()
+            self._jobs.append((op, then, returning))
+            if self._idle < len(self._jobs):
+                threading.Thread(target=self._run, name="ringcomm-torch-completer", daemon=True).start()
+            else:
+                self._cond.notify()
+        return returning
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                while not self._jobs:
+                    self._cond.wait()
+                self._idle -= 1
+                op, then, returning = self._jobs.popleft()
+            try:
+                returning._result = then(op.wait())
+            except BaseException as exc:  # raised again by wait(), on the caller's thread
+                returning._error = exc
+            returning._done.set()
+
+
+completer = Completer()

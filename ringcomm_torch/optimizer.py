@@ -17,9 +17,9 @@ its own, where it lies.  ``groups=`` replaces the buckets with your own
 grouping, and ``RINGCOMM_BUCKET_BYTES=0`` gives one op per parameter (Horovod's
 default).  ``step()`` waits for every reduction (``synchronize()``) and then
 runs the wrapped optimizer's step.  CUDA parameters go into DDP-sized buckets that
-live as long as the optimizer (:mod:`.buckets`): the hook only queues one packing copy
-and one device-to-host copy per bucket on a side stream, and nothing waits for the GPU
-outside ``synchronize()``.
+live as long as the optimizer (:mod:`.buckets`): the hook only queues one device-to-host
+copy per bucket on a side stream, the results are copied back as each bucket's reduction
+finishes, and the gradients become views of the buckets (nothing to pack or unpack).
 
 What each rank sees (size 2, the same model; rank r's batch gives grad g_r)::
 

@@ -103,7 +103,9 @@ def test_one_copy_each_way_per_bucket_and_no_pinned_allocation_after_the_first_s
         model(x).square().mean().backward()
         opt.step()
         assert ops.count("copy") - before == 2 * n  # device->host and host->device, once per bucket
-        assert ops.count("pack") - packs == n and ops.count("unpack") - unpacks == n
+        # zero_grad() sets the gradients to None: each step packs them anew into the buckets, whose
+        # views they then become, so the results need no copy back (test_torch_device_return.py)
+        assert ops.count("pack") - packs == n and ops.count("unpack") - unpacks == 0
         if step == 0:
             allocated = ops.pinned_allocations
             assert allocated == n

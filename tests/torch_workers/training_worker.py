@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 import ringcomm_torch as hvd
+from ringcomm_torch import device
 
 torch.set_num_threads(1)
 hvd.init()
@@ -56,18 +57,22 @@ def assert_close(model: torch.nn.Module, ref: torch.nn.Module, tol: float, what:
 
 
 def check_equivalence(make_opt: Callable, what: str, tol: float = 1e-5, steps: int = 10, passes: int = 1,
-                      **dist_kwargs) -> None:
+                      ops: device.DeviceOps | None = None, set_to_none: Callable[[int], bool] = lambda step: True,
+                      **dist_kwargs) -> hvd.DistributedOptimizer:
+    """Train ``steps`` steps at every rank and one process on the global batch, and compare; with
+    ``ops``, every parameter takes the device (CUDA) path through those device operations."""
     model = make_model(seed=R)  # different on every rank until broadcast
     ref = make_model(seed=0)
-    opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
-                                   backward_passes_per_step=passes, **dist_kwargs)
+    with device.override(ops):
+        opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
+                                       backward_passes_per_step=passes, **dist_kwargs)
     ref_opt = make_opt(ref.parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     assert_close(model, ref, 0.0, f"{what} after broadcast_parameters")
     for step in range(steps):
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none(step))
+        ref_opt.zero_grad(set_to_none=set_to_none(step))
         for micro in range(passes):
             x, y = batch(step, micro)
             loss_fn(model, x[R * B:(R + 1) * B], y[R * B:(R + 1) * B]).backward()
@@ -76,6 +81,25 @@ def check_equivalence(make_opt: Callable, what: str, tol: float = 1e-5, steps: i
         ref_opt.step()
         assert_identical_across_ranks(model, f"{what} step {step}")
     assert_close(model, ref, tol, what)
+    return opt
+
+
+def check_device_buckets(sgd: Callable) -> None:
+    """The CUDA bucket path, on the fake device: results right at every size whether the
+    gradients are set to None between steps or zeroed in place (then they stay views of the
+    buckets: packed only on the steps after a set_to_none, never unpacked); with fp16 compression
+    they keep their own memory and the results are copied back once per bucket and step."""
+    ops = device.FakeOps()
+    opt = check_equivalence(sgd, "device buckets (fake device)", steps=6, ops=ops, groups=2,
+                            set_to_none=lambda step: step % 3 == 0)
+    buckets = list(opt._device_buckets.values())
+    assert len(buckets) == 2 and all(all(b.views()) for b in buckets), f"rank {R}: gradients are not bucket views"
+    packs = [ops.count("pack", buffer=b._flat) for b in buckets]
+    assert packs == [2, 2] and ops.count("unpack") == 0, f"rank {R}: packs {packs}, unpacks {ops.count('unpack')}"
+    ops = device.FakeOps()
+    opt = check_equivalence(sgd, "device buckets, fp16 (fake device)", tol=1e-2, steps=3, ops=ops,
+                            compression=hvd.Compression.fp16)
+    assert ops.count("unpack", "ringcomm-torch-completer") == 3 * len(opt._device_buckets)
 
 
 def check_unused_parameter() -> None:
@@ -166,6 +190,7 @@ def run() -> None:
     check_equivalence(sgd, "SGD groups=2", steps=3, groups=2)
     check_equivalence(sgd, "SGD gradient_predivide_factor", steps=3, gradient_predivide_factor=float(N))
     check_equivalence(sgd, "SGD fp16", tol=1e-2, steps=3, compression=hvd.Compression.fp16)
+    check_device_buckets(sgd)
     check_unused_parameter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # lr_scheduler order warnings
