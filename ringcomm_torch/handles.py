@@ -3,8 +3,10 @@
 A :class:`Handle` wraps the core's handle plus what turns the core's NumPy
 result into the torch result (copy back to the device, cast bfloat16 back,
 release pinned staging buffers).  That finishing step runs once, on the thread
-that calls :func:`synchronize`, so CUDA copies are queued on that thread's
-current stream.
+that calls :func:`synchronize`.  For a single tensor it queues the CUDA copies
+on that thread's current stream; for the optimizer's gradient buckets the
+copies home were already queued as each reduction finished (on a completer
+thread), and the step only makes the current stream wait for them.
 
 What each rank sees (size 2)::
 

@@ -4,14 +4,14 @@ A rank sends every peer one frame per lane index it posts, and one when it
 posts no more::
 
     head (26 bytes, little-endian): kind u8, epoch u32, index u64, key u64, fast u8, nbytes u32
-    payload: nbytes bytes (an entry's buffers, concatenated; nothing for OFF)
+    payload: nbytes bytes (a slot's buffers, concatenated; nothing for OFF)
 
 ``epoch`` counts the lane's restarts after a join: a frame of an older epoch
 is stale and dropped by the reader.  A stream may be cut anywhere; the
 reader keeps the tail until the rest arrives.
 
     >>> r = FrameReader(max_payload=16)
-    >>> r.feed(entry_frame(0, 3, 7, True, b"abcd")[:10]), len(r.feed(entry_frame(0, 3, 7, True, b"abcd")[10:]))
+    >>> r.feed(slot_frame(0, 3, 7, True, b"abcd")[:10]), len(r.feed(slot_frame(0, 3, 7, True, b"abcd")[10:]))
     ([], 1)
 """
 
@@ -22,12 +22,12 @@ from typing import NamedTuple
 
 from ..errors import ProtocolError
 
-ENTRY, OFF = 1, 2
+SLOT, OFF = 1, 2
 HEAD = struct.Struct("<BIQQBI")
 
 
 class Frame(NamedTuple):
-    kind: int  # ENTRY or OFF
+    kind: int  # SLOT or OFF
     epoch: int
     lane_index: int
     key: int
@@ -35,14 +35,14 @@ class Frame(NamedTuple):
     payload: bytes
 
 
-def entry_frame(epoch: int, index: int, key: int, fast: bool, payload: bytes) -> bytes:
-    """One lane entry: its head and its payload."""
-    return HEAD.pack(ENTRY, epoch & 0xFFFFFFFF, index, key, int(fast), len(payload)) + payload
+def slot_frame(epoch: int, index: int, key: int, fast: bool, payload: bytes) -> bytes:
+    """One lane slot: its head and its payload."""
+    return HEAD.pack(SLOT, epoch & 0xFFFFFFFF, index, key, int(fast), len(payload)) + payload
 
 
-def entry_head(epoch: int, index: int, key: int, fast: bool, nbytes: int) -> bytes:
-    """The head of an entry whose ``nbytes`` of payload follow it on the stream."""
-    return HEAD.pack(ENTRY, epoch & 0xFFFFFFFF, index, key, int(fast), nbytes)
+def slot_head(epoch: int, index: int, key: int, fast: bool, nbytes: int) -> bytes:
+    """The head of a slot whose ``nbytes`` of payload follow it on the stream."""
+    return HEAD.pack(SLOT, epoch & 0xFFFFFFFF, index, key, int(fast), nbytes)
 
 
 def off_frame(epoch: int) -> bytes:
@@ -68,7 +68,7 @@ class FrameReader:
         frames, pos, end, size = [], 0, len(view), HEAD.size
         while end - pos >= size:
             kind, epoch, index, key, fast, nbytes = HEAD.unpack_from(view, pos)
-            if kind not in (ENTRY, OFF) or nbytes > self.max_payload or fast > 1:
+            if kind not in (SLOT, OFF) or nbytes > self.max_payload or fast > 1:
                 raise ProtocolError(f"malformed small-op lane frame: kind {kind}, fast {fast}, {nbytes} B "
                                     f"(at most {self.max_payload} B)")
             if end - pos - size < nbytes:

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..shm import futex
 from ..core import lane
-from ..core.lane_frames import OFF, Frame, FrameReader, entry_head, off_frame
+from ..core.lane_frames import OFF, Frame, FrameReader, slot_head, off_frame
 from ..errors import HorovodInternalError, PeerLostError, ProtocolError
 
 log = logging.getLogger("ringcomm")
@@ -171,7 +171,7 @@ class NetLane:
         self._kept[self.rank][index] = (key, fast, own)
         self._count[self.rank] = index + 1
         self._prune(self.rank, index)
-        self._send(entry_head(self._epoch, index, key, fast, len(own)) + own)
+        self._send(slot_head(self._epoch, index, key, fast, len(own)) + own)
 
     def set_off(self) -> None:
         """This rank posts no more: tell every peer, so they divert what it never posts."""
