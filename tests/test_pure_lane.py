@@ -205,3 +205,10 @@ def test_the_lane_across_hosts_is_off_by_default_and_by_job_size_when_asked_for(
     for bad in ("-2", str(4 * 1024 * 1024 + 1)):
         with pytest.raises(InvalidInputError, match="RINGCOMM_NET_LANE_BYTES must be between 0"):
             Settings.from_env({"RINGCOMM_NET_LANE_BYTES": bad})
+
+
+def test_still_missing_lists_the_ranks_not_yet_posted_and_gives_up_at_a_mismatch() -> None:
+    assert lane.still_missing([1, 2, 3], [-1, 8, -1]) == [1, 3]
+    assert lane.still_missing([1, 2], [4, 8]) == []
+    assert lane.still_missing([1, 2, 3], [-1, None, -1]) is None
+    assert lane.still_missing([], []) == []

@@ -102,7 +102,7 @@ def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_byt
 
 
 def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> int:
-    """What this rank posts if it asks for the fast path for ``req`` (:func:`payload_nbytes`), or -1
+    """What this rank posts if it asks to post fast for ``req`` (:func:`payload_nbytes`), or -1
     when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the bound)."""
     kind = req.kind
     nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
@@ -133,6 +133,19 @@ def reached(count: int, index: int) -> bool:
         reached(5, 4) -> True    reached(4, 4) -> False    reached(0, 2**32 - 1) -> True
     """
     return (count - (index + 1)) & 0xFFFFFFFF < 0x80000000
+
+
+def still_missing(ranks: Sequence[int], matched: Sequence[int | None]) -> list[int] | None:
+    """Those of ``ranks`` that have not posted an index yet, from each one's ``matched`` state at it
+    (-1: not posted yet; None: posted something else, or went off; else its fast payload size); None
+    as soon as one is None (the index is decided without waiting more)."""
+    left = []
+    for r, got in zip(ranks, matched):
+        if got is None:
+            return None
+        if got < 0:
+            left.append(r)
+    return left
 
 
 # -- the region a lane is driven over -----------------------------------------

@@ -123,14 +123,7 @@ class MemoryLane:
         return nbytes if stored == index and got == key and fast else None
 
     def still_missing(self, ranks: list[int], index: int, key: int) -> list[int] | None:
-        left = []
-        for r in ranks:
-            got = self._matched(r, index, key)
-            if got is None:
-                return None
-            if got < 0:
-                left.append(r)
-        return left
+        return lane.still_missing(ranks, [self._matched(r, index, key) for r in ranks])
 
     def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
         sizes = []

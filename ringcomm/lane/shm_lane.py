@@ -217,14 +217,7 @@ class ShmLane(shm.MappedFile):
         """Those of ``ranks`` that have not posted ``index`` yet, once the others posted it fast with
         ``key``; None as soon as one posted something else there or went off (the index is decided
         without waiting more)."""
-        left = []
-        for r in ranks:
-            got = self._matched(r, index, key)
-            if got is None:
-                return None
-            if got < 0:
-                left.append(r)
-        return left
+        return lane.still_missing(ranks, [self._matched(r, index, key) for r in ranks])
 
     def fast_sizes(self, index: int, key: int, own_nbytes: int) -> list[int] | None:
         """Every rank's payload length at ``index`` when every other rank has posted it fast with
