@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..core import wire
+from ..core import routing, wire
 from ..core.cache import ResponseCache
 from ..job.config import Settings
 from ..core.controller import Controller
@@ -54,7 +54,7 @@ def simulate(size: int, tensors: int = 20, ops: int = 5, rounds: int = 3) -> dic
         for _ in range(ops):
             _step(ctrl, cache, size, reqs, [int(i) for i in ids if i is not None])
         warm = min(warm, (time.perf_counter() - t0) / (size * tensors * ops))
-    small = Settings().small_allreduce_bytes_for(size)
+    small = routing.limits_for(Settings(), size).small_bytes  # the bound the engine uses
     return {"ranks": size, "cold_us_per_request": cold * 1e6, "cached_us_per_request": warm * 1e6,
             "small_op_bound_bytes": small, "rank0_small_op_bytes_in": small * size}
 
