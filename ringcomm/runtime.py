@@ -186,7 +186,7 @@ class Runtime:
             # rank 0 failed an op of the global set as stalled: the ranks' lane indexes no longer
             # line up, so every rank posts no more (all ops go through the engine from here on)
             self._stalled_seen = self.engine.stalled_ops
-            self.lane_owner.close(timeout=0.0)
+            self.lane_owner.close(timeout=0.0, stalled=True)
         lane = self.lane if req.pset == 0 else None
         handle = Handle(name, release) if lane is None else LaneHandle(name, release)
         try:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ringcomm.core import lane, ops, wire
 from ringcomm.core.ops import ReduceOp
-from ringcomm.errors import HorovodInternalError, PeerLostError, ShutdownError
+from ringcomm.errors import HorovodInternalError, PeerLostError, ShutdownError, StallError
 from ringcomm.handles import Entry, Handle
 from ringcomm.lane.driver import LaneDriver, LaneHandle
 from ringcomm.lane.memory_region import MemoryBoard, MemoryLane
@@ -345,6 +345,19 @@ def test_a_closed_rank_makes_the_others_divert_and_fails_what_it_posted_alone() 
         with pytest.raises(TimeoutError):
             nxt.wait(0.3)  # diverted: the engine holds it until rank 0 hands it over too
         assert job.engines[1].diverted == ["next"]
+    finally:
+        job.close()
+
+
+def test_a_lane_closed_after_a_stall_fails_its_unmatched_op_as_a_stall_not_a_shutdown() -> None:
+    job = Job(2)
+    try:
+        lonely = job.submit(0, allreduce("lonely", values(0, 0, 4, "float32")), others=0)
+        job.drivers[0].close(timeout=0.0, stalled=True)  # rank 0 gave up an op: every rank posts no more
+        with pytest.raises(StallError, match=r"rank 0: op 'lonely' was in the small-op lane when rank 0 gave up"
+                                              r".*same collectives, in the same order"):
+            lonely.wait(1)
+        assert job.drivers[0].state is State.CLOSED
     finally:
         job.close()
 

@@ -501,10 +501,12 @@ class LaneDriver:
 
     # -- closing ----------------------------------------------------------------
 
-    def close(self, timeout: float = 10.0) -> None:
-        """This rank posts no more (shutdown): the others divert what it never posts."""
+    def close(self, timeout: float = 10.0, stalled: bool = False) -> None:
+        """This rank posts no more: the others divert what it never posts.  ``stalled``: the cause
+        is an op rank 0 gave up as stalled (the ranks ran different collectives), not a shutdown;
+        an op posted fast that the others never matched fails with a :class:`StallError` saying so."""
         with self._cond:
-            self._close_locked(time.monotonic() + timeout)
+            self._close_locked(time.monotonic() + timeout, stalled)
         if self._sweeper is not threading.current_thread():
             self._sweeper.join(timeout=1.0)
 
@@ -518,7 +520,7 @@ class LaneDriver:
             self._drain_backlog(None)
             self._cond.notify_all()
 
-    def _close_locked(self, deadline: float | None) -> None:
+    def _close_locked(self, deadline: float | None, stalled: bool = False) -> None:
         """Go off; ops already posted fast still resolve as the slots say (the others may have
         finished them already), waiting for the peers until ``deadline`` (None: no limit) with the
         lock released while it waits."""
@@ -528,9 +530,7 @@ class LaneDriver:
         self._state = State.CLOSING
         for k in sorted(self._pending):
             if not self._resolve(k, deadline, block=True) and k in self._pending:
-                self._fail(k, self._pending[k], ShutdownError(
-                    f"rank {self.rank}: ringcomm was shut down while op {self._pending[k].entry.req.name!r} "
-                    "waited for the other ranks; wait for every op (synchronize) before shutdown()"))
+                self._fail(k, self._pending[k], self._unmatched(self._pending[k].entry.req.name, stalled))
         self._publish_read()  # reads no more: whatever an interrupted resolve left unpublished
         self._state = State.CLOSED
         if not self._unlinked:
@@ -538,6 +538,18 @@ class LaneDriver:
             # down right after init) would find no region and run without a lane, while this one
             # reopens its lane after the join; the lane's owner unlinks it when the engine closes otherwise
             self._unlink_once_all_posted()
+
+    def _unmatched(self, name: str, stalled: bool) -> BaseException:
+        """The error of an op this rank posted fast that the others never matched before it closed."""
+        if stalled:
+            return StallError(
+                f"rank {self.rank}: op {name!r} was in the small-op lane when rank 0 gave up an op as stalled: "
+                "the ranks did not run the same collectives, so their lane slots no longer line up and "
+                "every rank now sends its ops through rank 0; run the same collectives, in the same order, "
+                "on every rank")
+        return ShutdownError(
+            f"rank {self.rank}: ringcomm was shut down while op {name!r} waited for the other ranks; "
+            "wait for every op (synchronize) before shutdown()")
 
     def reopen_after_join(self, barrier: Callable[[], None]) -> None:
         """Every rank has joined, so every rank closed its lane before (and reads no slot any more):

@@ -94,11 +94,12 @@ class LaneOwner:
         self.driver = LaneDriver(region, engine, max_bytes, stall_check, stall_shutdown)
         return self.driver
 
-    def close(self, timeout: float) -> None:
-        """This rank posts no more (a shutdown, or every rank stops after a stalled op): the others
-        divert what it never posts; ops it posted fast resolve, waiting up to ``timeout`` for the peers."""
+    def close(self, timeout: float, stalled: bool = False) -> None:
+        """This rank posts no more (a shutdown, or every rank stops after a stalled op: ``stalled``):
+        the others divert what it never posts; ops it posted fast resolve, waiting up to ``timeout``
+        for the peers."""
         if self.driver is not None:
-            self.driver.close(timeout)
+            self.driver.close(timeout, stalled)
 
     def reopen_after_join(self, barrier: Callable[[], None]) -> None:
         """Every rank has joined: the lane starts again from index 0 (see
