@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 6 minutes on one GPU): the CUDA tests under ringcomm-run at
+# The GPU checks in one run (about 7 minutes on one GPU): the CUDA tests under ringcomm-run at
 # np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
-# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds) and `bench allreduce --device
-# cuda` (vs gloo).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the
-# benches' raw numbers packed in one archive; summary.txt starts with the machine and ends with the
-# figures.
+# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds), `bench allreduce --device
+# cuda` (vs gloo), and three ringcomm_torch steps under torch.profiler (where the host waits for the
+# GPU).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the benches' raw
+# numbers packed in one archive; summary.txt starts with the machine and ends with the figures.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
 # this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
@@ -41,7 +41,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 { nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.cuda.get_device_name(0))'; } \
     >"$RAW/machine.txt" 2>&1
 
-TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py)
+TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py
+       tests/test_torch_device_return.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
     step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
@@ -54,10 +55,20 @@ done
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 
+# where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
+# summary counts synchronizes and copies per thread; the trace stays here, it is too large to bring back)
+start=$SECONDS
+timeout --kill-after=10 150 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" -m ringcomm.bench._train_worker \
+    --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 10 --warmup 5 \
+    --out "$RAW/profile-b64-run.json" --profile "$RAW/profile-b64.json" >"$RAW/profile-b64.log" 2>&1
+STATUS+=("profile-b64: exit $? in $((SECONDS - start)) s")
+echo "gpu_check: ${STATUS[-1]}"
+
 cat "$RAW/machine.txt" >"$OUT/summary.txt"
 printf '%s\n' "${STATUS[@]}" >>"$OUT/summary.txt"
 grep -h "passed\|failed\|error" "$OUT"/cuda-tests-*.log | tail -n 20 >>"$OUT/summary.txt"
 grep -h "img/s\|^| \|per round" "$OUT"/training-b*.log >>"$OUT/summary.txt"
 grep -h "^| " "$OUT"/allreduce-cuda.log >>"$OUT/summary.txt"
-tar czf "$OUT/bench-raw.tgz" -C "$RAW" .
+cat "$RAW/profile-b64.json" >>"$OUT/summary.txt" 2>/dev/null
+tar czf "$OUT/bench-raw.tgz" --exclude='*.trace.json' -C "$RAW" .
 cat "$OUT/summary.txt"

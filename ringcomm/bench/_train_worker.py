@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=600.0)
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="after the timed steps, profile a few more on rank 0 and write a summary here")
     args = parser.parse_args(argv)
     start_watchdog(args.deadline)
     torch.set_num_threads(1)
@@ -219,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         step()
     settle()
     seconds = time.perf_counter() - t0
+    if args.profile:  # every rank runs the profiled steps; rank 0 records them
+        from . import _profile
+
+        if rank == 0:
+            _profile.profile_steps(step, settle, cuda, args.profile)
+        else:
+            for _ in range(_profile.STEPS):
+                step()
+            settle()
     all_seconds = gather(seconds)
     if rank == 0:
         slowest = max(all_seconds)
