@@ -178,7 +178,8 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
     """Allreduce ``tensor`` into ``output`` (None: a new tensor; ``tensor`` itself: in place)."""
     what = "allreduce"
     check_process_set(process_set, what)
-    with refusing("allreduce", core_name("allreduce", name), process_set):
+    cname = core_name("allreduce", name)
+    with refusing("allreduce", cname, process_set):
         op = resolve_op(op, average, stacklevel=4)  # the warning names the caller of allreduce_async
         s = stage(tensor, reduce=True, what=what)
     in_place = output is tensor
@@ -196,7 +197,7 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
         def finish(_raw: Any) -> torch.Tensor:
             dest = target if target is not None else empty_result(tensor)
             return s.write_back(dest)
-    core = _start([s], "allreduce", core_name("allreduce", name), process_set,
+    core = _start([s], "allreduce", cname, process_set,
                   lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, out=out, process_set=process_set))
     return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
