@@ -49,6 +49,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
     local_size as local_size,
     process_set_ids as process_set_ids,
     rank as rank,
+    refuse_call as refuse_call,  # ringcomm_torch refuses a call its own argument checks fail
     remove_process_set as remove_process_set,
     reserve_name as reserve_name,  # ringcomm_torch names a CUDA op before its copy is done
     resolve_process_set as resolve_process_set,  # ringcomm_torch resolves through ringcomm.api

@@ -30,8 +30,8 @@ import torch
 from .basics import global_process_set, set_rank, set_size
 from .collectives import (
     Average, Sum, allgather_async, allreduce_async, alltoall_async, broadcast_async,
-    grouped_allgather_async, grouped_allreduce_async, grouped_reducescatter_async, reducescatter_async,
-    resolve_op, synchronize,
+    core_name, grouped_allgather_async, grouped_allreduce_async, grouped_allreduce_names,
+    grouped_reducescatter_async, reducescatter_async, refusing, resolve_op, synchronize,
 )
 from .compression import Compression
 
@@ -44,8 +44,9 @@ def _recorded(tensor: torch.Tensor) -> bool:
 
     When it does not, the collectives below run without their ``Function``: the result is the
     same tensor, with no graph either way, and ``Function.apply``'s own 4-5 us per call are saved
-    (a metric averaged every step, ``hvd.allreduce(torch.tensor(loss))``, is such a call)."""
-    return tensor.requires_grad and torch.is_grad_enabled()
+    (a metric averaged every step, ``hvd.allreduce(torch.tensor(loss))``, is such a call).
+    Not a tensor: False, and the collective refuses it (on every rank)."""
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -78,7 +79,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         hvd.allreduce(t)                  # every rank: [1.5]
         hvd.allreduce(t, op=hvd.Max)      # every rank: [2.]
     """
-    resolve_op(op, average)  # validate the op/average combination before compressing
+    with refusing("allreduce", core_name("allreduce", name), process_set):
+        resolve_op(op, average)  # validate the op/average combination before compressing
     compressed, cctx = compression.compress(tensor)
     if _recorded(compressed):
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
@@ -113,8 +115,10 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Reduce a list of tensors as one fused op; returns a list of new tensors.  Differentiable."""
-    resolve_op(op, average, "grouped_allreduce")
     tensors = list(tensors)
+    with refusing("grouped_allreduce", None, process_set) as refusal:
+        refusal.names = lambda: grouped_allreduce_names(tensors, name)
+        resolve_op(op, average, "grouped_allreduce")
     if not tensors:
         return []
     pairs = [compression.compress(t) for t in tensors]

@@ -16,7 +16,9 @@ What each rank sees (size 2, rank r holds ``t = torch.full((2,), r + 1.)``)::
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +31,7 @@ from ringcomm.core.ops import ReduceOp
 
 from .basics import check_process_set, global_process_set, rank
 from .handles import Handle, completed, poll, synchronize
-from .tensors import Staged, begin, empty_result, stage, to_tensor
+from .tensors import Staged, begin, empty_result, stage, stageable_dtype, to_tensor
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
@@ -44,8 +46,10 @@ __all__ = [
 from ringcomm.core.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: E402  (re-exported)
 
 
-def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Any:
-    """Horovod's legacy ``average=`` flag -> an op (``op`` wins; giving both is an error)."""
+def resolve_op(op: Any, average: bool | None, what: str = "allreduce", stacklevel: int = 3) -> Any:
+    """Horovod's legacy ``average=`` flag -> an op (``op`` wins; giving both is an error).
+
+    ``stacklevel``: the deprecation warning's, counted from here (3: the caller's caller)."""
     if op is not None:
         if average is not None:
             raise InvalidInputError(
@@ -54,16 +58,67 @@ def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Any:
         return op
     if average is not None:
         warnings.warn(f"{what}: parameter `average` has been replaced with `op`; "
-                      "use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=3)
+                      "use op=hvd.Average or op=hvd.Sum", DeprecationWarning, stacklevel=stacklevel)
         return Average if average else Sum
     return Average
 
 
-def _core_name(kind: str, name: str | None) -> str | None:
+def core_name(kind: str, name: str | None) -> str | None:
     """The name the core negotiates on: ``kind.name`` as Horovod does, so that e.g. an allreduce and
     an allgather may share a user name (the core's names form one namespace across kinds).
     None lets the core number the op (``allreduce.noname.N``)."""
     return None if name is None else f"{kind}.{name}"
+
+
+_refused = threading.local()  # .last: a weak reference to the error this thread refused last
+
+
+class refusing:  # lower case: used as a function, like contextlib's managers
+    """Within the block, a call's own argument checks, before it calls the core: an
+    InvalidInputError or InvalidTypeError raised there is refused on every rank of the op(s) this
+    rank would have submitted (the others fail them with ``MismatchError`` naming this rank, and
+    this rank's unnamed ops stay numbered in step with theirs), then propagates unchanged.
+
+    The block must not call the core (the core refuses its own errors: refused again, an unnamed
+    op would take the next number).  It may set what it would submit as it learns it: ``names``
+    (core names, None: numbered by the core; or a function giving them, called only on an error)
+    and ``parts`` (one core op per tensor of a grouped allgather or reducescatter).  A class
+    rather than a ``@contextmanager``: it runs once per op.
+    """
+
+    __slots__ = ("kind", "names", "parts", "process_set")
+
+    def __init__(self, kind: str, core_name: str | None, process_set: Any) -> None:
+        self.kind = kind  # the core API's kind, as it numbers unnamed ops: "allreduce", "grouped_allgather"...
+        self.names: list[str | None] | Callable[[], list[str | None]] = [core_name]
+        self.parts = 1
+        self.process_set = process_set
+
+    def __enter__(self) -> refusing:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if not isinstance(exc, (InvalidInputError, InvalidTypeError)):
+            return
+        last = getattr(_refused, "last", None)
+        if last is not None and last() is exc:
+            return  # refused already, by a block around this one: once per call
+        _refused.last = weakref.ref(exc)
+        for name in self.names() if callable(self.names) else self.names:
+            _rc.api.refuse_call(self.kind, name, self.process_set, str(exc), self.parts)
+
+
+def _group_names(base: str | None, dtypes: Sequence[str]) -> list[str | None]:
+    """The core name of each op of a grouped allreduce split by dtype (one op per dtype, sorted)."""
+    return [base if base is None or len(dtypes) == 1 else f"{base}.{dt}" for dt in dtypes]
+
+
+def grouped_allreduce_names(tensors: Sequence[Any], name: str | None) -> list[str | None]:
+    """The core names of the ops a grouped allreduce of ``tensors`` submits: one per dtype of the
+    tensors this rank can stage (one when it can stage none of them; none for no tensors)."""
+    base = core_name("allreduce", name)
+    dtypes = sorted({dt for t in tensors if (dt := stageable_dtype(t, True)) is not None})
+    return _group_names(base, dtypes) or ([base] if tensors else [])
 
 
 class Several:
@@ -118,12 +173,15 @@ def _as_list(tensors: Any, what: str) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------- allreduce
 
-def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None, op: Any,
+def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None, op: Any, average: bool | None,
                prescale_factor: float, postscale_factor: float, process_set: Any) -> Handle:
     """Allreduce ``tensor`` into ``output`` (None: a new tensor; ``tensor`` itself: in place)."""
     what = "allreduce"
     check_process_set(process_set, what)
-    s = stage(tensor, reduce=True, what=what)
+    cname = core_name("allreduce", name)
+    with refusing("allreduce", cname, process_set):
+        op = resolve_op(op, average, stacklevel=4)  # the warning names the caller of allreduce_async
+        s = stage(tensor, reduce=True, what=what)
     in_place = output is tensor
     if not in_place and s.direct:
         # the staged array aliases the caller's tensor: reduce into a fresh tensor instead
@@ -139,7 +197,7 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
         def finish(_raw: Any) -> torch.Tensor:
             dest = target if target is not None else empty_result(tensor)
             return s.write_back(dest)
-    core = _start([s], "allreduce", _core_name("allreduce", name), process_set,
+    core = _start([s], "allreduce", cname, process_set,
                   lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, out=out, process_set=process_set))
     return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
@@ -155,16 +213,14 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         hvd.synchronize(hvd.allreduce_async(t))              # every rank: [1.5]
         hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum))  # every rank: [3.]
     """
-    op = resolve_op(op, average)
-    return _allreduce(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce(tensor, None, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``synchronize`` returns ``tensor`` itself, now reduced."""
-    op = resolve_op(op, average)
-    return _allreduce(tensor, tensor, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce(tensor, tensor, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -175,26 +231,32 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                         process_set))
 
 
-def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, prescale_factor: float,
-                       postscale_factor: float, process_set: Any) -> Handle:
+def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, average: bool | None,
+                       prescale_factor: float, postscale_factor: float, process_set: Any) -> Handle:
     what = "grouped_allreduce"
     check_process_set(process_set, what)
-    tensors = _as_list(tensors, what)
-    if not tensors:
-        return completed("allreduce", [])
-    staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    base = _core_name("allreduce", name)
+    base = core_name("allreduce", name)
+    with refusing("grouped_allreduce", base, process_set) as refusal:
+        tensors = _as_list(tensors, what)
+        # refused: the op of each dtype of the tensors this rank can stage, as it would submit them;
+        # another rank whose tensors have other dtypes splits its group otherwise, and its ops then
+        # fail with a mismatch or a stall, as groups of different dtypes always have
+        refusal.names = lambda: grouped_allreduce_names(tensors, name)
+        op = resolve_op(op, average, what, stacklevel=4)
+        if not tensors:
+            return completed("allreduce", [])
+        staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
     # the core fuses one dtype per group: split a mixed group by dtype, one core op each
     by_dtype: dict[str, list[int]] = {}
     for i, s in enumerate(staged):
         by_dtype.setdefault(s.array.dtype.name, []).append(i)
     order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
+    names = dict(zip(sorted(by_dtype), _group_names(base, sorted(by_dtype))))
     # in place, the core writes straight into the staged arrays (the tensors themselves when they
     # are contiguous in the wire dtype): no result arrays to allocate and nothing to copy back
     def sub(dt: str) -> Any:
         arrays = [staged[i].array for i in by_dtype[dt]]
-        return _start([staged[i] for i in by_dtype[dt]], "grouped_allreduce",
-                      base if base is None or len(by_dtype) == 1 else f"{base}.{dt}", process_set,
+        return _start([staged[i] for i in by_dtype[dt]], "grouped_allreduce", names[dt], process_set,
                       lambda nm: _rc.grouped_allreduce_async(arrays, op=op, name=nm, prescale_factor=prescale_factor,
                                                              postscale_factor=postscale_factor,
                                                              outs=arrays if in_place else None,
@@ -220,16 +282,14 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
     """Start reducing a list of tensors as one op; ``synchronize`` returns a list of new tensors."""
-    op = resolve_op(op, average, "grouped_allreduce")
-    return _grouped_allreduce(tensors, False, name, op, prescale_factor, postscale_factor, process_set)
+    return _grouped_allreduce(tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
     """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns the same tensors, reduced."""
-    op = resolve_op(op, average, "grouped_allreduce")
-    return _grouped_allreduce(tensors, True, name, op, prescale_factor, postscale_factor, process_set)
+    return _grouped_allreduce(tensors, True, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -252,8 +312,10 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """
     what = "allgather"
     check_process_set(process_set, what)
-    s = stage(tensor, reduce=False, what=what)
-    core = _start([s], "allgather", _core_name("allgather", name), process_set,
+    cname = core_name("allgather", name)
+    with refusing("allgather", cname, process_set):
+        s = stage(tensor, reduce=False, what=what)
+    core = _start([s], "allgather", cname, process_set,
                   lambda nm: _rc.allgather_async(s.array, name=nm, process_set=process_set))
 
     def finish(raw: Any) -> torch.Tensor:
@@ -266,11 +328,14 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     """Start allgathering a list of tensors as one op; ``synchronize`` returns a list."""
     what = "grouped_allgather"
     check_process_set(process_set, what)
-    tensors = _as_list(tensors, what)
-    if not tensors:
-        return completed("allgather", [])
-    staged = [stage(t, reduce=False, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    core = _start(staged, "grouped_allgather", _core_name("allgather", name), process_set,
+    cname = core_name("allgather", name)
+    with refusing("grouped_allgather", cname, process_set) as refusal:
+        tensors = _as_list(tensors, what)
+        if not tensors:
+            return completed("allgather", [])
+        refusal.parts = len(tensors)  # the core allgathers each tensor as an op of its own
+        staged = [stage(t, reduce=False, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
+    core = _start(staged, "grouped_allgather", cname, process_set,
                   lambda nm: _rc.grouped_allgather_async([s.array for s in staged], name=nm,
                                                          process_set=process_set))
 
@@ -285,7 +350,9 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
                process_set: Any) -> Handle:
     what = "broadcast_" if in_place else "broadcast"
     check_process_set(process_set, what)
-    s = stage(tensor, reduce=False, what=what)
+    cname = core_name("broadcast", name)
+    with refusing("broadcast", cname, process_set):
+        s = stage(tensor, reduce=False, what=what)
     if not in_place and s.direct:
         # the staged array aliases the caller's tensor: receive into a fresh tensor instead
         result_t = empty_result(tensor)
@@ -299,7 +366,7 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
         def finish(_raw: Any) -> torch.Tensor:
             return s.write_back(tensor if in_place else empty_result(tensor))
     # the core checks root_rank after numbering the op: a bad root on one rank fails it on every rank
-    core = _start([s], "broadcast", _core_name("broadcast", name), process_set,
+    core = _start([s], "broadcast", cname, process_set,
                   lambda nm: _rc.broadcast_async(s.array, root_rank, name=nm, process_set=process_set, out=out))
     return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
 
@@ -358,10 +425,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """
     what = "alltoall"
     check_process_set(process_set, what)
-    s = stage(tensor, reduce=False, what=what)
-    split_arr = _splits_array(splits, what)
+    cname = core_name("alltoall", name)
+    with refusing("alltoall", cname, process_set):
+        s = stage(tensor, reduce=False, what=what)
+        split_arr = _splits_array(splits, what)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
-    core = _start([s], "alltoall", _core_name("alltoall", name), process_set,
+    core = _start([s], "alltoall", cname, process_set,
                   lambda nm: _rc.alltoall_async(s.array, splits=split_arr, name=nm, process_set=process_set))
 
     def finish(raw: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,8 +456,10 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     """
     what = "reducescatter"
     check_process_set(process_set, what)
-    s = stage(tensor, reduce=True, what=what)
-    core = _start([s], "reducescatter", _core_name("reducescatter", name), process_set,
+    cname = core_name("reducescatter", name)
+    with refusing("reducescatter", cname, process_set):
+        s = stage(tensor, reduce=True, what=what)
+    core = _start([s], "reducescatter", cname, process_set,
                   lambda nm: _rc.reducescatter_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                      postscale_factor=postscale_factor, process_set=process_set))
 
@@ -403,11 +474,14 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start a reducescatter of a list of tensors as one op; ``synchronize`` returns a list."""
     what = "grouped_reducescatter"
     check_process_set(process_set, what)
-    tensors = _as_list(tensors, what)
-    if not tensors:
-        return completed("reducescatter", [])
-    staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
-    core = _start(staged, "grouped_reducescatter", _core_name("reducescatter", name), process_set,
+    cname = core_name("reducescatter", name)
+    with refusing("grouped_reducescatter", cname, process_set) as refusal:
+        tensors = _as_list(tensors, what)
+        if not tensors:
+            return completed("reducescatter", [])
+        refusal.parts = len(tensors)  # the core reduces and scatters each tensor as an op of its own
+        staged = [stage(t, reduce=True, what=f"{what} (tensor {i})") for i, t in enumerate(tensors)]
+    core = _start(staged, "grouped_reducescatter", cname, process_set,
                   lambda nm: _rc.grouped_reducescatter_async([s.array for s in staged], op=op, name=nm,
                                                              prescale_factor=prescale_factor,
                                                              postscale_factor=postscale_factor,

@@ -19,15 +19,23 @@ import ringcomm as _rc
 from ringcomm.errors import InvalidInputError, InvalidTypeError
 
 from .basics import check_process_set, global_process_set, rank
-from .collectives import broadcast_async_, synchronize
+from .collectives import broadcast_async_, core_name, refusing, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
 def _broadcast_in_place(named: Sequence[tuple[str | None, torch.Tensor]], root_rank: int) -> None:
-    """Broadcast every tensor in place, all in flight at once; waits for all before raising."""
-    handles = [broadcast_async_(t, root_rank, name=name) for name, t in named]
+    """Broadcast every tensor in place, all in flight at once; waits for all before raising.
+
+    A tensor refused at the call (every rank fails its op) does not keep the others from going out,
+    so that every rank still submits the same ops (the first error is raised once all are done)."""
+    handles = []
     error: BaseException | None = None
+    for name, t in named:
+        try:
+            handles.append(broadcast_async_(t, root_rank, name=name))
+        except (InvalidInputError, InvalidTypeError) as exc:
+            error = error or exc
     for h in handles:
         try:
             synchronize(h)
@@ -64,13 +72,14 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
                                    "pass model.state_dict() or model.named_parameters()") from None
         if items and all(isinstance(n, str) for n, _ in items):
             items.sort(key=lambda kv: kv[0])
-    named: list[tuple[str | None, torch.Tensor]] = []
-    for name, value in items:
-        if not isinstance(value, torch.Tensor):
-            raise InvalidTypeError(
-                f"broadcast_parameters: entry {name!r} is a {type(value).__name__}, not a tensor; "
-                "broadcast it with hvd.broadcast_object")
-        named.append((None if name is None else str(name), value))
+    named: list[tuple[str | None, Any]] = [(None if name is None else str(name), value) for name, value in items]
+    with refusing("broadcast", None, global_process_set) as refusal:  # the other ranks broadcast every entry
+        refusal.names = [core_name("broadcast", name) for name, _ in named]
+        for name, value in items:
+            if not isinstance(value, torch.Tensor):
+                raise InvalidTypeError(
+                    f"broadcast_parameters: entry {name!r} is a {type(value).__name__}, not a tensor; "
+                    "broadcast it with hvd.broadcast_object")
     _broadcast_in_place(named, root_rank)
 
 

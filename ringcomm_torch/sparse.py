@@ -18,8 +18,9 @@ import torch
 from ringcomm.errors import InvalidTypeError
 
 from .basics import global_process_set, size
-from .collectives import Average, Sum, Several, allgather_async
+from .collectives import Average, Sum, Several, allgather_async, core_name, refusing
 from .handles import Handle
+from .tensors import check_stageable
 
 __all__ = ["SparseHandle", "sparse_allreduce_async"]
 
@@ -41,15 +42,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
     different numbers of entries.  The result is a sparse tensor of ``tensor``'s size.
     """
     what = f"sparse_allreduce {name!r}"
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
-        raise InvalidTypeError(f"{what}: expected a sparse COO tensor, got "
-                               f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}; "
-                               "use hvd.allreduce for dense tensors")
-    if op not in (Average, Sum):
-        raise InvalidTypeError(f"{what}: op={op!r} cannot reduce sparse tensors by allgather; use hvd.Sum or "
-                               "hvd.Average, or densify the tensor (tensor.to_dense()) and use hvd.allreduce")
-    indices = tensor._indices().transpose(0, 1).contiguous()  # one row per entry: allgather joins rows
-    values = tensor._values().contiguous()
+    parts = [core_name("allgather", None if name is None else f"{name}.{part}") for part in ("values", "indices")]
+    with refusing("allgather", None, process_set) as refusal:
+        refusal.names = parts  # both allgathers, as the other ranks submit them
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+            raise InvalidTypeError(f"{what}: expected a sparse COO tensor, got "
+                                   f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else tensor.layout}; "
+                                   "use hvd.allreduce for dense tensors")
+        if op not in (Average, Sum):
+            raise InvalidTypeError(f"{what}: op={op!r} cannot reduce sparse tensors by allgather; use hvd.Sum or "
+                                   "hvd.Average, or densify the tensor (tensor.to_dense()) and use hvd.allreduce")
+        indices = tensor._indices().transpose(0, 1).contiguous()  # one row per entry: allgather joins rows
+        values = tensor._values().contiguous()
+        check_stageable(values, "allgather")  # here, not in the first allgather: the second would be missing
     vh = allgather_async(values, name=None if name is None else f"{name}.values", process_set=process_set)
     ih = allgather_async(indices, name=None if name is None else f"{name}.indices", process_set=process_set)
     members = size() if process_set is None or process_set is global_process_set else process_set.size()

@@ -43,7 +43,8 @@ from ringcomm.core.ops import SUPPORTED_DTYPES
 
 from .device import stager, staging_ops
 
-__all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype"]
+__all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype",
+           "check_stageable", "stageable_dtype"]
 
 _CORE_TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "uint8",
@@ -295,8 +296,9 @@ def _copy_to_device(target: torch.Tensor, host: torch.Tensor, staged: Staged | N
     current.wait_stream(stream)
 
 
-def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
-    """A host array holding ``t``'s values in the wire dtype (see the module docstring)."""
+def check_stageable(t: Any, what: str) -> None:
+    """Raise :class:`InvalidTypeError` unless :func:`stage` can stage ``t`` (a strided CPU or CUDA
+    tensor of a supported dtype); copies nothing."""
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_sparse or t.layout is not torch.strided:
@@ -304,17 +306,32 @@ def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
             f"{what}: {t.layout} tensors are not supported; convert with tensor.to_dense()"
         )
     check_dtype(t.dtype, what)
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidTypeError(
+            f"{what}: tensors on device {t.device} are not supported; use CPU or CUDA tensors"
+        )
+
+
+def stageable_dtype(t: Any, reduce: bool) -> str | None:
+    """The core dtype :func:`stage` would hand the core for ``t`` (e.g. ``"float32"``), or None
+    when ``t`` cannot be staged."""
+    try:
+        check_stageable(t, "")
+    except InvalidTypeError:
+        return None
+    return _CORE_TORCH_DTYPES[wire_dtype(t.dtype, reduce)]
+
+
+def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
+    """A host array holding ``t``'s values in the wire dtype (see the module docstring)."""
+    check_stageable(t, what)
     wire = wire_dtype(t.dtype, reduce)
     if t.device.type == "cpu":
         host = _to_wire(t, wire)
         # contiguous and either the same dtype or bfloat16 bits viewed as int16: same memory
         direct = t.is_contiguous() and (wire is t.dtype or wire is torch.int16 and t.dtype is torch.bfloat16)
         return Staged(host.numpy(), t.dtype, wire, t.device, direct, None, host)
-    if t.device.type == "cuda":
-        return _stage_cuda(t, wire)
-    raise InvalidTypeError(
-        f"{what}: tensors on device {t.device} are not supported; use CPU or CUDA tensors"
-    )
+    return _stage_cuda(t, wire)
 
 
 def _stage_cuda(t: torch.Tensor, wire: torch.dtype) -> Staged:
