@@ -38,6 +38,7 @@ from .core.process_sets import ProcessSet, global_process_set
 from .runtime import (  # re-exported: the public API is ringcomm.api's names
     Runtime,
     add_process_set as add_process_set,
+    active,
     checking,
     cross_rank as cross_rank,
     cross_size as cross_size,
@@ -49,9 +50,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
     local_size as local_size,
     process_set_ids as process_set_ids,
     rank as rank,
-    refuse_call as refuse_call,  # ringcomm_torch refuses a call its own argument checks fail
     remove_process_set as remove_process_set,
-    reserve_name as reserve_name,  # ringcomm_torch names a CUDA op before its copy is done
     resolve_process_set as resolve_process_set,  # ringcomm_torch resolves through ringcomm.api
     shutdown as shutdown,
     size as size,
@@ -540,3 +539,48 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(pickle.loads(data[pos:pos + n].tobytes()))
         pos += n
     return out
+
+
+# ---------------------------------------------------------------------------
+# for layers above the core (ringcomm_torch)
+
+
+def reserve_name(kind: str, process_set: Any) -> str:
+    """Take the name the next unnamed ``kind`` op of ``process_set`` gets (``kind.noname.N``, the
+    core op's own kind, e.g. ``"allreduce"`` or ``"grouped_allreduce"``), to submit it later.
+
+    For layers above the core that hand an op to the core from another thread (ringcomm_torch
+    once a CUDA tensor's copy is done): the name is taken in program order, as the others are.
+    """
+    rt = current(kind)
+    pset, _ = rt.resolve_set(process_set, kind)
+    try:
+        return rt.auto_name(kind, None, pset)
+    finally:
+        checking.op = None
+
+
+#: The wire kind of the op each core API kind (the one ``auto_name`` numbers) submits
+_WIRE_KINDS = {"allreduce": wire.ALLREDUCE, "grouped_allreduce": wire.ALLREDUCE, "allgather": wire.ALLGATHER,
+               "grouped_allgather": wire.ALLGATHER, "broadcast": wire.BROADCAST, "alltoall": wire.ALLTOALL,
+               "reducescatter": wire.REDUCESCATTER, "grouped_reducescatter": wire.REDUCESCATTER}
+
+
+def refuse_call(kind: str, name: str | None, process_set: Any, reason: str, parts: int = 1) -> None:
+    """For layers above the core whose own argument checks fail before they call it (ringcomm_torch):
+    the ``kind`` op (a core API's kind, as for :func:`reserve_name`) named ``name`` (None: the next
+    ``kind.noname.N``, as that call would take) fails on every member with ``reason``, and unnamed ops
+    stay numbered in step; each of a grouped allgather's or reducescatter's ``parts`` is refused.
+    Nothing happens before ``init()`` or with one rank; never raises (the caller raises its error)."""
+    rt = active()
+    if rt is None or rt.topo.size == 1:
+        return
+    try:
+        wire_kind, (pset, _) = _WIRE_KINDS[kind], current(kind).resolve_set(process_set, kind)
+        name = rt.auto_name(kind, name, pset)
+        checking.op = None  # refused here: nothing for ringcomm.api to report
+        split = kind in ("grouped_allgather", "grouped_reducescatter")  # the core submits name.i per array
+        for op_name in [f"{name}.{i}" for i in range(parts)] if split else [name]:
+            rt.refuse(wire_kind, op_name, pset, reason)
+    except Exception as exc:  # the caller's own error says what went wrong
+        log.debug("rank %d: could not refuse the %s op %r: %r", rt.topo.rank, kind, name, exc)
