@@ -14,6 +14,7 @@ import zmq
 
 import ringcomm as rc
 from ringcomm.core import wire
+from ringcomm.net.auth import Credentials
 
 rc.init()
 r, n = rc.rank(), rc.size()
@@ -26,6 +27,8 @@ if r == 1:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, b"intruder")
+    sock.setsockopt(zmq.SNDTIMEO, 5000)  # a send never blocks the rank for good (rank 0 always reads)
+    Credentials.derive(secret, "job").apply_client(sock)  # a member of the job: the handshake passes
     sock.connect(rc.runtime.active().engine.peer_table[0]["ctrl"][1])
     for msg in (
         ["req", 1, [["x", "allreduce", "float32", deep]]],
