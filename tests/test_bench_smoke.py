@@ -219,3 +219,14 @@ def test_raw_tcp_round_trip_echoes_every_size_of_the_plan() -> None:
     assert not server.is_alive()
     assert [(r["bytes"], len(r["times_s"])) for r in results] == [(1, 5), (4096, 7), (1 << 20, 2)]
     assert all(t > 0 for r in results for t in r["times_s"])
+
+
+@pytest.mark.parametrize("command", [["training"], ["allreduce", "--np", "2"]])
+def test_device_cuda_without_a_gpu_says_so_before_starting_a_job(tmp_path: Path, command: list[str]) -> None:
+    if _util.cuda_missing() is None:
+        pytest.skip("this machine has a GPU that torch sees")
+    proc = subprocess.run([sys.executable, "-m", "ringcomm.bench", *command, "--device", "cuda", "--no-plot",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2, proc.stderr
+    assert "--device cuda needs a GPU that torch can see" in proc.stderr and "leave --device out" in proc.stderr
+    assert not list(tmp_path.iterdir())  # no job ran, no report was written

@@ -300,6 +300,8 @@ def test_the_timeline_shows_each_buckets_unpack(tmp_path):
         train(model, opt, twin, twin_opt, set_to_none=True)
     finally:
         hvd.stop_timeline()
+    if hvd.rank() != 0:  # under a launcher only rank 0 writes the timeline, as Horovod's does
+        return
     events = json.loads(path.read_text())
     for phase in ("BUCKET_PACK", "BUCKET_UNPACK"):
         carried = [e["args"]["parameters"] for e in events if e.get("name") == phase]

@@ -239,6 +239,11 @@ def _failures(results: dict[str, Any]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0, or 1 if any job failed (the report still shows what worked)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "device", "cpu") == "cuda":
+        why = _util.cuda_missing()
+        if why is not None:
+            print(f"python -m ringcomm.bench: {why}", file=sys.stderr)
+            return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = os.path.join(args.out_dir, f"{args.command}-{stamp}")
     started = time.monotonic()

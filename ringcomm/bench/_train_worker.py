@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _util
 from ._timing import start_watchdog
 
 #: Exit status when ringcomm_torch (or Horovod) or its DistributedOptimizer is not there.
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model, shape, classes = build_model(args.model)
     cuda = args.device == "cuda"
+    if cuda and (why := _util.cuda_missing()) is not None:
+        raise SystemExit(f"ringcomm.bench._train_worker: {why}")
     if cuda:  # every rank of a one-GPU machine shares it
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("RINGCOMM_LOCAL_RANK", args.rank)))
         torch.cuda.set_device(local % torch.cuda.device_count())

@@ -160,6 +160,19 @@ def machine_info() -> dict[str, object]:
     }
 
 
+
+def cuda_missing() -> str | None:
+    """``None`` when torch sees a CUDA device, else why ``--device cuda`` cannot run here."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"--device cuda needs torch with CUDA, and torch does not import ({exc})"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"--device cuda needs a GPU that torch can see, and torch {torch.__version__} ({build}) sees none; "
+                "run it on a machine with a CUDA GPU and a CUDA build of torch, or leave --device out")
+    return None
+
 def log(text: str) -> None:
     """Progress line on stderr (stdout is kept for the Markdown report)."""
     print(f"[bench] {text}", file=sys.stderr, flush=True)
