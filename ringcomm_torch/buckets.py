@@ -36,7 +36,7 @@ early), then :data:`BUCKET_BYTES`, never above the fusion threshold::
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ from ringcomm import api as _core_api
 from .device import DeviceOps, completer, stager
 from .handles import Handle
 
-__all__ = ["DeviceBucket", "plan_buckets", "host_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
+__all__ = ["DeviceBucket", "HostBucket", "FlatBucket", "plan_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
 
 #: The first bucket's size (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``).
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -58,19 +58,23 @@ DEVICE_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
 def bucket_caps(fusion_threshold: int, bucket_bytes: int) -> tuple[int, int]:
-    """``(first, later)`` bucket sizes: DDP's, capped by the fusion threshold (0: no fusion, one
-    parameter per bucket) and by ``RINGCOMM_BUCKET_BYTES`` when that is 0 (one op per parameter).
+    """``(first, later)`` bucket sizes: DDP's (a first bucket of at most :data:`FIRST_BUCKET_BYTES`,
+    then ``RINGCOMM_BUCKET_BYTES``), never above the fusion threshold; either setting 0 gives no
+    buckets (one op per parameter).
 
-    >>> bucket_caps(64 << 20, 1 << 20)
+    >>> bucket_caps(64 << 20, 25 << 20)
     (1048576, 26214400)
-    >>> bucket_caps(4 << 20, 1 << 20)
+    >>> bucket_caps(4 << 20, 25 << 20)
     (1048576, 4194304)
-    >>> bucket_caps(0, 1 << 20)
+    >>> bucket_caps(64 << 20, 1600)
+    (1600, 1600)
+    >>> bucket_caps(0, 25 << 20)
     (0, 0)
     """
     if fusion_threshold <= 0 or bucket_bytes <= 0:
         return 0, 0
-    return min(FIRST_BUCKET_BYTES, fusion_threshold), min(BUCKET_BYTES, fusion_threshold)
+    later = min(bucket_bytes, fusion_threshold)
+    return min(FIRST_BUCKET_BYTES, later), later
 
 
 def plan_buckets(nbytes: Sequence[int], first_cap: int, cap: int) -> list[list[int]]:
@@ -92,17 +96,6 @@ def plan_buckets(nbytes: Sequence[int], first_cap: int, cap: int) -> list[list[i
     return out
 
 
-def host_buckets(params: list[torch.Tensor], cap: int) -> list[list[torch.Tensor]]:
-    """``params`` in reverse order (the order backward produces their gradients), cut into runs of
-    at most ``cap`` bytes; a parameter larger than ``cap`` is a bucket of its own.
-
-    >>> [len(b) for b in host_buckets([torch.zeros(100), torch.zeros(300), torch.zeros(10)], cap=1600)]
-    [2, 1]
-    """
-    order = params[::-1]
-    return [[order[i] for i in run] for run in plan_buckets([p.numel() * p.element_size() for p in order], cap, cap)]
-
-
 def split_list(items: list[Any], n: int) -> list[list[Any]]:
     """``items`` cut into ``n`` contiguous, nearly equal parts (the first ones one longer)."""
     n = max(1, min(n, len(items)))
@@ -121,53 +114,39 @@ def _same(grad: torch.Tensor, view: torch.Tensor) -> bool:
             and grad.stride() == view.stride() and grad.dtype is view.dtype and grad.device == view.device)
 
 
-class DeviceBucket:
-    """One bucket's buffers and its in-place reduction (see the module docstring)."""
+class FlatBucket:
+    """A bucket's parameters, its flat buffer (allocated at the first reduction, on their device)
+    and each parameter's place in it, shaped like the parameter."""
 
-    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], ops: DeviceOps) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         self.params = tuple(params)
         self.names = list(names)
-        self.ops = ops
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
         self.numel = sum(p.numel() for p in self.params)
         self._flat: torch.Tensor | None = None
-        self._pinned: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []  # each parameter's place in the flat buffer, shaped like it
-        self._in_place: bool | None = None  # whether the compression reduces the flat buffer itself
 
-    def _buffers(self, wire: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _flat_buffer(self) -> torch.Tensor:
         if self._flat is None:
             self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             self._parts, start = [], 0
             for p in self.params:
                 self._parts.append(self._flat[start:start + p.numel()].view(p.shape))
                 start += p.numel()
-        nbytes = self.numel * wire.itemsize
-        if self._pinned is None or self._pinned.numel() < nbytes:
-            self._pinned = self.ops.pinned(nbytes)
-        return self._flat, self._pinned[:nbytes].view(wire)
+        return self._flat
 
     def views(self) -> list[bool]:
         """Per parameter: whether its ``.grad`` is its view of the flat buffer right now."""
         return [p.grad is not None and bool(self._parts) and _same(p.grad, part)
                 for p, part in zip(self.params, self._parts)]
 
-    def _pack(self, flat: torch.Tensor, grads: list[torch.Tensor], side: Any) -> None:
-        """Bring into the flat buffer the gradients that are not already there (all of them until
-        the compression is known to leave the buffer as it is)."""
-        todo = [i for i, (g, part) in enumerate(zip(grads, self._parts)) if not (self._in_place and _same(g, part))]
-        if not todo:
-            return
-        home = flat.untyped_storage().data_ptr()
-        sources = [grads[i] for i in todo]
-        if any(g.untyped_storage().data_ptr() == home for g in sources):  # a view moved to another place
-            with self.ops.on(side):
-                sources = [g.clone() if g.untyped_storage().data_ptr() == home else g for g in sources]
-        if len(todo) == len(grads):
-            self.ops.pack(flat, sources, side)
-        else:
-            self.ops.pack_parts([self._parts[i] for i in todo], sources, side)
+    def _sources(self, grads: list[torch.Tensor], todo: list[int], clone: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> list[torch.Tensor]:
+        """The gradients at ``todo``, each copied first (``clone``) if it lies in the flat buffer
+        (a view that moved to another place: packing it in place would overwrite another)."""
+        home = self._flat_buffer().untyped_storage().data_ptr()
+        return [clone(grads[i]) if grads[i].untyped_storage().data_ptr() == home else grads[i] for i in todo]
 
     def _become_views(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
         """Point each contiguous parameter's ``.grad`` at its part of the flat buffer (the values
@@ -182,6 +161,71 @@ class DeviceBucket:
             else:
                 rest.append(i)
         return now, rest
+
+
+class HostBucket(FlatBucket):
+    """A bucket of host (CPU) parameters of one dtype: the gradients become views of one flat
+    buffer, which one core allreduce reduces in place, so a step copies nothing in or out of a
+    fusion buffer (only a gradient that is not its view is packed, and copied back if it stays so)."""
+
+    def start(self, grads: list[torch.Tensor], *, name: str, op: Any, prescale: float, postscale: float,
+              process_set: Any) -> Handle:
+        """Pack what is not in place, submit the allreduce and return at once; ``synchronize`` on
+        the handle leaves the results in the gradients."""
+        t0 = time.perf_counter()
+        flat = self._flat_buffer()
+        todo = [i for i, (g, part) in enumerate(zip(grads, self._parts)) if not _same(g, part)]
+        if todo:
+            with torch.no_grad():
+                torch._foreach_copy_([self._parts[i] for i in todo], self._sources(grads, todo, torch.clone))
+        grads, back_into = self._become_views(grads)
+        array = flat.numpy()
+        core_name = f"allreduce.{name}"
+        if _core_api.timeline_active():  # which parameters this bucket carries
+            _core_api.timeline_span(core_name, "BUCKET_PACK", t0, time.perf_counter(), {"parameters": self.names})
+        core = _rc.allreduce_async(array, op=op, name=core_name, prescale_factor=prescale,
+                                   postscale_factor=postscale, out=array, process_set=process_set)
+
+        def finish(_raw: Any) -> list[torch.Tensor]:
+            if back_into:
+                with torch.no_grad():
+                    torch._foreach_copy_([grads[i] for i in back_into], [self._parts[i] for i in back_into])
+            return grads
+
+        return Handle("allreduce", name, core, finish, None, int(array.nbytes))
+
+
+class DeviceBucket(FlatBucket):
+    """One bucket's buffers and its in-place reduction (see the module docstring)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], ops: DeviceOps) -> None:
+        super().__init__(params, names)
+        self.ops = ops
+        self._pinned: torch.Tensor | None = None
+        self._in_place: bool | None = None  # whether the compression reduces the flat buffer itself
+
+    def _buffers(self, wire: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = self._flat_buffer()
+        nbytes = self.numel * wire.itemsize
+        if self._pinned is None or self._pinned.numel() < nbytes:
+            self._pinned = self.ops.pinned(nbytes)
+        return flat, self._pinned[:nbytes].view(wire)
+
+    def _pack(self, flat: torch.Tensor, grads: list[torch.Tensor], side: Any) -> None:
+        """Bring into the flat buffer the gradients that are not already there (all of them until
+        the compression is known to leave the buffer as it is)."""
+        todo = [i for i, (g, part) in enumerate(zip(grads, self._parts)) if not (self._in_place and _same(g, part))]
+        if not todo:
+            return
+
+        def clone(g: torch.Tensor) -> torch.Tensor:
+            with self.ops.on(side):
+                return g.clone()
+        sources = self._sources(grads, todo, clone)
+        if len(todo) == len(grads):
+            self.ops.pack(flat, sources, side)
+        else:
+            self.ops.pack_parts([self._parts[i] for i in todo], sources, side)
 
     def start(self, grads: list[torch.Tensor], *, name: str, op: Any, compression: Any, prescale: float,
               postscale: float, process_set: Any) -> Handle:

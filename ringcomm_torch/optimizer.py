@@ -6,14 +6,16 @@ objects, so ``state_dict()``, ``load_state_dict()``, LR schedulers and
 ``isinstance(opt, torch.optim.Optimizer)`` keep working.
 
 Each parameter gets a ``register_post_accumulate_grad_hook``.  Host parameters are
-cut into buckets of about ``RINGCOMM_BUCKET_BYTES`` (1 MiB) in reverse order,
-the order backward produces their gradients, as DDP does; the moment the last
-gradient of a bucket is accumulated, its hook starts one in-place
-``grouped_allreduce_async_`` of the bucket's gradients, named after its first
-parameter (``"allreduce." + name``).  One op per bucket rather than per
-parameter saves a negotiation round and the engine's per-op work for every
-small gradient (biases, norms); a parameter larger than a bucket is reduced on
-its own, where it lies.  ``groups=`` replaces the buckets with your own
+cut into DDP's buckets, one dtype each (a first bucket of at most 1 MiB, then about
+``RINGCOMM_BUCKET_BYTES``, 25 MiB), in reverse order, the order backward produces
+their gradients; the moment the last gradient of a bucket is accumulated, its hook
+starts one in-place allreduce of the bucket, named after its first parameter
+(``"allreduce." + name``).  As DDP's ``gradient_as_bucket_view``, the gradients
+become views of the bucket's flat buffer (:class:`.buckets.HostBucket`), so the
+core reduces them where they lie, with no fusion buffer to copy into and out of.
+One op per bucket rather than per parameter saves a negotiation round and the
+engine's per-op work for every small gradient (biases, norms); a parameter larger
+than a bucket is reduced on its own, where it lies.  ``groups=`` replaces the buckets with your own
 grouping, and ``RINGCOMM_BUCKET_BYTES=0`` gives one op per parameter (Horovod's
 default).  ``step()`` waits for every reduction (``synchronize()``) and then
 runs the wrapped optimizer's step.  CUDA parameters go into DDP-sized buckets that
@@ -44,7 +46,7 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
 from .basics import check_process_set, global_process_set, size
-from .buckets import DEVICE_DTYPES, DeviceBucket, bucket_caps, host_buckets, plan_buckets, split_list
+from .buckets import DEVICE_DTYPES, DeviceBucket, HostBucket, bucket_caps, plan_buckets, split_list
 from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
 from .device import ops_for
@@ -143,6 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
         self._device_buckets: dict[tuple[torch.Tensor, ...], DeviceBucket] = {}
+        self._host_buckets: dict[tuple[torch.Tensor, ...], HostBucket] = {}
         self._groups_spec = self._check_groups(groups)
         self._hook_handles: list[Any] = []
         self._register_hooks(self._all_params())
@@ -273,13 +276,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # each parameter steps and reduces its delta on its own
         if spec is None:
             settings = _core_api.current_settings()
+            caps = bucket_caps(settings.fusion_threshold, settings.bucket_bytes)
             on_device = [p for p in params if self._device_ops(p) is not None]
-            formed = self._device_groups(on_device, *bucket_caps(settings.fusion_threshold, settings.bucket_bytes))
-            params = [p for p in params if self._device_ops(p) is None]
-            cap = settings.bucket_bytes
-            # the default on the host: DDP-style buckets (RINGCOMM_BUCKET_BYTES); a lone parameter
-            # needs no group there
-            formed += [b for b in host_buckets(params, cap) if len(b) > 1] if cap > 0 else []
+            formed = self._device_groups(on_device, *caps)
+            # on the host the same buckets, per dtype; a lone parameter is reduced where it lies
+            host = [p for p in params if self._device_ops(p) is None]
+            formed += [b for b in self._device_groups(host, *caps) if len(b) > 1] if caps[1] > 0 else []
         elif isinstance(spec, list):
             ids = {id(p) for p in params}
             formed = [[p for p in group if id(p) in ids] for group in spec]
@@ -298,11 +300,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if ops is not None and all(self._device_ops(p) is ops and p.dtype is key[0].dtype
                                        and p.device == key[0].device for p in key):
                 self._device_buckets[key] = DeviceBucket(key, [self._names[p] for p in key], ops)
+            elif ops is None and self._flat_on_host(key):
+                self._host_buckets[key] = HostBucket(key, [self._names[p] for p in key])
 
     def _device_ops(self, p: torch.Tensor) -> Any:
         """The device operations that stage ``p``'s bucket, or None (host, or a dtype the core
         reduces through another wire dtype: those take the per-tensor path)."""
         return ops_for(p) if p.dtype in DEVICE_DTYPES and p.layout is torch.strided else None
+
+    def _flat_on_host(self, group: tuple[torch.Tensor, ...]) -> bool:
+        """Whether a group of host parameters is reduced as one flat buffer (:class:`HostBucket`):
+        more than one, all of one dtype a bucket carries, on the CPU, with a compression that leaves
+        a tensor of that dtype as it is."""
+        first = group[0]
+        if len(group) < 2 or first.dtype not in DEVICE_DTYPES or first.device.type != "cpu":
+            return False
+        if any(p.dtype is not first.dtype or p.layout is not torch.strided or p.device != first.device for p in group):
+            return False
+        probe = torch.zeros(1, dtype=first.dtype)
+        return bool(self._compression.compress(probe)[0] is probe)
 
     def _device_groups(self, params: list[torch.Tensor], first: int, cap: int) -> list[list[torch.Tensor]]:
         """Device parameters in reverse order, one bucket list per (device, dtype), DDP's sizes."""
@@ -387,6 +403,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = bucket.start(tensors, name=self._names[group[0]], op=self.op, compression=self._compression,
                                   prescale=pre, postscale=post, process_set=self.process_set)
             return handle, _WRITTEN
+        on_host = self._host_buckets.get(group)
+        if on_host is not None:
+            return on_host.start(tensors, name=self._names[group[0]], op=self.op, prescale=pre, postscale=post,
+                                 process_set=self.process_set), _WRITTEN
         pairs = [self._compression.compress(t) for t in tensors]
         handle = grouped_allreduce_async_([c for c, _ in pairs], name=self._names[group[0]],
                                           op=self.op, prescale_factor=pre, postscale_factor=post,

@@ -53,7 +53,9 @@ def test_bucket_plan_has_a_small_first_bucket_then_ddp_sized_ones():
     assert buckets.plan_buckets([mib // 2, mib // 2, mib, 10 * mib, 20 * mib], mib, 25 * mib) == [[0, 1], [2, 3], [4]]
     assert buckets.plan_buckets([3 * mib, 30 * mib, 1], mib, 25 * mib) == [[0], [1], [2]]  # too large: alone
     assert buckets.plan_buckets([5, 5, 5], 0, 0) == [[0], [1], [2]]
-    assert buckets.bucket_caps(8 * mib, mib) == (mib, 8 * mib)  # the fusion threshold caps them
+    assert buckets.bucket_caps(64 * mib, 25 * mib) == (mib, 25 * mib)  # the defaults: DDP's
+    assert buckets.bucket_caps(8 * mib, 25 * mib) == (mib, 8 * mib)  # the fusion threshold caps them
+    assert buckets.bucket_caps(64 * mib, mib // 2) == (mib // 2, mib // 2)  # and RINGCOMM_BUCKET_BYTES
     assert buckets.bucket_caps(64 * mib, 0) == (0, 0)  # RINGCOMM_BUCKET_BYTES=0: one op per parameter
 
 

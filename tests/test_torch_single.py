@@ -17,6 +17,7 @@ def _init():
     hvd.init()
     assert hvd.size() == 1, "run these tests without a launcher"
     yield
+    hvd.shutdown()  # the next module starts from no job, whatever order the files run in
 
 
 API_NAMES = """
@@ -222,7 +223,9 @@ def test_timeline_records_ops(tmp_path):
     # the gradients go in one bucket, named after the first gradient backward produces
     assert "allreduce.2.bias" in names and "allreduce.0.weight" not in names
     pid = next(e["pid"] for e in trace if e.get("name") == "process_name" and e["args"]["name"] == "allreduce.2.bias")
-    assert {e["args"]["tensors"] for e in trace if e.get("pid") == pid and "args" in e and e["ph"] == "X"} == {4}
+    # one flat buffer of the four gradients; its BUCKET_PACK phase names them
+    (packed,) = [e["args"]["parameters"] for e in trace if e.get("pid") == pid and e.get("name") == "BUCKET_PACK"]
+    assert sorted(packed) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     hvd.stop_timeline()  # second stop is a no-op
 
 
@@ -245,13 +248,28 @@ def test_bucket_bytes_zero_gives_one_op_per_parameter_named_as_horovod_does(tmp_
     assert {"allreduce.0.weight", "allreduce.0.bias", "allreduce.2.weight", "allreduce.2.bias"} <= names
 
 
-def test_buckets_follow_reverse_parameter_order_and_the_byte_cap():
-    from ringcomm_torch.buckets import host_buckets as _buckets
+def test_host_buckets_follow_reverse_parameter_order_the_byte_caps_and_the_dtype(monkeypatch):
+    import dataclasses
 
-    params = [torch.zeros(100), torch.zeros(300), torch.zeros(10), torch.zeros(2000), torch.zeros(5, dtype=torch.float64)]
-    buckets = _buckets(params, cap=1600)
-    assert [[p.numel() for p in b] for b in buckets] == [[5], [2000], [10, 300], [100]]  # 2000 floats > cap: alone
-    assert [[p.numel() for p in b] for b in _buckets(params, cap=1 << 30)] == [[5, 2000, 10, 300, 100]]
+    from ringcomm import runtime
+    from ringcomm_torch.buckets import HostBucket
+
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
+              ((100, torch.float32), (300, torch.float32), (10, torch.float32), (2000, torch.float32),
+               (5, torch.float64), (7, torch.float64))]
+    rt = runtime.active()
+    # caps of 1600 bytes (the first bucket and the others): 2000 floats are a bucket of their own
+    monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, bucket_bytes=1600))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
+    groups = {tuple(p.numel() for p in g) for g in opt._group_of.values()}
+    assert groups == {(7, 5), (10, 300), }  # reverse order, one dtype each; lone ones stay ungrouped
+    assert all(isinstance(b, HostBucket) for b in opt._host_buckets.values()) and len(opt._host_buckets) == 2
+    monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, bucket_bytes=1 << 30))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
+    # the first bucket is at most 1 MiB, the others at most the cap
+    assert {tuple(p.numel() for p in g) for g in opt._group_of.values()} == {(7, 5), (2000, 10, 300, 100)}
 
 
 def test_objects_barrier_join():

@@ -64,9 +64,10 @@ class Settings:
     #: Largest fused buffer, in bytes (Horovod's HOROVOD_FUSION_THRESHOLD).
     fusion_threshold: int = 64 * 1024 * 1024
     #: DistributedOptimizer (no ``groups=`` given): gradients are reduced in buckets of about this
-    #: many bytes, filled in reverse parameter order (the order backward produces them); each
-    #: bucket starts its reduction once all its gradients are ready.  0: one op per parameter.
-    bucket_bytes: int = 1024 * 1024
+    #: many bytes (DDP's ``bucket_cap_mb``; the first bucket at most 1 MiB, so communication starts
+    #: early), filled in reverse parameter order (the order backward produces them); each bucket
+    #: starts its reduction once all its gradients are ready.  0: one op per parameter.
+    bucket_bytes: int = 25 * 1024 * 1024
     #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
     cycle_time: float = 0.0
     #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments
