@@ -128,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cuda: resnet18 on the GPU, ringcomm_torch vs DDP on gloo and on ringcomm (default: cpu)")
-    train.add_argument("--model", choices=("small", "resnet18"), default="",
-                       help="the model (default: small on the CPU, resnet18 with --device cuda)")
+    train.add_argument("--model", choices=("small", "resnet18", "exchange"), default="",
+                       help="the model (default: small on the CPU, resnet18 with --device cuda; exchange: "
+                            "resnet18's gradients with next to no compute, the GPU's regime on a CPU, against "
+                            "DDP on gloo and on ringcomm)")
 
     ddpp = sub.add_parser("ddp", parents=[output],
                           help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')

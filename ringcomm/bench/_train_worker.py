@@ -93,10 +93,28 @@ class ResNet18Shape(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+class ExchangeOnly(nn.Module):
+    """resnet18's parameters (62 tensors, 47 MB of fp32 gradients) and next to no arithmetic: every
+    parameter gets a whole gradient, in reverse order as in a real backward, but computing them
+    costs little, so a step costs about what exchanging them costs.  A CPU stand-in for training
+    on a GPU, where the compute is fast and the exchange is what a step waits for."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.body = ResNet18Shape(classes)
+        self.classes = classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        touch = sum(p.reshape(-1)[:1].sum() for p in self.body.parameters())
+        return (x.flatten(1)[:, :1] * touch).expand(-1, self.classes)
+
+
 def build_model(name: str) -> tuple[nn.Module, tuple[int, ...], int]:
     """The model, one image's shape and the number of classes."""
     if name == "small":
         return SmallCNN(), (3, 32, 32), 10
+    if name == "exchange":
+        return ExchangeOnly(), (3, 8, 8), 1000
     try:
         import torchvision  # type: ignore[import-not-found,unused-ignore]
 
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("single", "ddp", "ddp_ringcomm", "ringcomm", "lockstep", "horovod"),
                         required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", choices=("small", "resnet18"), default="small")
+    parser.add_argument("--model", choices=("small", "resnet18", "exchange"), default="small")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)

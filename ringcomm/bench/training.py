@@ -16,7 +16,9 @@ gradients costs little beyond keeping in step.
 ``device="cuda"`` (``--device cuda``) trains resnet18 on 3x64x64 images on the GPU (all ranks
 share it) and compares ringcomm_torch with DDP on gloo and DDP on the ``"ringcomm"`` backend,
 the independent processes as the bound; the summary gives each setup's spread over rounds
-(slowest and fastest round / median).
+(slowest and fastest round / median).  ``model="exchange"`` (``--model exchange``) runs the same
+comparison on the CPU with resnet18's gradients and next to no compute: what a step costs when
+the exchange is all it waits for, as on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ddp_ringcomm": "DDP (\"
           "horovod": "Horovod DistributedOptimizer",
           "lockstep": "bound: in lockstep, no gradients exchanged (ringcomm)",
           "independent": "bound: independent processes, no communication"}
+#: What each ``--model`` trains.
+MODELS = {"small": "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096->128), fc(128->10); SGD momentum",
+          "resnet18": "resnet18 on 3x64x64 images; SGD momentum",
+          "exchange": "exchange only: resnet18's 62 parameters (47 MB of gradients), next to no compute; the exchange is the "
+                      "step, as on a GPU; SGD momentum"}
 #: Ratios of img/s within a round that the report shows: (numerator, denominator).
 RATIOS = (("ringcomm", "ddp"), ("lockstep", "ddp"), ("independent", "ddp"), ("ringcomm", "lockstep"),
           ("ddp_ringcomm", "ddp"))
@@ -59,7 +66,7 @@ class TrainingConfig:
     repeats: int = 3
     job_timeout: float = 300.0
     device: str = "cpu"
-    model: str = ""  # "small" or "resnet18"; empty: small on the CPU, resnet18 on the GPU
+    model: str = ""  # "small", "resnet18" or "exchange"; empty: small on the CPU, resnet18 on the GPU
 
     @property
     def model_name(self) -> str:
@@ -125,7 +132,8 @@ def _record(setup: str, np_: int, repeat: int, job: _procs.JobResult, out: str) 
 def run(cfg: TrainingConfig) -> dict[str, Any]:
     """Measure every setup; returns the JSON-ready section (config, raw runs, summary, notes)."""
     notes: list[str] = []
-    setups = [(s, sys_) for s, sys_ in (CUDA_SETUPS if cfg.device == "cuda" else SETUPS)]
+    setups = [(s, sys_) for s, sys_ in (CUDA_SETUPS if cfg.device == "cuda" or cfg.model_name == "exchange"
+                                        else SETUPS)]
     why_rc = ringcomm_torch_status()
     if why_rc is not None:
         setups = [x for x in setups if x[0] != "ringcomm"]
@@ -140,7 +148,7 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
             # odd rounds run the distributed setups in reverse order, so neither always goes first
             order = setups if repeat % 2 == 0 else setups[::-1]
             jobs = [("single", "single", 1)] + [(s, sys_, np_) for np_ in cfg.nps for s, sys_ in order]
-            if cfg.device == "cuda":  # the bound is the independent processes; no one-process row
+            if cfg.device == "cuda" or cfg.model_name == "exchange":  # the independent processes are the bound
                 jobs = jobs[1:]
             for setup, system, np_ in jobs:
                 _util.log(f"training {LABELS[setup]} np={np_} (round {repeat + 1}/{cfg.repeats}) ...")
@@ -151,9 +159,8 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
                 else:
                     _util.log(f"  FAILED: {record['error']}")
                 runs.append(record)
-    small = "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096->128), fc(128->10); SGD momentum"
     return {
-        "model": small if cfg.model_name == "small" else "resnet18 on 3x64x64 images; SGD momentum",
+        "model": MODELS[cfg.model_name],
         "device": cfg.device,
         "batch_per_rank": cfg.batch,
         "steps": cfg.steps,
