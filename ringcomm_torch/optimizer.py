@@ -396,14 +396,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parts = [self._submit(p) for p in group]
             handle = Handle("allreduce", self._names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
             return handle, [c for _, c in parts]
+        # a sparse gradient reduced as dense (sparse_as_dense) is a copy: it is written back below
+        flat = not any(p.grad is not None and p.grad.is_sparse for p in group)
         tensors = [self._dense_grad(p) for p in group]
         pre, post = self._scales()
-        bucket = self._device_buckets.get(group)
+        bucket = self._device_buckets.get(group) if flat else None
         if bucket is not None:  # results land in the gradients themselves: nothing to write back
             handle = bucket.start(tensors, name=self._names[group[0]], op=self.op, compression=self._compression,
                                   prescale=pre, postscale=post, process_set=self.process_set)
             return handle, _WRITTEN
-        on_host = self._host_buckets.get(group)
+        on_host = self._host_buckets.get(group) if flat else None
         if on_host is not None:
             return on_host.start(tensors, name=self._names[group[0]], op=self.op, prescale=pre, postscale=post,
                                  process_set=self.process_set), _WRITTEN

@@ -213,3 +213,46 @@ def test_the_benchmarks_built_in_resnet18_has_torchvisions_parameter_shapes():
     from ringcomm.bench._train_worker import ResNet18Shape
 
     assert [tuple(p.shape) for p in ResNet18Shape().parameters()] == resnet18_shapes()
+
+
+class _Doubled:
+    """A core handle whose results come out doubled: what Sum over two ranks with equal inputs gives."""
+
+    def __init__(self, handle, outs):
+        self.handle, self.outs, self.name = handle, outs, handle.name
+
+    def done(self):
+        return self.handle.done()
+
+    def wait(self):
+        result = self.handle.wait()
+        for out in self.outs:
+            out *= 2
+        return result
+
+
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_sparse_as_dense_gradients_get_the_reduced_values_in_a_bucket(monkeypatch, kind):
+    """A sparse gradient reduced as dense is a copy: the bucket must write the result back to it,
+    whether the bucket is a host one (views of a flat buffer) or a device one."""
+    real_one, real_group = rc.allreduce_async, rc.grouped_allreduce_async
+
+    def one(array, *args, out=None, **kwargs):
+        return _Doubled(real_one(array, *args, out=out, **kwargs), [array if out is None else out])
+
+    def group(arrays, *args, outs=None, **kwargs):
+        return _Doubled(real_group(arrays, *args, outs=outs, **kwargs), list(arrays if outs is None else outs))
+    monkeypatch.setattr(rc, "allreduce_async", one)
+    monkeypatch.setattr(rc, "grouped_allreduce_async", group)
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)
+    named = [("emb.weight", emb.weight), ("lin.weight", lin.weight), ("lin.bias", lin.bias)]
+    with device.override(device.FakeOps() if kind == "device" else None):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
+                                       sparse_as_dense=True, op=hvd.Sum)
+    assert len(opt._host_buckets if kind == "host" else opt._device_buckets) == 1
+    lin(emb(torch.tensor([1, 3, 3]))).sum().backward()
+    local = {n: p.grad.to_dense().clone() for n, p in named}
+    opt.synchronize()
+    for n, p in named:
+        assert torch.equal(p.grad.to_dense(), 2 * local[n]), n
