@@ -113,9 +113,16 @@ class TwoHosts:
                 continue
             bits = tc_rate_bits(rate)
             burst = max(256 * 1024, bits // 8 // 250)  # at least one timer tick's worth of bytes
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.interface, "root", "tbf",
-                            "rate", rate, "burst", str(burst), "latency", "100ms"],
-                           check=True, capture_output=True, text=True)
+            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.interface, "root", "tbf",
+                   "rate", rate, "burst", str(burst), "latency", "100ms"]
+            for attempt in range(3):  # a link just made can refuse its first qdisc for a moment
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode == 0:
+                    break
+                time.sleep(0.2 * (attempt + 1))
+            else:
+                raise RuntimeError(f"cannot shape the link in network namespace {ns} to {rate}: "
+                                   f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr.strip()}")
 
     def exec_argv(self, side: str, argv: list[str]) -> list[str]:
         """``argv`` run inside namespace ``side``."""
