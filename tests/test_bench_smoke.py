@@ -191,7 +191,7 @@ def test_crosshost_link_bounds() -> None:
 def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) -> None:
     from ringcomm.bench import _netns
 
-    why = _netns.unavailable_reason()
+    why = _netns.shaping_unavailable_reason()
     if why is not None:
         pytest.skip(why)
     out = tmp_path / "xh.json"

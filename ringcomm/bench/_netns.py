@@ -21,7 +21,6 @@ import itertools
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 _counter = itertools.count()
@@ -40,6 +39,14 @@ def unavailable_reason() -> str | None:
         return f"cannot create a network namespace here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
+
+
+def shaping_unavailable_reason() -> str | None:
+    """Why links between namespaces cannot be shaped here (``tc``), or ``None`` when they can."""
+    why = unavailable_reason()
+    if why is None and shutil.which("tc") is None:
+        why = "'tc' is not on PATH (iproute2; usually /usr/sbin), so no link can be shaped"
+    return why
 
 
 def tc_rate_bits(rate: str) -> int:
@@ -115,12 +122,8 @@ class TwoHosts:
             burst = max(256 * 1024, bits // 8 // 250)  # at least one timer tick's worth of bytes
             cmd = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.interface, "root", "tbf",
                    "rate", rate, "burst", str(burst), "latency", "100ms"]
-            for attempt in range(3):  # a link just made can refuse its first qdisc for a moment
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode == 0:
-                    break
-                time.sleep(0.2 * (attempt + 1))
-            else:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
                 raise RuntimeError(f"cannot shape the link in network namespace {ns} to {rate}: "
                                    f"{' '.join(cmd)} exited with {done.returncode}: {done.stderr.strip()}")
 

@@ -108,7 +108,7 @@ def _raw(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _
 
 def run(cfg: CrossHostConfig) -> dict[str, Any]:
     """Measure; returns the JSON-ready section (or one with ``skipped`` saying why nothing ran)."""
-    why = _netns.unavailable_reason()
+    why = _netns.shaping_unavailable_reason()
     section: dict[str, Any] = {"rates": list(cfg.rates), "sizes": list(cfg.sizes), "hosts": 2,
                                "ranks_per_host": cfg.ranks_per_host, "iters": cfg.iters, "repeats": cfg.repeats, "loop": cfg.loop,
                                "runs": [], "summary": [], "skipped": why}
