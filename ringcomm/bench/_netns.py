@@ -21,6 +21,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 _counter = itertools.count()
