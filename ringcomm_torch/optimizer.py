@@ -276,12 +276,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # each parameter steps and reduces its delta on its own
         if spec is None:
             settings = _core_api.current_settings()
-            caps = bucket_caps(settings.fusion_threshold, settings.bucket_bytes)
-            on_device = [p for p in params if self._device_ops(p) is not None]
-            formed = self._device_groups(on_device, *caps)
-            # on the host the same buckets, per dtype; a lone parameter is reduced where it lies
-            host = [p for p in params if self._device_ops(p) is None]
-            formed += [b for b in self._device_groups(host, *caps) if len(b) > 1] if caps[1] > 0 else []
+            # DDP's buckets per (device, dtype); a lone host parameter is reduced where it lies
+            formed = [b for b in self._buckets_by_kind(params, *bucket_caps(settings.fusion_threshold,
+                                                                             settings.bucket_bytes))
+                      if len(b) > 1 or self._device_ops(b[0]) is not None]
         elif isinstance(spec, list):
             ids = {id(p) for p in params}
             formed = [[p for p in group if id(p) in ids] for group in spec]
@@ -320,8 +318,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         probe = torch.zeros(1, dtype=first.dtype)
         return bool(self._compression.compress(probe)[0] is probe)
 
-    def _device_groups(self, params: list[torch.Tensor], first: int, cap: int) -> list[list[torch.Tensor]]:
-        """Device parameters in reverse order, one bucket list per (device, dtype), DDP's sizes."""
+    def _buckets_by_kind(self, params: list[torch.Tensor], first: int, cap: int) -> list[list[torch.Tensor]]:
+        """Parameters in reverse order, one bucket list per (device, dtype), DDP's sizes."""
         by_kind: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
         for p in reversed(params):
             by_kind.setdefault((p.device, p.dtype), []).append(p)
@@ -397,15 +395,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             handle = Handle("allreduce", self._names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
             return handle, [c for _, c in parts]
         # a sparse gradient reduced as dense (sparse_as_dense) is a copy: it is written back below
-        flat = not any(p.grad is not None and p.grad.is_sparse for p in group)
+        all_dense = not any(p.grad is not None and p.grad.is_sparse for p in group)
         tensors = [self._dense_grad(p) for p in group]
         pre, post = self._scales()
-        bucket = self._device_buckets.get(group) if flat else None
+        bucket = self._device_buckets.get(group) if all_dense else None
         if bucket is not None:  # results land in the gradients themselves: nothing to write back
             handle = bucket.start(tensors, name=self._names[group[0]], op=self.op, compression=self._compression,
                                   prescale=pre, postscale=post, process_set=self.process_set)
             return handle, _WRITTEN
-        on_host = self._host_buckets.get(group) if flat else None
+        on_host = self._host_buckets.get(group) if all_dense else None
         if on_host is not None:
             return on_host.start(tensors, name=self._names[group[0]], op=self.op, prescale=pre, postscale=post,
                                  process_set=self.process_set), _WRITTEN

@@ -160,7 +160,6 @@ def machine_info() -> dict[str, object]:
     }
 
 
-
 def cuda_missing() -> str | None:
     """``None`` when torch sees a CUDA device, else why ``--device cuda`` cannot run here."""
     try:
@@ -172,6 +171,7 @@ def cuda_missing() -> str | None:
         return (f"--device cuda needs a GPU that torch can see, and torch {torch.__version__} ({build}) sees none; "
                 "run it on a machine with a CUDA GPU and a CUDA build of torch, or leave --device out")
     return None
+
 
 def log(text: str) -> None:
     """Progress line on stderr (stdout is kept for the Markdown report)."""
