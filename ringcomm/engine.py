@@ -221,7 +221,7 @@ class Engine:
         if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
-                                                       st.peer_timeout)
+                                                       st.peer_timeout, threads=st.shm_allreduce_threads)
         self.lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
         if self.rank != 0:
             root = table[0]
@@ -250,7 +250,8 @@ class Engine:
                   "to %d B); larger ones up to %d B by recursive doubling, the rest by the ring in %d B segments%s; "
                   "hierarchical allreduce %s (%d host(s)); ops fused up to %d B, cycle time %g ms", self.rank,
                   lim.small_bytes, lim.small_gather_bytes, lim.doubling_bytes, st.segment_bytes,
-                  f", or one shared-memory region from {lim.shm_min_bytes} B (all ranks on this host)"
+                  f", or one shared-memory region from {lim.shm_min_bytes} B (all ranks on this host; "
+                  f"{self._shm_ar.threads} thread(s) per rank)"
                   if self._shm_ar is not None else "; no shared-memory allreduce (not every rank on one host, "
                   "or switched off)", hier.get(lim.hierarchical, str(lim.hierarchical)),
                   len({p["host"] for p in table}), st.fusion_threshold, st.cycle_time)

@@ -82,8 +82,11 @@ def test_settings_validate_the_knobs() -> None:
     s = Settings.from_env({"RINGCOMM_SHM_ALLREDUCE_MIN_BYTES": "0", "RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES": "8192",
                            "RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "2"})
     assert (s.shm_allreduce_min_bytes, s.shm_allreduce_piece_bytes, s.shm_allreduce_min_ranks) == (0, 8192, 2)
+    assert Settings().shm_allreduce_threads == 1
+    assert Settings.from_env({"RINGCOMM_SHM_ALLREDUCE_THREADS": "3"}).shm_allreduce_threads == 3
     for bad in ({"RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES": "100"}, {"RINGCOMM_SHM_ALLREDUCE_MIN_BYTES": "-1"},
-                {"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "1"}):
+                {"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "1"}, {"RINGCOMM_SHM_ALLREDUCE_THREADS": "0"},
+                {"RINGCOMM_SHM_ALLREDUCE_THREADS": "-1"}, {"RINGCOMM_SHM_ALLREDUCE_THREADS": "65"}):
         with pytest.raises(InvalidInputError):
             Settings.from_env(bad)
 
@@ -125,16 +128,18 @@ def leftovers(job: str) -> list[str]:
 @settings(max_examples=60, deadline=None)
 @given(size=st.integers(2, 5), n=st.integers(0, 300), dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS),
        piece=st.sampled_from([1, 64, 100, 256, 4096]), separate=st.booleans(), ops_count=st.integers(1, 3),
-       seed=st.integers(0, 2**16), futex=st.booleans())
-def test_matches_rank_order_reference_bitwise(size, n, dtype, op, piece, separate, ops_count, seed, futex) -> None:
-    """Both barriers: the futex one (x86-64 Linux) and messages over the links (everywhere else)."""
+       seed=st.integers(0, 2**16), futex=st.booleans(), threads=st.sampled_from([1, 3]))
+def test_matches_rank_order_reference_bitwise(size, n, dtype, op, piece, separate, ops_count, seed, futex,
+                                              threads) -> None:
+    """Both barriers: the futex one (x86-64 Linux) and messages over the links (everywhere else);
+    one thread per rank, or three, each copying and reducing its own range of every piece."""
     futex = futex and shm_barrier.available()
     if dtype == "bool" and op is ReduceOp.AVERAGE:
         op = ReduceOp.SUM
     post = 1.0 / size if op is ReduceOp.AVERAGE else (0.5 if seed % 3 == 0 else 1.0)
     job = new_job()
     links = queue_links(size)
-    algs = [ShmAllreduce(job, 0, piece, futex=futex) for _ in links]
+    algs = [ShmAllreduce(job, 0, piece, futex=futex, threads=threads, thread_min_bytes=1) for _ in links]
     cases = [inputs_for(size, n + k, dtype, seed + k) for k in range(ops_count)]  # several ops: sets alternate
 
     def fn(link, r):
@@ -241,14 +246,20 @@ def shm_cases() -> list[dict]:
 @needs_shm
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [3, 4])
-def test_jobs_reduce_through_shared_memory_bitwise_identically(tmp_path, world: int) -> None:
+@pytest.mark.parametrize("world, threads", [(3, 1), (4, 1), (3, 3)])
+def test_jobs_reduce_through_shared_memory_bitwise_identically(tmp_path, world: int, threads: int) -> None:
+    """With 3 threads per rank, pieces of 4 MiB and a 12 MB case, so that copies and sums are split."""
     import json
 
     path = tmp_path / "cases.json"
-    path.write_text(json.dumps(shm_cases()))
+    cases = shm_cases()
+    if threads > 1:
+        cases.append({"dtype": "float32", "op": "average", "n": 3_000_000, "seed": 99})
+    path.write_text(json.dumps(cases))
     proc = launch(world, [str(WORKERS / "shm_allreduce_worker.py"), str(path)], timeout=110,
-                  RINGCOMM_SHM_ALLREDUCE_MIN_BYTES="1", RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES="1024",
+                  RINGCOMM_SHM_ALLREDUCE_THREADS=str(threads),
+                  RINGCOMM_SHM_ALLREDUCE_MIN_BYTES="1",
+                  RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES="1024" if threads == 1 else str(4 << 20),
                   RINGCOMM_SMALL_ALLREDUCE_BYTES="0",  # not reduced at rank 0: every case takes the shm path
                   RINGCOMM_SHM_LANE_BYTES="0")  # nor the small-op lane
     assert proc.returncode == 0, f"job failed (np={world}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -2,8 +2,8 @@
 # The GPU checks in one run (about 7 minutes on one GPU): the CUDA tests under ringcomm-run at
 # np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
 # DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds), `bench allreduce --device
-# cuda` (vs gloo), and three ringcomm_torch steps under torch.profiler (where the host waits for the
-# GPU).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the benches' raw
+# cuda` (vs gloo), the shared-memory allreduce on 1 thread per rank vs 4, and three ringcomm_torch
+# steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the benches' raw
 # numbers packed in one archive; summary.txt starts with the machine and ends with the figures.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
@@ -55,6 +55,15 @@ done
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 
+# the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS),
+# host arrays, alternating: whether a host with cores to spare makes the default of 1 the wrong one
+step shm-threads 90 bash -c 'for t in 1 4 1 4; do
+    echo "threads $t"
+    RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.bench allreduce --np 2 --sizes 16M 64M --repeats 2 \
+        --systems ringcomm --no-plot --out-dir "$1" --json "$1/shm-threads-$t-$RANDOM.json" | grep "^| 2 "
+done' "$PY" "$RAW"
+mv "$OUT/shm-threads.log" "$RAW/"  # into the archive: eight files at most come back
+
 # where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
 # summary counts synchronizes and copies per thread; the trace stays here, it is too large to bring back)
 start=$SECONDS
@@ -69,6 +78,7 @@ printf '%s\n' "${STATUS[@]}" >>"$OUT/summary.txt"
 grep -h "passed\|failed\|error" "$OUT"/cuda-tests-*.log | tail -n 20 >>"$OUT/summary.txt"
 grep -h "img/s\|^| \|per round" "$OUT"/training-b*.log >>"$OUT/summary.txt"
 grep -h "^| " "$OUT"/allreduce-cuda.log >>"$OUT/summary.txt"
+grep -h "^threads\|^| 2 " "$RAW"/shm-threads.log >>"$OUT/summary.txt"
 cat "$RAW/profile-b64.json" >>"$OUT/summary.txt" 2>/dev/null
 tar czf "$OUT/bench-raw.tgz" --exclude='*.trace.json' -C "$RAW" .
 cat "$OUT/summary.txt"

@@ -59,6 +59,7 @@ from ..job import names
 from ..shm import slots as shm, barrier as shm_barrier
 from ..core import ring, routing
 from .algorithms import Link
+from .memory_threads import MIN_CHUNK_BYTES, MemoryThreads
 from ..core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
 log = logging.getLogger("ringcomm.collectives.shm_allreduce")
@@ -69,6 +70,9 @@ BARRIER_TAG = 1 << 31
 SETUP_TAG = BARRIER_TAG | (1 << 30)
 #: Slabs are multiples of this many bytes, so every dtype's view is aligned.
 ALIGN = 64
+
+#: Work for :class:`MemoryThreads`: (elements, body(start, stop)) per copy or sum.
+Jobs = list[tuple[int, Callable[[int, int], None]]]
 
 _EMPTY = np.zeros(0, np.uint8)
 _OK = np.ones(1, np.uint8)
@@ -146,9 +150,11 @@ class ShmAllreduce:
     """
 
     def __init__(self, job_id: str, round_: int, piece_bytes: int, peer_timeout: float = 30.0,
-                 futex: bool | None = None) -> None:
+                 futex: bool | None = None, threads: int = 1, thread_min_bytes: int = MIN_CHUNK_BYTES) -> None:
         """``futex``: meet through :mod:`ringcomm.shm.barrier` (default: where it is available) rather
-        than messages over the data plane."""
+        than messages over the data plane.  ``threads``: this rank's copies and sums are cut into
+        up to that many ranges of at least ``thread_min_bytes``, run at once
+        (:mod:`.memory_threads`); the results are bitwise the same."""
         self.path = region_path(job_id, round_)
         self.slab_bytes = slab_bytes_for(piece_bytes)
         self.region: Region | None = None
@@ -158,6 +164,9 @@ class ShmAllreduce:
         self._meet: shm_barrier.ShmBarrier | None = None
         self._meetings = 0  # barriers so far (all ops): the futex barrier's numbers
         self._peer_timeout = peer_timeout
+        self._work = MemoryThreads(threads)
+        self.threads = self._work.threads
+        self._min_chunk = thread_min_bytes
 
     def _barrier(self, link: Link, seq: int, tag: int, watch: Callable[[int], None] | None) -> None:
         """Returns once every rank has called it (with the same ``seq`` and ``tag``)."""
@@ -254,44 +263,53 @@ class ShmAllreduce:
             lo, hi = owner_ranges(b - a, size)[rank]
             return (first + k) & 1, a, b, lo, hi
 
-        def copy_in(k: int) -> None:
+        def copy_in(k: int) -> Jobs:
             # Only the other ranks read this slab, and only outside this rank's own range: that
             # range this rank reduces straight from its input.
             s, a, b, lo, hi = slab_ranges(k)
             mine = region.view(s, rank, dtype, b - a)
-            np.copyto(mine[:lo], inp[a:a + lo])
-            np.copyto(mine[hi:], inp[a + hi:b])
+            return [(lo, lambda x, y: np.copyto(mine[x:y], inp[a + x:a + y])),
+                    (b - a - hi, lambda x, y: np.copyto(mine[hi + x:hi + y], inp[a + hi + x:a + hi + y]))]
 
-        def reduce_own(k: int) -> None:
+        def reduce_own(k: int) -> Jobs:
             s, a, b, lo, hi = slab_ranges(k)
-            if hi > lo:
-                m = b - a
-                parts = [inp[a + lo:a + hi] if j == rank else region.view(s, j, dtype, m)[lo:hi] for j in range(size)]
-                acc = region.view(s, size, dtype, m)[lo:hi]
-                combine(op, parts[0], parts[1], acc)
-                for part in parts[2:]:
-                    reduce_into(op, acc, part)
-                scale_inplace(acc, postscale)
+            m = b - a
+            parts = [inp[a + lo:a + hi] if j == rank else region.view(s, j, dtype, m)[lo:hi] for j in range(size)]
+            acc = region.view(s, size, dtype, m)[lo:hi]
+
+            def part(x: int, y: int) -> None:
+                combine(op, parts[0][x:y], parts[1][x:y], acc[x:y])
+                for other in parts[2:]:
+                    reduce_into(op, acc[x:y], other[x:y])
+                scale_inplace(acc[x:y], postscale)
+            return [(hi - lo, part)]
+
+        def copy_out(k: int) -> Jobs:
+            s, a, b, _, _ = slab_ranges(k)
+            result = region.view(s, size, dtype, b - a)
+            return [(b - a, lambda x, y: np.copyto(buf[a + x:a + y], result[x:y]))]
 
         # One barrier per round: barrier k+1 means every rank has reduced piece k (so it may be
         # copied out) and copied in piece k+1 (so it may be reduced).  Piece k+2 reuses piece k's
         # set; every rank wrote that set's result slab for piece k before barrier k+1 and
-        # finished copying it out before barrier k+2, after which piece k+2 is reduced.
-        copy_in(0)
+        # finished copying it out before barrier k+2, after which piece k+2 is reduced.  The work
+        # between two barriers (copy piece k-1 out, reduce piece k, copy piece k+1 in) touches
+        # three different slabs, so this rank's threads do it all at once.
+        work, itemsize, min_chunk = self._work, dtype.itemsize, self._min_chunk
+        work.spread(copy_in(0), itemsize, min_chunk)
         self._barrier(link, seq, BARRIER_TAG, watch)
         for k in range(len(ps)):
-            reduce_own(k)
-            if k + 1 < len(ps):
-                copy_in(k + 1)
-            elif marks is not None:
+            jobs = (copy_out(k - 1) if k else []) + reduce_own(k) + (copy_in(k + 1) if k + 1 < len(ps) else [])
+            work.spread(jobs, itemsize, min_chunk)
+            if k + 1 == len(ps) and marks is not None:
                 marks.append(time.perf_counter())
             self._barrier(link, seq, BARRIER_TAG | (k + 1), watch)
-            s, a, b, _, _ = slab_ranges(k)
-            np.copyto(buf[a:b], region.view(s, size, dtype, b - a))
+        work.spread(copy_out(len(ps) - 1), itemsize, min_chunk)
         link.flush()
         return True
 
     def close(self) -> None:
+        self._work.close()
         self._meet = None  # its view of the counters would keep the mapping (and its fd) open
         if self.region is not None:
             self.region.unlink()  # gone already, unless this rank is rank 0 and setup was cut short

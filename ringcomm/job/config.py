@@ -92,6 +92,11 @@ class Settings:
     #: Bytes of its buffer each rank puts into the shared region per round (the region holds
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
+    #: Threads per rank for that allreduce's copies and sums, each on its own range of the piece
+    #: (``memory_threads.py``; results bitwise the same, and ranks may differ).  More than one
+    #: only pays where each rank has cores to spare: with 2 ranks on 2 cores, 2 threads were
+    #: 1.1-1.2x slower (25 and 64 MiB).
+    shm_allreduce_threads: int = 1
     #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
     #: set with payloads up to this many bytes (and barriers) go through the shared-memory lane:
     #: every rank computes the result from the others' posted payloads, no engine, no rank 0
@@ -232,6 +237,9 @@ class Settings:
                 "RINGCOMM_SHM_ALLREDUCE_MIN_BYTES must be >= 0 and RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES >= 1024, got "
                 f"{self.shm_allreduce_min_bytes} and {self.shm_allreduce_piece_bytes}"
             )
+        if not 1 <= self.shm_allreduce_threads <= 64:
+            raise InvalidInputError(
+                f"RINGCOMM_SHM_ALLREDUCE_THREADS must be between 1 and 64, got {self.shm_allreduce_threads}")
         if self.shm_allreduce_min_ranks < 2:
             raise InvalidInputError(f"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS must be >= 2, got {self.shm_allreduce_min_ranks}")
         if self.peer_timeout <= 0 or self.start_timeout <= 0:
