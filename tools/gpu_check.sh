@@ -55,12 +55,20 @@ done
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 
-# the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS),
-# host arrays, alternating: whether a host with cores to spare makes the default of 1 the wrong one
-step shm-threads 90 bash -c 'for t in 1 4 1 4; do
+# the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS):
+# host arrays alternating twice, then ringcomm_torch training (resnet18, batch 64) once each: whether
+# a host with cores to spare makes the default of 1 the wrong one
+step shm-threads 150 bash -c 'for t in 1 4 1 4; do
     echo "threads $t"
     RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.bench allreduce --np 2 --sizes 16M 64M --repeats 2 \
         --systems ringcomm --no-plot --out-dir "$1" --json "$1/shm-threads-$t-$RANDOM.json" | grep "^| 2 "
+done
+for t in 1 4; do
+    RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.launch.launcher -np 2 "$0" -m ringcomm.bench._train_worker \
+        --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 20 --warmup 5 --out "$1/train-threads-$t.json" \
+        >"$1/train-threads-$t.log" 2>&1
+    echo "threads $t: training b64 img/s $("$0" -c "import json, sys; print(json.load(open(sys.argv[1]))[\"img_per_s\"])" \
+        "$1/train-threads-$t.json" 2>&1 | tail -n 1)"
 done' "$PY" "$RAW"
 mv "$OUT/shm-threads.log" "$RAW/"  # into the archive: eight files at most come back
 
