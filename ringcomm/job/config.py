@@ -93,8 +93,8 @@ class Settings:
     #: 2 x (ranks + 1) such slabs).
     shm_allreduce_piece_bytes: int = 4 * 1024 * 1024
     #: Threads per rank for that allreduce's copies and sums, each on its own range of the piece
-    #: (``memory_threads.py``; results bitwise the same, and ranks may differ).  More than one
-    #: only pays where each rank has cores to spare: with 2 ranks on 2 cores, 2 threads were
+    #: (``memory_threads.py``; results bitwise the same, and ranks may differ).  More than one can
+    #: only help where each rank has cores to spare: with 2 ranks on 2 cores, 2 threads were
     #: 1.1-1.2x slower (25 and 64 MiB).
     shm_allreduce_threads: int = 1
     #: In a job whose ranks all share one host, allreduces, broadcasts and allgathers of the global
