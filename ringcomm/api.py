@@ -61,7 +61,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
 )
 
 AnyHandle = Handle | GroupHandle | MappedHandle
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.api")
 F = TypeVar("F", bound=Callable[..., Any])
 
 

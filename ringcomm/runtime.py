@@ -37,7 +37,7 @@ from .errors import (
 from .handles import Entry, Handle
 from .core.process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
 
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.runtime")
 #: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
 #: (the others have submitted the op by then in a program in step; no longer than that)
 _REFUSAL_ANSWER_SECONDS = 2.0

@@ -40,7 +40,7 @@ from ..errors import ShutdownError, StallError
 from ..handles import Entry, Handle
 from .records import EngineSide, Pending, Queued, State, naming, reacquire, spin_allowed
 
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.lane.driver")
 
 #: Seconds one futex sleep lasts before the waiter checks the engine, stalls and its deadline.
 SLICE = 0.05
@@ -445,8 +445,8 @@ class LaneDriver:
         del self._pending[k]
         self._publish_read()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank reduces "
-                      "the posted payloads)", self.rank, e.req.kind, e.req.name, sizes[self.rank], k)
+            log.debug("rank %d: %s %r: %d B, process set 0: small-op lane (index %d, every rank computes "
+                      "the result from the posted payloads)", self.rank, e.req.kind, e.req.name, sizes[self.rank], k)
         e.handle.set_result(result)  # lock held: runs only the handle's name release, which does not block
 
     def _divert(self, k: int, p: Pending) -> None:

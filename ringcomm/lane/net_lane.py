@@ -43,7 +43,7 @@ from ..core import lane
 from ..core.lane_frames import OFF, Frame, FrameReader, slot_head, off_frame
 from ..errors import HorovodInternalError, PeerLostError, ProtocolError
 
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.lane.net_lane")
 
 #: Slots per peer kept after this rank finished reading them (an op in flight compares its key).
 KEEP = 64

@@ -26,7 +26,7 @@ from . import net_lane, shm_lane
 from .driver import LaneDriver
 from .records import EngineSide
 
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.lane.owner")
 
 #: Slots per rank in the lane on one host (a rank rewrites one once every rank has read it).
 SLOTS = 4

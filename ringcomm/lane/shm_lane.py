@@ -46,7 +46,7 @@ from ..job import names
 from ..core import lane
 from ..errors import HorovodInternalError
 
-log = logging.getLogger("ringcomm")
+log = logging.getLogger("ringcomm.lane.shm_lane")
 
 #: Bytes of one rank's counters (one cache line: ranks never write the same line), laid out as
 #: the futex barrier's are.
