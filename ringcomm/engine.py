@@ -47,6 +47,7 @@ from .handles import Entry, Handle
 from .timeline import Timeline, negotiate_phase
 from .job.topology import Topology
 from .job.names import ipc_base, ipc_file, remove_files
+from .shm import slots as shm_files
 from .net.transport import DataPlane
 from .net.control import Rank0Control
 from .core.wire import Request, Response
@@ -91,6 +92,15 @@ def _check_same_security(table: list[dict], rank: int) -> None:
 _LATE_ANSWER_MS = 200
 #: How long rank 0's control socket keeps unsent answers when it closes (to ranks still connected)
 _FINAL_ANSWERS_LINGER_MS = 500
+
+
+def _reclaim_left_by_dead(rank: int) -> None:
+    """Remove the shared-memory files that jobs killed on this host before they could remove them
+    left (a job started without ``ringcomm-run``, which cleans up after its own, has nobody else to)."""
+    removed = shm_files.reclaim_left_by_dead()
+    if removed:
+        log.info("rank %d: removed %d shared-memory file(s), %.1f MiB, that jobs killed on this host had left: %s",
+                 rank, len(removed), sum(n for _, n in removed) / 2**20, ", ".join(p for p, _ in removed))
 
 
 class Engine:
@@ -168,6 +178,8 @@ class Engine:
         self._link = link  # from here on, _close() closes it
         base = ipc_base(topo.job_id, os.getpid(), round_)
         data_eps = link.bind(base + "-data", topo.addr)
+        if topo.local_rank == 0 and shm_files.available():
+            _reclaim_left_by_dead(self.rank)
         lane_offers = self.lane_owner.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(self.size),
                                             st.net_lane_bytes_for(self.size), st.encrypt)
         info: dict[str, Any] = {

@@ -3,7 +3,8 @@
 A file is named only once it is whole, its creator holds a lock on it for as long as it lives, and a
 file under a name whose creator died is reclaimed by the next creator of that name.  The small-op
 lane's region has no name at all until the ranks have met: a rank 0 killed while it waits for the
-others leaves nothing, and the next job on the same address runs with the lane.
+others leaves nothing, and the next job on the same address runs with the lane.  Files of a job
+killed under names that never come again are swept by the next job's local rank 0.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, job_env
+from conftest import ROOT, WORKERS, job_env, launch
 from ringcomm.job import names
 from ringcomm.shm import slots as shm
 
@@ -146,3 +147,54 @@ def test_rank_0_killed_in_rendezvous_leaves_nothing_and_the_next_job_has_the_lan
     assert all(p.returncode == 0 for p in ranks), outs
     assert all("lane=on ok" in out for out in outs), outs
     assert _job_files(job_id) == []
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+def test_files_of_dead_jobs_are_swept_whatever_their_name_and_live_ones_stay(tmp_path) -> None:
+    """Another job's name never comes again, so no creator reclaims it: the sweep does, and only
+    files whose creator is gone (here in a directory of the test's, laid out as /dev/shm)."""
+    d = str(tmp_path)
+    dead, live = (os.path.join(d, f"ringcomm-test{secrets.token_hex(4)}-0-lane") for _ in range(2))
+    other = os.path.join(d, "someone-else")
+    open(other, "w").close()
+    killed = _holder(dead, named=True)
+    _kill(killed)
+    temp_dead = os.path.join(d, f"ringcomm-test{secrets.token_hex(4)}-0-allreduce.{killed.pid}.new")
+    temp_live = os.path.join(d, f"ringcomm-test{secrets.token_hex(4)}-0-allreduce.{os.getpid()}.new")
+    for p in (temp_dead, temp_live):
+        open(p, "w").close()
+    holder = _holder(live, named=True)
+    try:
+        removed = shm.reclaim_left_by_dead(d)
+        assert sorted(removed) == sorted([(dead, 4096), (temp_dead, 0)])
+        assert os.path.exists(live) and os.path.exists(temp_live) and os.path.exists(other)
+        assert shm.reclaim_left_by_dead(d) == []  # nothing more to do
+    finally:
+        _kill(holder)
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+@pytest.mark.timeout(60)
+def test_a_job_started_without_the_launcher_removes_what_a_killed_one_left() -> None:
+    """Two ranks started as torchrun starts them, both killed with SIGKILL once they have met: the
+    lane's region keeps its name until every rank has posted, so it is left; the next job's
+    init() removes it."""
+    job = [sys.executable, "-c", "import ringcomm, time; ringcomm.init(); print('up', flush=True); time.sleep(60)"]
+    port = str(29000 + secrets.randbelow(2000))
+    before = set(glob.glob(os.path.join(names.SHM_DIR, "ringcomm-*")))
+    procs = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=job_env(
+        RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port)) for r in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "up"
+    finally:
+        for p in procs:
+            _kill(p)
+    left = set(glob.glob(os.path.join(names.SHM_DIR, "ringcomm-*"))) - before
+    assert left, "the killed job left no file: nothing to check"
+    out = launch(2, ["-c", "import ringcomm; ringcomm.init(); ringcomm.shutdown()"], timeout=50,
+                 RINGCOMM_LOG_LEVEL="INFO")
+    assert out.returncode == 0, out.stderr
+    assert not any(os.path.exists(p) for p in left)
+    assert "[0]<stderr>:" in out.stderr and "that jobs killed on this host had left" in out.stderr

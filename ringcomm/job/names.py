@@ -10,7 +10,9 @@ Every file or endpoint a job creates starts with ``ringcomm-JOB-``:
                                         socket files in the temp dir elsewhere (transport.py)
 ======================================  =============================================
 
-so the launcher and the remote wrapper can find and remove what a dead job left.
+so the launcher and the remote wrapper can find and remove what a dead job left, and a job's
+local rank 0 removes at ``init()`` the shared-memory files of any job whose creator died
+(:func:`ringcomm.shm.slots.reclaim_left_by_dead`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import mmap
 import os
 import stat
@@ -201,6 +202,39 @@ def reclaim_if_dead(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def reclaim_left_by_dead(directory: str = names.SHM_DIR) -> list[tuple[str, int]]:
+    """Remove every ``ringcomm-*`` file in ``directory`` that this user's processes created and that
+    no live process holds (:func:`reclaim_if_dead`): what jobs killed with SIGKILL before they could
+    unlink their files left, whatever job they were.  Returns the ``(path, bytes)`` of each removed.
+
+    A file being made under a temporary name (``...new``) by a live process is left alone: its
+    creator takes the lock just after it opens it.
+    """
+    removed = []
+    for path in sorted(glob.glob(os.path.join(directory, names.prefix("*") + "*"))):
+        if path.endswith(".new"):
+            pid = path.rsplit(".", 2)[-2]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+        try:
+            size = os.stat(path, follow_symlinks=False).st_size
+        except OSError:
+            continue
+        if os.path.exists(path) and reclaim_if_dead(path) and not os.path.exists(path):
+            removed.append((path, size))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class SlotRing(MappedFile):
