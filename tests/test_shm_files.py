@@ -198,3 +198,20 @@ def test_a_job_started_without_the_launcher_removes_what_a_killed_one_left() -> 
     assert out.returncode == 0, out.stderr
     assert not any(os.path.exists(p) for p in left)
     assert "[0]<stderr>:" in out.stderr and "that jobs killed on this host had left" in out.stderr
+
+
+@pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_after_the_first_op_the_job_has_no_name_left_in_dev_shm() -> None:
+    """The lane's region loses its name as soon as an op shows that every rank has it mapped, so
+    from then on a job killed however leaves nothing there."""
+    # rank 1 posts last: rank 0, which owns the name, has posted before every rank had
+    code = ("import glob, os, time, numpy as np, ringcomm; ringcomm.init(); "
+            "time.sleep(0.5 if ringcomm.rank() == 1 else 0); "
+            "ringcomm.allreduce(np.ones(4), name='first'); time.sleep(0.5); "
+            "job = os.environ['RINGCOMM_JOB_ID']; "
+            "print('LEFT', sorted(glob.glob(f'/dev/shm/ringcomm-{job}-*')), flush=True); ringcomm.shutdown()")
+    out = launch(2, ["-c", code], timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("LEFT []") == 2, out.stdout

@@ -432,6 +432,8 @@ class LaneDriver:
             reacquire(self._cond)
 
     def _finish_fast(self, k: int, p: Pending, sizes: list[int]) -> None:
+        if not self._unlinked:  # every rank posted index k: each has the region mapped
+            self._unlink_once_all_posted()
         e = p.entry
         req = e.req
         try:
