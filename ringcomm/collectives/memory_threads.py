@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from ..core import ring
+
 #: A range below this many bytes is not worth handing to another thread (a hand-off costs tens
 #: of microseconds; a copy of 1 MiB about a hundred).
 MIN_CHUNK_BYTES = 1024 * 1024
@@ -34,13 +36,7 @@ def chunks(lo: int, hi: int, threads: int, itemsize: int, min_bytes: int = MIN_C
         return []
     min_elems = max(1, -(-min_bytes // max(1, itemsize)))
     count = max(1, min(threads, n // min_elems))
-    base, extra = divmod(n, count)
-    out, start = [], lo
-    for i in range(count):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
+    return [(lo + a, lo + b) for a, b in ring.chunk_bounds(n, count)]  # the ring's balanced split
 
 
 def plan(sizes: Sequence[int], threads: int, itemsize: int, min_bytes: int = MIN_CHUNK_BYTES

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import _thread
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -315,13 +314,13 @@ def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots
     deadline = time.monotonic() + wait_seconds
     pause = 0.0002
     root_pid = int(table[0].get("pid") or 0)
-    watch_root = root_pid > 0 and _visible(root_pid)  # in another pid namespace: only the deadline
+    watch_root = root_pid > 0 and shm.process_visible(root_pid)  # in another pid namespace: only the deadline
     while True:
         try:
             return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
         except FileNotFoundError:
             # rank 0 names it right after the ranks meet: it may not be there yet
-            if watch_root and not _visible(root_pid):
+            if watch_root and not shm.process_visible(root_pid):
                 # rank 0 left (it died, or named, used and removed it and shut down): the job is
                 # ending, and the engine reports why; go on without the lane
                 log.debug("rank %d: the small-op lane %s is gone: rank 0 has left the job", rank, path)
@@ -337,14 +336,3 @@ def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots
             raise HorovodInternalError(
                 f"rank {rank}: cannot map the small-op lane {path} that rank 0 created ({exc}); "
                 "set RINGCOMM_SHM_LANE_BYTES=0 on every rank to run without it") from exc
-
-
-def _visible(pid: int) -> bool:
-    """Whether process ``pid`` exists in this process's view."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

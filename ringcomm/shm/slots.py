@@ -216,18 +216,19 @@ def reclaim_left_by_dead(directory: str = names.SHM_DIR) -> list[tuple[str, int]
     for path in sorted(glob.glob(os.path.join(directory, names.prefix("*") + "*"))):
         if path.endswith(".new"):
             pid = path.rsplit(".", 2)[-2]
-            if not pid.isdigit() or _alive(int(pid)):
+            if not pid.isdigit() or process_visible(int(pid)):
                 continue
         try:
             size = os.stat(path, follow_symlinks=False).st_size
         except OSError:
             continue
-        if os.path.exists(path) and reclaim_if_dead(path) and not os.path.exists(path):
+        if reclaim_if_dead(path) and not os.path.exists(path):
             removed.append((path, size))
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_visible(pid: int) -> bool:
+    """Whether process ``pid`` exists in this process's view (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
