@@ -3,8 +3,9 @@
 # np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
 # DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds), `bench allreduce --device
 # cuda` (vs gloo), the shared-memory allreduce on 1 thread per rank vs 4, and three ringcomm_torch
-# steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default: ./gpu-check-out): eight files at most, the benches' raw
-# numbers packed in one archive; summary.txt starts with the machine and ends with the figures.
+# steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default:
+# ./gpu-check-out): six files, the benches' raw numbers packed in one archive.  summary.txt starts
+# with the machine and grows after each step, so a run cut short still tells what it measured.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
 # this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
@@ -27,6 +28,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's code wins
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 
 STATUS=()
+SUMMARY="$OUT/summary.txt"
 step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NAME.log, note the result
     local name="$1" limit="$2"
     shift 2
@@ -34,12 +36,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
     STATUS+=("$name: exit $rc in $((SECONDS - start)) s")
-    echo "gpu_check: ${STATUS[-1]}"
+    echo "gpu_check: ${STATUS[-1]}" | tee -a "$SUMMARY"
     return $rc
 }
 
 { nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.cuda.get_device_name(0))'; } \
-    >"$RAW/machine.txt" 2>&1
+    >"$SUMMARY" 2>&1
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py
        tests/test_torch_device_return.py)
@@ -47,18 +49,34 @@ step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
     step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
 done
+for np in 1 2 4; do  # one log for the three
+    { echo "=== np $np"; cat "$OUT/cuda-tests-np$np.log"; } >>"$OUT/cuda-tests.log" && rm "$OUT/cuda-tests-np$np.log"
+done
+grep -h "^===\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 20 >>"$SUMMARY"
 
 for batch in 64 256; do
-    step "training-b$batch" 150 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
+    step "training-b$batch" 200 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
         --steps 20 --warmup 5 --repeats 3 --no-plot --out-dir "$RAW" --json "$RAW/training-b$batch.json"
+    grep -h "img/s\|^| \|per round" "$OUT/training-b$batch.log" >>"$SUMMARY"
 done
+
+# where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
+# summary counts synchronizes and copies per thread and lists the costliest ops; the trace stays
+# here, it is too large to bring back)
+step profile-b64 120 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" -m ringcomm.bench._train_worker \
+    --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 10 --warmup 5 \
+    --out "$RAW/profile-b64-run.json" --profile "$RAW/profile-b64.json"
+mv "$OUT/profile-b64.log" "$RAW/"  # into the archive: few files come back
+cat "$RAW/profile-b64.json" >>"$SUMMARY" 2>/dev/null
+
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
+grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
 
 # the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS):
 # host arrays alternating twice, then ringcomm_torch training (resnet18, batch 64) once each: whether
 # a host with cores to spare makes the default of 1 the wrong one
-step shm-threads 150 bash -c 'for t in 1 4 1 4; do
+step shm-threads 120 bash -c 'for t in 1 4 1 4; do
     echo "threads $t"
     RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.bench allreduce --np 2 --sizes 16M 64M --repeats 2 \
         --systems ringcomm --no-plot --out-dir "$1" --json "$1/shm-threads-$t-$RANDOM.json" | grep "^| 2 "
@@ -70,23 +88,8 @@ for t in 1 4; do
     echo "threads $t: training b64 img/s $("$0" -c "import json, sys; print(json.load(open(sys.argv[1]))[\"img_per_s\"])" \
         "$1/train-threads-$t.json" 2>&1 | tail -n 1)"
 done' "$PY" "$RAW"
-mv "$OUT/shm-threads.log" "$RAW/"  # into the archive: eight files at most come back
+grep -h "^threads\|^| 2 " "$OUT/shm-threads.log" >>"$SUMMARY"
+mv "$OUT/shm-threads.log" "$RAW/"
 
-# where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
-# summary counts synchronizes and copies per thread; the trace stays here, it is too large to bring back)
-start=$SECONDS
-timeout --kill-after=10 150 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" -m ringcomm.bench._train_worker \
-    --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 10 --warmup 5 \
-    --out "$RAW/profile-b64-run.json" --profile "$RAW/profile-b64.json" >"$RAW/profile-b64.log" 2>&1
-STATUS+=("profile-b64: exit $? in $((SECONDS - start)) s")
-echo "gpu_check: ${STATUS[-1]}"
-
-cat "$RAW/machine.txt" >"$OUT/summary.txt"
-printf '%s\n' "${STATUS[@]}" >>"$OUT/summary.txt"
-grep -h "passed\|failed\|error" "$OUT"/cuda-tests-*.log | tail -n 20 >>"$OUT/summary.txt"
-grep -h "img/s\|^| \|per round" "$OUT"/training-b*.log >>"$OUT/summary.txt"
-grep -h "^| " "$OUT"/allreduce-cuda.log >>"$OUT/summary.txt"
-grep -h "^threads\|^| 2 " "$RAW"/shm-threads.log >>"$OUT/summary.txt"
-cat "$RAW/profile-b64.json" >>"$OUT/summary.txt" 2>/dev/null
 tar czf "$OUT/bench-raw.tgz" --exclude='*.trace.json' -C "$RAW" .
-cat "$OUT/summary.txt"
+cat "$SUMMARY"

@@ -38,10 +38,24 @@ def profile_steps(step: Callable[[], None], settle: Callable[[], None], cuda: bo
         settle()
     prof.export_chrome_trace(path + ".trace.json")
     summary = summarize(prof.events(), STEPS)
+    summary["top_host"] = top_ops(prof.key_averages(), "self_cpu_time_total")
+    if cuda:
+        summary["top_device"] = top_ops(prof.key_averages(), "self_device_time_total")
     summary["main_thread"] = threading.get_native_id()  # step() runs here; the hooks on autograd's threads
     with open(path, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
     return summary
+
+
+def top_ops(averages: Any, key: str, limit: int = 15) -> list[dict[str, Any]]:
+    """The ``limit`` ops of a ``key_averages()`` with the most ``key`` time: name, calls, self and total us."""
+    def value(row: Any, attr: str) -> float:
+        alt = attr.replace("device", "cuda")  # older releases name the device time after CUDA
+        return float(getattr(row, attr, getattr(row, alt, 0.0)) or 0.0)
+
+    rows = sorted(averages, key=lambda row: value(row, key), reverse=True)[:limit]
+    return [{"name": row.key, "calls": int(row.count), "self_us": round(value(row, key), 1),
+             "total_us": round(value(row, key.replace("self_", "")), 1)} for row in rows]
 
 
 def summarize(events: Any, steps: int) -> dict[str, Any]:
