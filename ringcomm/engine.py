@@ -34,7 +34,7 @@ import zmq
 
 from .net import auth
 from .job import config
-from .collectives import hierarchical, shm_allreduce
+from .collectives import hierarchical, memory_threads, shm_allreduce
 from .lane.owner import LaneOwner
 from .core import routing, wire
 from .job.config import Settings
@@ -233,7 +233,8 @@ class Engine:
         if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
-                                                       st.peer_timeout, threads=st.shm_allreduce_threads)
+                                                       st.peer_timeout, threads=st.shm_allreduce_threads_for(
+                                                           self.size, memory_threads.available_cores()))
         self.lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
         if self.rank != 0:
             root = table[0]

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm.collectives.memory_threads import MemoryThreads, chunks, plan
+from ringcomm.collectives.memory_threads import MemoryThreads, available_cores, chunks, cores_from, plan
+from ringcomm.job.config import MAX_AUTO_MEMORY_THREADS, Settings
 
 
 @settings(max_examples=300, deadline=None)
@@ -99,3 +100,33 @@ def test_spread_applies_each_body_to_every_element_once(threads: int) -> None:
         work.close()
     np.testing.assert_array_equal(dst, src)
     np.testing.assert_array_equal(other, np.ones(300, np.float32))
+
+
+@given(st.integers(1, 512), st.integers(1, 64))
+def test_threads_by_cores_stay_within_one_and_the_cap_and_leave_each_rank_half_its_cores(cores: int, ranks: int
+                                                                                           ) -> None:
+    t = Settings().shm_allreduce_threads_for(ranks, cores)
+    assert 1 <= t <= MAX_AUTO_MEMORY_THREADS
+    assert t == 1 or t * ranks * 2 <= cores  # more than one only where the host has the cores
+    assert Settings().shm_allreduce_threads_for(ranks, cores * 2) >= t  # more cores never fewer threads
+    assert Settings(shm_allreduce_threads=7).shm_allreduce_threads_for(ranks, cores) == 7  # a setting wins
+
+
+def test_threads_by_cores_on_the_measured_hosts() -> None:
+    by_cores = Settings().shm_allreduce_threads_for
+    assert (by_cores(2, 16), by_cores(4, 16), by_cores(2, 2), by_cores(2, 4), by_cores(8, 16)) == (4, 2, 1, 1, 1)
+
+
+@given(st.integers(1, 256), st.integers(1, 10**7), st.integers(1, 10**6))
+def test_cores_are_the_affinity_capped_by_the_cgroup_quota(affinity: int, quota: int, period: int) -> None:
+    assert cores_from(affinity, None) == affinity
+    assert cores_from(affinity, f"max {period}\n") == affinity
+    assert cores_from(affinity, f"{quota} {period}\n") == max(1, min(affinity, quota // period))
+    assert cores_from(affinity, "garbage") == affinity
+
+
+def test_available_cores_reads_a_quota_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")
+    assert available_cores(str(quota)) == 1
+    assert available_cores(str(tmp_path / "absent")) >= 1

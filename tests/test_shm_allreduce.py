@@ -82,10 +82,10 @@ def test_settings_validate_the_knobs() -> None:
     s = Settings.from_env({"RINGCOMM_SHM_ALLREDUCE_MIN_BYTES": "0", "RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES": "8192",
                            "RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "2"})
     assert (s.shm_allreduce_min_bytes, s.shm_allreduce_piece_bytes, s.shm_allreduce_min_ranks) == (0, 8192, 2)
-    assert Settings().shm_allreduce_threads == 1
+    assert Settings().shm_allreduce_threads == 0  # by cores
     assert Settings.from_env({"RINGCOMM_SHM_ALLREDUCE_THREADS": "3"}).shm_allreduce_threads == 3
     for bad in ({"RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES": "100"}, {"RINGCOMM_SHM_ALLREDUCE_MIN_BYTES": "-1"},
-                {"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "1"}, {"RINGCOMM_SHM_ALLREDUCE_THREADS": "0"},
+                {"RINGCOMM_SHM_ALLREDUCE_MIN_RANKS": "1"},
                 {"RINGCOMM_SHM_ALLREDUCE_THREADS": "-1"}, {"RINGCOMM_SHM_ALLREDUCE_THREADS": "65"}):
         with pytest.raises(InvalidInputError):
             Settings.from_env(bad)

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model (default: small on the CPU, resnet18 with --device cuda; exchange: "
                             "resnet18's gradients with next to no compute, the GPU's regime on a CPU, against "
                             "DDP on gloo and on ringcomm)")
+    train.add_argument("--setups", nargs="+", default=[], metavar="SETUP",
+                       choices=[k for k in training.LABELS if k != "single"],
+                       help="only these setups (default: every one the device runs): "
+                            + ", ".join(k for k in training.LABELS if k != "single"))
 
     ddpp = sub.add_parser("ddp", parents=[output],
                           help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')
@@ -203,7 +207,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     elif args.command == "training":
         results["training"] = training.run(training.TrainingConfig(
             nps=args.np, batch=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-            job_timeout=args.job_timeout, device=args.device, model=args.model))
+            job_timeout=args.job_timeout, device=args.device, model=args.model, setups=args.setups))
     elif args.command == "ddp" and args.framework:
         results["frameworks"] = frameworks.run(frameworks.FrameworkConfig(
             framework=args.framework, np_=args.np, epochs=args.epochs, steps=args.steps, batch=args.batch,

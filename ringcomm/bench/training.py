@@ -67,6 +67,7 @@ class TrainingConfig:
     job_timeout: float = 300.0
     device: str = "cpu"
     model: str = ""  # "small", "resnet18" or "exchange"; empty: small on the CPU, resnet18 on the GPU
+    setups: Sequence[str] = ()  # only these setups (keys of LABELS); empty: every one the device runs
 
     @property
     def model_name(self) -> str:
@@ -133,7 +134,7 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
     """Measure every setup; returns the JSON-ready section (config, raw runs, summary, notes)."""
     notes: list[str] = []
     setups = [(s, sys_) for s, sys_ in (CUDA_SETUPS if cfg.device == "cuda" or cfg.model_name == "exchange"
-                                        else SETUPS)]
+                                        else SETUPS) if not cfg.setups or s in cfg.setups]
     why_rc = ringcomm_torch_status()
     if why_rc is not None:
         setups = [x for x in setups if x[0] != "ringcomm"]
