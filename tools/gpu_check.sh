@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 7 minutes on one GPU): the CUDA tests under ringcomm-run at
+# The GPU checks in one run (7.5 minutes on one H200 when it also ran the bound at batch 256 and
+# two training jobs in the threads step, since dropped): the CUDA tests under ringcomm-run at
 # np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
-# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds), `bench allreduce --device
-# cuda` (vs gloo), the shared-memory allreduce on 1 thread per rank vs 4, and three ringcomm_torch
+# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds; at batch 64 also the bound of
+# independent processes), `bench allreduce --device cuda` (vs gloo), the shared-memory allreduce
+# of host arrays on 1 thread per rank vs 4, and three ringcomm_torch
 # steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default:
 # ./gpu-check-out): six files, the benches' raw numbers packed in one archive.  summary.txt starts
 # with the machine and grows after each step, so a run cut short still tells what it measured.
@@ -55,8 +57,11 @@ done
 grep -h "^===\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 20 >>"$SUMMARY"
 
 for batch in 64 256; do
+    setups=(ddp ddp_ringcomm ringcomm)
+    [ "$batch" = 64 ] && setups+=(independent)
     step "training-b$batch" 200 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
-        --steps 20 --warmup 5 --repeats 3 --no-plot --out-dir "$RAW" --json "$RAW/training-b$batch.json"
+        --steps 20 --warmup 5 --repeats 3 --setups "${setups[@]}" --no-plot --out-dir "$RAW" \
+        --json "$RAW/training-b$batch.json"
     grep -h "img/s\|^| \|per round" "$OUT/training-b$batch.log" >>"$SUMMARY"
 done
 
@@ -73,20 +78,12 @@ step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
 
-# the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS):
-# host arrays alternating twice, then ringcomm_torch training (resnet18, batch 64) once each: whether
-# a host with cores to spare makes the default of 1 the wrong one
-step shm-threads 120 bash -c 'for t in 1 4 1 4; do
+# the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS;
+# the default takes 4 with 2 ranks on 16 cores), host arrays, alternating twice
+step shm-threads 90 bash -c 'for t in 1 4 1 4; do
     echo "threads $t"
     RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.bench allreduce --np 2 --sizes 16M 64M --repeats 2 \
         --systems ringcomm --no-plot --out-dir "$1" --json "$1/shm-threads-$t-$RANDOM.json" | grep "^| 2 "
-done
-for t in 1 4; do
-    RINGCOMM_SHM_ALLREDUCE_THREADS=$t "$0" -m ringcomm.launch.launcher -np 2 "$0" -m ringcomm.bench._train_worker \
-        --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 20 --warmup 5 --out "$1/train-threads-$t.json" \
-        >"$1/train-threads-$t.log" 2>&1
-    echo "threads $t: training b64 img/s $("$0" -c "import json, sys; print(json.load(open(sys.argv[1]))[\"img_per_s\"])" \
-        "$1/train-threads-$t.json" 2>&1 | tail -n 1)"
 done' "$PY" "$RAW"
 grep -h "^threads\|^| 2 " "$OUT/shm-threads.log" >>"$SUMMARY"
 mv "$OUT/shm-threads.log" "$RAW/"
