@@ -129,10 +129,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         desc = {"groups": groups, "counts": counts, "state": state}
     desc = _rc.broadcast_object(desc, root_rank, name="broadcast_optimizer_state.desc")
     counts = [len(group["params"]) for group in optimizer.param_groups]
-    if counts != desc["counts"]:
+    # every rank learns every rank's groups, so a mismatch fails on all of them alike (none is left
+    # waiting in a broadcast the others never start)
+    everyone = _rc.allgather_object(counts, name="broadcast_optimizer_state.groups")
+    differ = {r: c for r, c in enumerate(everyone) if c != desc["counts"]}
+    if differ:
         raise InvalidInputError(
-            f"broadcast_optimizer_state: rank {rank()} has param groups of sizes {counts} but root rank "
-            f"{root_rank} has {desc['counts']}; build the same optimizer on every rank")
+            f"broadcast_optimizer_state: rank {rank()}: root rank {root_rank} has param groups of sizes "
+            f"{desc['counts']} but " + ", ".join(f"rank {r} has {c}" for r, c in differ.items())
+            + "; build the same optimizer (the same param groups, in the same order) on every rank")
     is_root = rank() == root_rank
     if not is_root:
         for group, options in zip(optimizer.param_groups, desc["groups"]):

@@ -180,6 +180,23 @@ def check_broadcast_optimizer_state() -> None:
         assert_identical_across_ranks(model, f"{name} step after broadcast_optimizer_state")
 
 
+def check_mismatched_param_groups_fail_on_every_rank() -> None:
+    model = make_model(seed=0)
+    params = list(model.parameters())
+    # the last rank splits its parameters into two groups: every rank raises, naming it
+    groups = [{"params": params}] if R != N - 1 else [{"params": params[:1]}, {"params": params[1:]}]
+    opt = torch.optim.SGD(groups, lr=0.1)
+    try:
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+    except ValueError as exc:
+        text = str(exc)
+        assert f"rank {N - 1} has [1, {len(params) - 1}]" in text and f"sizes [{len(params)}]" in text, text
+        assert f"rank {R}:" in text, text
+    else:
+        raise AssertionError(f"rank {R}: mismatched param groups were accepted")
+    hvd.barrier()  # every rank is still in step
+
+
 def run() -> None:
     """Every check of this module (raises on the first failure)."""
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
@@ -195,6 +212,7 @@ def run() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # lr_scheduler order warnings
         check_broadcast_optimizer_state()
+    check_mismatched_param_groups_fail_on_every_rank()
 
 
 if __name__ == "__main__":
