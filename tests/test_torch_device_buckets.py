@@ -256,3 +256,19 @@ def test_sparse_as_dense_gradients_get_the_reduced_values_in_a_bucket(monkeypatc
     opt.synchronize()
     for n, p in named:  # every rank has the same gradients: the real Sum, then doubled
         assert torch.equal(p.grad.to_dense(), 2 * hvd.size() * local[n]), n
+
+
+def test_a_group_key_hashes_by_identity_and_stays_a_tuple() -> None:
+    a, b = torch.zeros(2), torch.ones(3)
+    key = buckets.GroupKey([a, b])
+    assert {key: 1}[key] == 1 and key == key
+    assert key != buckets.GroupKey([a, b]) and key not in {buckets.GroupKey([a, b]): 1}
+    assert len(key) == 2 and key[0] is a and list(key) == [a, b]
+    calls = []
+    original = torch.Tensor.__hash__
+    try:  # a lookup never hashes the member tensors
+        torch.Tensor.__hash__ = lambda t: calls.append(t) or original(t)  # type: ignore[method-assign]
+        _ = {key: 1}[key]
+    finally:
+        torch.Tensor.__hash__ = original  # type: ignore[method-assign]
+    assert calls == []
