@@ -126,7 +126,12 @@ def test_cores_are_the_affinity_capped_by_the_cgroup_quota(affinity: int, quota:
 
 
 def test_available_cores_reads_a_quota_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    quota = tmp_path / "cpu.max"
-    quota.write_text("100000 100000\n")
-    assert available_cores(str(quota)) == 1
-    assert available_cores(str(tmp_path / "absent")) >= 1
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # cgroup v2
+    assert available_cores(str(tmp_path)) == 1
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # no quota: the affinity
+    assert available_cores(str(v1)) == available_cores(str(tmp_path / "absent")) >= 1
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert available_cores(str(v1)) == 1

@@ -41,17 +41,27 @@ def cores_from(affinity: int, cpu_max: str | None) -> int:
     return cores
 
 
-def available_cores(cpu_max_path: str = "/sys/fs/cgroup/cpu.max") -> int:
-    """This process's cores (:func:`cores_from` over its affinity and its cgroup's quota)."""
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def available_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """This process's cores (:func:`cores_from` over its affinity and its cgroup's quota: cgroup v2's
+    ``cpu.max``, else v1's ``cpu/cpu.cfs_quota_us`` and ``cpu/cpu.cfs_period_us``, where -1 is no quota)."""
     try:
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         affinity = os.cpu_count() or 1
-    try:
-        with open(cpu_max_path, encoding="ascii") as f:
-            cpu_max: str | None = f.read()
-    except OSError:
-        cpu_max = None
+    cpu_max = _read(os.path.join(cgroup, "cpu.max"))
+    if cpu_max is None:
+        quota, period = _read(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")), \
+            _read(os.path.join(cgroup, "cpu", "cpu.cfs_period_us"))
+        if quota is not None and period is not None:
+            cpu_max = f"{'max' if quota.startswith('-') else quota} {period}"
     return cores_from(affinity, cpu_max)
 
 
