@@ -192,9 +192,9 @@ class Settings:
         """Threads per rank for the shared-memory allreduce when ``ranks`` ranks share a host that
         gives the job ``cores`` cores: the setting, or by default half of a rank's share of the
         cores (the rest feed the GPU, run autograd and the engine), between 1 and 4.  Measured: on
-        16 cores with 2 ranks, 4 threads took a 64 MiB allreduce from 17.4 to 9.3 ms and resnet18
-        training on a shared H200 from 3305 to 5663 img/s; with 2 ranks on 2 cores, 2 threads were
-        1.1-1.2x slower.
+        16 cores with 2 ranks, 4 threads took a 64 MiB allreduce from 17.4 to 9.3 ms, and resnet18
+        training on a shared H200 from 1.07x and 1.11x DDP-on-gloo's img/s (batch 64, 256) to 1.35x
+        and 1.31x; with 2 ranks on 2 cores, 2 threads were 1.1-1.2x slower.
 
             Settings().shm_allreduce_threads_for(2, 16) -> 4    ...(4, 16) -> 2    ...(2, 2) -> 1
         """
