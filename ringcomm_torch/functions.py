@@ -121,22 +121,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     desc = None
     if rank() == root_rank:
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        counts = [len(group["params"]) for group in optimizer.param_groups]
         state: list[Any] = []
         for p in params:
             st = optimizer.state.get(p)
             state.append(None if not st else {k: _describe_value(v, p) for k, v in st.items()})
-        desc = {"groups": groups, "counts": counts, "state": state}
-    desc = _rc.broadcast_object(desc, root_rank, name="broadcast_optimizer_state.desc")
+        desc = {"groups": groups, "state": state}
     counts = [len(group["params"]) for group in optimizer.param_groups]
-    # every rank learns every rank's groups, so a mismatch fails on all of them alike (none is left
-    # waiting in a broadcast the others never start)
-    everyone = _rc.allgather_object(counts, name="broadcast_optimizer_state.groups")
-    differ = {r: c for r, c in enumerate(everyone) if c != desc["counts"]}
+    # one allgather brings the root's description and every rank's group sizes, so a mismatch
+    # fails on all ranks alike (none is left waiting in a broadcast the others never start)
+    everyone = _rc.allgather_object((counts, desc), name="broadcast_optimizer_state.desc")
+    root_counts, desc = everyone[root_rank]
+    differ = {r: c for r, (c, _) in enumerate(everyone) if c != root_counts}
     if differ:
         raise InvalidInputError(
             f"broadcast_optimizer_state: rank {rank()}: root rank {root_rank} has param groups of sizes "
-            f"{desc['counts']} but " + ", ".join(f"rank {r} has {c}" for r, c in differ.items())
+            f"{root_counts} but " + ", ".join(f"rank {r} has {c}" for r, c in differ.items())
             + "; build the same optimizer (the same param groups, in the same order) on every rank")
     is_root = rank() == root_rank
     if not is_root:
