@@ -34,10 +34,11 @@ import zmq
 
 from .net import auth
 from .job import config
-from .collectives import hierarchical, memory_threads, shm_allreduce
+from .collectives import hierarchical, shm_allreduce
 from .lane.owner import LaneOwner
 from .core import routing, wire
 from .job.config import Settings
+from .job.cores import available_cores
 from .core.coordinator import SHUTDOWN_NAME, set_label
 from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
 from .collectives.executor import DATA_KINDS, Executor
@@ -234,7 +235,7 @@ class Engine:
                                 st.shm_allreduce_min_ranks):
             self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                                        st.peer_timeout, threads=st.shm_allreduce_threads_for(
-                                                           self.size, memory_threads.available_cores()))
+                                                           self.size, available_cores()))
         self.lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
         if self.rank != 0:
             root = table[0]

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm.collectives.memory_threads import MemoryThreads, available_cores, chunks, cores_from, plan
+from ringcomm.collectives.memory_threads import MemoryThreads, chunks, plan
 from ringcomm.job.config import MAX_AUTO_MEMORY_THREADS, Settings
+from ringcomm.job.cores import available_cores, cores_from
 
 
 @settings(max_examples=300, deadline=None)

@@ -12,7 +12,6 @@ runs the pieces.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,48 +20,6 @@ from ..core import ring
 #: A range below this many bytes is not worth handing to another thread (a hand-off costs tens
 #: of microseconds; a copy of 1 MiB about a hundred).
 MIN_CHUNK_BYTES = 1024 * 1024
-
-
-def cores_from(affinity: int, cpu_max: str | None) -> int:
-    """The cores a process may use: its CPU affinity, capped by a cgroup's CPU quota
-    (``cpu.max``: ``"<quota> <period>"`` or ``"max <period>"``) rounded down, at least 1.
-
-        cores_from(16, "max 100000") -> 16    cores_from(16, "250000 100000") -> 2    cores_from(4, None) -> 4
-    """
-    cores = max(1, affinity)
-    fields = (cpu_max or "").split()
-    if len(fields) == 2 and fields[0] != "max":
-        try:
-            quota, period = int(fields[0]), int(fields[1])
-        except ValueError:
-            return cores
-        if quota > 0 and period > 0:
-            cores = min(cores, max(1, quota // period))
-    return cores
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def available_cores(cgroup: str = "/sys/fs/cgroup") -> int:
-    """This process's cores (:func:`cores_from` over its affinity and its cgroup's quota: cgroup v2's
-    ``cpu.max``, else v1's ``cpu/cpu.cfs_quota_us`` and ``cpu/cpu.cfs_period_us``, where -1 is no quota)."""
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        affinity = os.cpu_count() or 1
-    cpu_max = _read(os.path.join(cgroup, "cpu.max"))
-    if cpu_max is None:
-        quota, period = _read(os.path.join(cgroup, "cpu", "cpu.cfs_quota_us")), \
-            _read(os.path.join(cgroup, "cpu", "cpu.cfs_period_us"))
-        if quota is not None and period is not None:
-            cpu_max = f"{'max' if quota.startswith('-') else quota} {period}"
-    return cores_from(affinity, cpu_max)
 
 
 def chunks(lo: int, hi: int, threads: int, itemsize: int, min_bytes: int = MIN_CHUNK_BYTES) -> list[tuple[int, int]]:

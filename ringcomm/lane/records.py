@@ -9,12 +9,12 @@ handed to it as one object: it calls down into the engine, never into its privat
 from __future__ import annotations
 
 import enum
-import os
 import threading
 from typing import Protocol
 
 from ..core import lane, wire
 from ..handles import Entry, Handle
+from ..job.cores import available_cores
 
 
 class State(enum.Enum):
@@ -108,8 +108,4 @@ def naming(err: BaseException, req: wire.Request, missing: list[int]) -> BaseExc
 
 def spin_allowed(local_ranks: int) -> bool:
     """Re-read before sleeping only when every local rank has a core of its own."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return cores >= local_ranks
+    return available_cores() >= local_ranks
