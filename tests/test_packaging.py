@@ -84,25 +84,65 @@ def test_all_is_static_and_complete(module_name: str) -> None:
     assert sorted(public - set(listed)) == [], "imported in __init__ but missing from __all__"
 
 
-def test_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
-    """The wheel: both packages, py.typed and LICENSE; no tests, no benchmarks (they ship in the sdist)."""
-    import zipfile
-
+def _build_wheel(out: Path) -> Path:
     try:
         import setuptools
     except ImportError:
         pytest.skip("setuptools is not installed")
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip(f"setuptools {setuptools.__version__} < 77 (pyproject's build requirement)")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    (wheel,) = tmp_path.glob("ringcomm-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = out.glob("ringcomm-*.whl")
+    return wheel
+
+
+def test_wheel_holds_the_runtime_and_the_benchmarks(tmp_path: Path) -> None:
+    """The wheel: both packages, the benchmarks, py.typed and LICENSE; no tests, examples or docs."""
+    import zipfile
+
+    names = zipfile.ZipFile(_build_wheel(tmp_path)).namelist()
     assert "ringcomm/py.typed" in names and "ringcomm_torch/py.typed" in names
     assert "ringcomm/__main__.py" in names and "ringcomm_torch/elastic/__init__.py" in names
+    assert "ringcomm/bench/__main__.py" in names and "ringcomm/bench/_gloo_worker.py" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    assert [n for n in names if n.startswith(("tests/", "ringcomm/bench/", "examples/", "docs/"))] == []
+    assert [n for n in names if n.startswith(("tests/", "examples/", "docs/"))] == []
+    assert "ringcomm/torch_plugin.py" not in names
+
+
+def test_benchmark_runs_from_the_installed_wheel(tmp_path: Path) -> None:
+    """``python -m ringcomm.bench`` from a wheel in a fresh venv, away from the checkout: help, then a latency run.
+
+    The fresh venv gets the wheel alone; numpy, pyzmq, msgpack and torch come from this
+    environment's site-packages through a path file (whose own .pth files, the editable
+    install's among them, are not read), so the test needs no package index.
+    """
+    import site
+    import venv
+
+    wheel = _build_wheel(tmp_path / "dist")
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    fresh_site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                                capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    Path(fresh_site, "outer-site.pth").write_text(site.getsitepackages()[0] + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                                "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    env = {k: v for k, v in job_env().items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(python), "-c", "import ringcomm.bench; print(ringcomm.bench.__file__)"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert where.stdout.strip().startswith(fresh_site), where.stdout + where.stderr
+    helped = subprocess.run([str(python), "-m", "ringcomm.bench", "--help"], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path, env=env)
+    assert helped.returncode == 0 and "latency" in helped.stdout, helped.stdout + helped.stderr
+    ran = subprocess.run([str(python), "-m", "ringcomm.bench", "latency", "--np", "2", "--ops", "50", "--warmup", "5",
+                          "--repeats", "1", "--idle", "0", "--no-plot", "--out-dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert "| 2 | ringcomm |" in ran.stdout and "| 2 | gloo |" in ran.stdout, ran.stdout[-3000:]
 
 
 def test_compat_wheel_holds_horovods_names_and_horovodrun(tmp_path: Path) -> None:
