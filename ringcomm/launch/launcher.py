@@ -47,7 +47,7 @@ from .args import build_parser, is_elastic, parse_args, plan_hosts
 from .lost import LostRanks
 from ..net.rendezvous import RendezvousServer
 
-__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
+__all__ = ["main", "horovodrun_main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
            "output_paths"]
 
 #: After the first failure, how long the launcher waits for other ranks to exit on their own.
@@ -433,13 +433,22 @@ def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, i
     emit(sys.stderr, "\n".join(lines))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ringcomm-run``; returns the exit status (the console script passes it to ``sys.exit``)."""
+def main(argv: Sequence[str] | None = None, prog: str = _PROG) -> int:
+    """Entry point of ``ringcomm-run``; returns the exit status (the console script passes it to ``sys.exit``).
+
+    ``prog``: the name usage errors carry (see :func:`horovodrun_main`).
+    """
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     return run_job(args)
+
+
+def horovodrun_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``horovodrun`` (the ``horovod`` compat distribution): ``ringcomm-run`` whose usage errors
+    and ``--version`` say ``horovodrun``, the command the user typed."""
+    return main(argv, prog="horovodrun")
 
 
 if __name__ == "__main__":
