@@ -150,6 +150,10 @@ def _through_store(store: Any, rank: int, size: int, timeout: datetime.timedelta
             f"init_process_group('ringcomm') on rank {rank}: waited in torch's store for {exc.waiting_for} "
             "and gave up; check that every rank was started (world size) and reaches the store "
             "(MASTER_ADDR/MASTER_PORT or init_method)") from exc
+    except RuntimeError as exc:  # torch's store errors (DistStoreError...): the store went away
+        raise InvalidInputError(
+            f"init_process_group('ringcomm') on rank {rank}: torch's store failed while the ranks joined: {exc}; "
+            "check that the process that serves it (rank 0, or torchrun's agent) still runs") from exc
     if rank == 0:
         one_host = len(set(hostnames)) == 1
         others = [h for h in hostnames if h != hostname]
