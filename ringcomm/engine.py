@@ -91,6 +91,8 @@ def _check_same_security(table: list[dict], rank: int) -> None:
 #: When a peer is lost while ops are pending, how long a rank other than 0 waits for rank 0's answer
 #: that may already be on its way (the error that made the peer leave)
 _LATE_ANSWER_MS = 200
+#: How long a rank that lost a peer waits for ringcomm-run to take its report
+_REPORT_LOST_SECONDS = 1.0
 #: How long rank 0's control socket keeps unsent answers when it closes (to ranks still connected)
 _FINAL_ANSWERS_LINGER_MS = 500
 
@@ -370,10 +372,24 @@ class Engine:
         except BaseException as exc:  # the engine must never die silently
             if isinstance(exc, PeerLostError):
                 log.error("%s", exc)
+                self._report_lost(exc)  # before the ops fail: the program may end as soon as they do
             else:
                 log.exception("rank %d: engine failed", self.rank)
             self._fail_all(exc if isinstance(exc, HorovodInternalError) else HorovodInternalError(
                 f"rank {self.rank}: ringcomm engine failed: {exc!r}"))
+
+    def _report_lost(self, exc: PeerLostError) -> None:
+        """Tell ``ringcomm-run`` which rank this job lost, so it stops that process even if every rank
+        that lost it goes on to exit 0 (a stopped process would otherwise keep the launcher waiting)."""
+        lost = exc.lost_rank
+        if lost is None or self.topo.source != "ringcomm-run" or not self.topo.rendezvous:
+            return
+        from .net.rendezvous_client import report_lost
+
+        try:
+            report_lost(self.topo.rendezvous, self.topo.secret, self.rank, lost, _REPORT_LOST_SECONDS)
+        except Exception as err:  # noqa: BLE001 - the launcher is gone or busy: the ops fail all the same
+            log.debug("rank %d: could not tell the launcher about rank %d: %s", self.rank, lost, err)
 
     def _on_connection_events(self) -> None:
         """A peer's connection closed: unless the job is shutting down, every pending op fails."""

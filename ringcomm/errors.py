@@ -8,6 +8,8 @@ failures inside a collective.  The Horovod names are aliases, so scripts that
 
 from __future__ import annotations
 
+import re
+
 
 class RingcommError(Exception):
     """Base class of every error raised by ringcomm."""
@@ -55,6 +57,12 @@ class StallError(HorovodInternalError):
 
 class PeerLostError(HorovodInternalError):
     """A peer process died or stopped answering."""
+
+    @property
+    def lost_rank(self) -> int | None:
+        """The rank the message names as lost (``rank 0: lost rank 3 (...)`` -> 3), if it names one."""
+        found = re.search(r"\blost rank (\d+)", str(self))
+        return int(found[1]) if found else None
 
 
 class RendezvousError(RingcommError, RuntimeError):

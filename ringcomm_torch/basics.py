@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 import ringcomm as _rc
+from ringcomm import api as _core_api
 from ringcomm.errors import InvalidInputError
 from ringcomm.core.process_sets import ProcessSet, global_process_set
 
@@ -107,9 +108,17 @@ def mpi_threads_supported() -> bool:
     return False
 
 
+def _enabled(library: str) -> bool:
+    if not _rc.is_initialized():
+        return False  # as Horovod: a library is enabled by init()
+    settings = _core_api.current_settings()
+    return library in (settings.controller.strip().lower(), settings.cpu_operations.strip().lower())
+
+
 def mpi_enabled() -> bool:
-    """ringcomm does not use MPI: always False."""
-    return False
+    """True after ``init()`` in a job started for MPI (``horovodrun --mpi``, ``HOROVOD_CONTROLLER=mpi``), as
+    Horovod answers there; ringcomm itself never uses MPI (:func:`mpi_built` is False)."""
+    return _enabled("mpi")
 
 
 def mpi_built() -> bool:
@@ -118,8 +127,10 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """ringcomm does not use Gloo (its own controller and data plane take Gloo's place): always False."""
-    return False
+    """True after ``init()`` in a job started for Gloo (``horovodrun --gloo``, ``HOROVOD_CONTROLLER=gloo`` or
+    ``HOROVOD_CPU_OPERATIONS=gloo``), as Horovod answers there; ringcomm's own controller and data plane take
+    Gloo's place (:func:`gloo_built` is False)."""
+    return _enabled("gloo")
 
 
 def gloo_built() -> bool:

@@ -69,6 +69,18 @@ def test_ddp_equals_gloo_under_torchrun_np2():
     assert_ok(torchrun(2, str(CHECKS), "equiv"), "equiv", 2)
 
 
+@pytest.mark.timeout(300)
+def test_torchrun_restart_after_a_rank_is_killed_joins_the_new_attempt():
+    """torchrun --max-restarts 1, np 3: rank 2 is killed on the first attempt; the restarted ranks join through
+    the same store (torchrun's agent store outlives the attempt) and finish, never dialling the old rendezvous."""
+    worker = Path(__file__).resolve().parent / "ddp_workers" / "restart_once.py"
+    out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1",
+               "--nproc-per-node", "3", str(worker)], 280)
+    for r in range(3):
+        assert f"JOINED rank={r} attempt=0" in out and f"DONE rank={r} attempt=1 sum=3" in out, out[-5000:]
+    assert "RendezvousTimeoutError" not in out and "attempt=0 sum" not in out, out[-5000:]
+
+
 @pytest.mark.timeout(120)
 def test_ddp_equals_gloo_comm_hooks_and_monitored_barrier_under_ringcomm_run_np3():
     """Equivalence at np 3; fp16_compress_hook and PowerSGD (which chains collectives inside future

@@ -190,7 +190,7 @@ def test_distribution_version_and_pin_follow_ringcomm() -> None:
     expected = f"0.28.1+ringcomm.{ringcomm.__version__}"
     assert literal == [expected] and project["version"] == expected
     assert project["name"] == "horovod" and project["dependencies"] == [f"ringcomm=={ringcomm.__version__}"]
-    assert project["scripts"] == {"horovodrun": "ringcomm.launch.launcher:main"}
+    assert project["scripts"] == {"horovodrun": "ringcomm.launch.launcher:horovodrun_main"}
 
 
 # --------------------------------------------------------------------------- installed (pip install ./compat/horovod)
@@ -258,7 +258,12 @@ def test_installed_horovodrun_is_ringcomm_run() -> None:
     import ringcomm
 
     out = subprocess.run([str(runner), "--version"], capture_output=True, text=True, timeout=60, env=job_env())
-    assert out.returncode == 0 and out.stdout.strip() == f"ringcomm-run (ringcomm) {ringcomm.__version__}"
+    assert out.returncode == 0 and out.stdout.strip() == f"horovodrun (ringcomm) {ringcomm.__version__}"
+    # usage errors name the command the user typed
+    out = subprocess.run([str(runner), "-np", "2", "--no-such-flag", "python", "x.py"], capture_output=True, text=True,
+                         timeout=60, env=job_env())
+    assert out.returncode == 2 and "horovodrun: error: unrecognized arguments: --no-such-flag" in out.stderr, out.stderr
+    assert "ringcomm-run" not in out.stderr
 
 
 # --------------------------------------------------------------------------- pip's refusal, for real

@@ -27,6 +27,15 @@ def test_each_horovod_setting_sets_its_ringcomm_setting() -> None:
     assert (s.hierarchical_allreduce, s.dynamic_process_sets, s.start_timeout) == (1, True, 45)
 
 
+def test_horovods_controller_names_are_read_and_checked() -> None:
+    s = Settings.from_env({"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "MPI"})
+    assert (s.controller, s.cpu_operations) == ("gloo", "MPI")
+    assert Settings.from_env({"HOROVOD_CONTROLLER": "gloo", "RINGCOMM_CONTROLLER": "mpi"}).controller == "mpi"
+    with pytest.raises(ValueError, match=r"RINGCOMM_CONTROLLER='nccl' \(or its HOROVOD_\* name\): use gloo, mpi"):
+        Settings.from_env({"HOROVOD_CONTROLLER": "nccl"})
+    assert horovod_env.without_meaning({"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}) == []
+
+
 def test_ringcomm_names_win_and_special_values() -> None:
     s = Settings.from_env({"HOROVOD_FUSION_THRESHOLD": "1", "RINGCOMM_FUSION_THRESHOLD": "2"})
     assert s.fusion_threshold == 2

@@ -151,6 +151,34 @@ sys.exit(3)
         kill_leftovers(pids.values())
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("survivors_exit", ["0", "3"])
+def test_a_stopped_rank_the_others_lost_is_ended_and_named_whatever_they_exit_with(survivors_exit):
+    """Rank 1 stops itself (SIGSTOP); ranks 0 and 2 catch the PeerLostError and exit: the launcher, told by
+    them which rank they lost, SIGKILLs it and names it as the root cause (it used to wait forever when
+    they exited 0)."""
+    worker_file = str(REPO_ROOT / "tests" / "workers" / "stop_self_worker.py")
+    result, _ = run_launcher("-v", "-np", "3", sys.executable, worker_file, timeout=50,
+                             RINGCOMM_PEER_TIMEOUT="3", SURVIVOR_EXIT=survivors_exit)
+    ended = time.time()
+    pids = spawned_pids(result.stderr)
+    try:
+        err = result.stderr
+        assert result.returncode == 128 + signal.SIGKILL, err[-4000:]
+        stopped_at = float(re.search(r"STOPPING at ([\d.]+)", result.stdout)[1])
+        for r in (0, 2):
+            assert f"CAUGHT rank={r} lost=1" in result.stdout, result.stdout[-4000:]
+        assert "(its process is stopped); stopping it" in err, err[-4000:]
+        cause = err.split("root cause:")[1].splitlines()[0]
+        because = "reported losing it" if survivors_exit == "0" else "failed because of it"
+        assert cause == (f" rank 1 (pid {pids[1]}) stopped answering (ranks 0, 2 {because}); ringcomm-run then "
+                         "stopped it (was killed by signal SIGKILL)"), err[-4000:]
+        assert ended - stopped_at < 15, f"the launcher ended {ended - stopped_at:.1f} s after the SIGSTOP"
+        assert wait_gone(pids.values()) == []
+    finally:
+        kill_leftovers(pids.values())
+
+
 @pytest.mark.timeout(30)
 def test_a_rank_killed_by_a_signal():
     code = """

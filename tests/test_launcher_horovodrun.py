@@ -79,3 +79,24 @@ def test_refused_flag_names_the_way_to_do_it():
     result, _ = run_launcher("-np", "2", "--mpi-args=--map-by ppr:6:node", *worker("pass"), timeout=50)
     assert result.returncode == 2
     assert "no mpirun" in result.stderr and "-H/--hostfile" in result.stderr
+
+
+ENABLED = """
+import ringcomm_torch as hvd
+before = hvd.gloo_enabled()
+hvd.init()
+print("ENABLED", hvd.rank(), before, hvd.gloo_enabled(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.mpi_built())
+hvd.shutdown()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("flag, gloo, mpi", [("--gloo", True, False), ("--mpi", False, True), (None, False, False)])
+def test_gloo_enabled_and_mpi_enabled_answer_as_horovod_does_under_the_controller_flag(flag, gloo, mpi):
+    """Horovod enables Gloo at init() under horovodrun --gloo (HOROVOD_CONTROLLER=gloo), MPI under --mpi;
+    neither library is built into ringcomm."""
+    pytest.importorskip("torch")
+    result, _ = run_launcher("-np", "2", *([flag] if flag else []), *worker(ENABLED), timeout=80)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:ENABLED {rank} False {gloo} {mpi} False False" in result.stdout, result.stdout

@@ -175,4 +175,4 @@ def test_compat_wheel_holds_horovods_names_and_horovodrun(tmp_path: Path) -> Non
     info = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert f"Requires-Dist: ringcomm=={ringcomm.__version__}" in archive.read(info).decode()
     entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "horovodrun = ringcomm.launch.launcher:main" in entry_points
+    assert "horovodrun = ringcomm.launch.launcher:horovodrun_main" in entry_points

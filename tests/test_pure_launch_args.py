@@ -56,9 +56,9 @@ SETTINGS = [
     (["--network-interfaces", "eth1,eth2"], {"RINGCOMM_NETWORK_INTERFACE": "eth1"}, "using eth1, not eth2"),
     (["--network-interface", "eth1", "--network-interface", "eth2"], {"RINGCOMM_NETWORK_INTERFACE": "eth1"},
      "using eth1"),
-    (["--gloo"], {}, None),
-    (["--mpi"], {}, None),
-    (["--jsrun"], {}, None),
+    (["--gloo"], {"RINGCOMM_CONTROLLER": "gloo", "RINGCOMM_CPU_OPERATIONS": "gloo"}, None),  # as horovodrun: gloo_enabled()
+    (["--mpi"], {"RINGCOMM_CONTROLLER": "mpi", "RINGCOMM_CPU_OPERATIONS": "mpi"}, None),
+    (["--jsrun"], {"RINGCOMM_CONTROLLER": "mpi", "RINGCOMM_CPU_OPERATIONS": "mpi"}, None),
     (["--disable-cache"], {}, None),
     (["--verbose"], {}, None),
     (["-p", "2222"], {}, None),
@@ -79,6 +79,17 @@ def test_each_horovodrun_flag_sets_its_setting(flags, env, warning):
         assert args.notices == []
     else:
         assert any(warning in text for text in args.notices), args.notices
+
+
+def test_usage_errors_carry_the_name_the_launcher_was_started_as(capsys):
+    for prog in ("ringcomm-run", "horovodrun"):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["-np", "2", "--no-such-flag", *CMD], prog=prog)
+        assert exited.value.code == 2
+        assert f"{prog}: error: unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["-np", "2"], prog="horovodrun")
+    assert "e.g. horovodrun -np 2 python train.py" in capsys.readouterr().err
 
 
 def test_short_and_single_dash_forms():

@@ -146,6 +146,13 @@ class Settings:
     log_level: str = ""
     #: Encrypt the data and control planes (ZeroMQ CURVE, keys derived from the job secret).
     encrypt: bool = False
+    #: The Horovod controller the job was started for ("gloo", "mpi", or "": none named; Horovod's
+    #: HOROVOD_CONTROLLER, set by ``ringcomm-run``/``horovodrun --gloo`` or ``--mpi``).  ringcomm has one
+    #: controller of its own; this only decides what ``gloo_enabled()`` and ``mpi_enabled()`` answer.
+    controller: str = ""
+    #: Likewise the library Horovod would run CPU collectives with ("gloo", "mpi", "ccl" or ""; Horovod's
+    #: HOROVOD_CPU_OPERATIONS): ``gloo_enabled()`` is true when either names gloo, as in Horovod.
+    cpu_operations: str = ""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -284,6 +291,11 @@ class Settings:
         if self.doubling_allreduce_bytes < -1:
             raise InvalidInputError(
                 f"RINGCOMM_DOUBLING_ALLREDUCE_BYTES must be >= 0 (or -1: the default), got {self.doubling_allreduce_bytes}")
+        for var, value, allowed in (("RINGCOMM_CONTROLLER", self.controller, ("gloo", "mpi")),
+                                    ("RINGCOMM_CPU_OPERATIONS", self.cpu_operations, ("gloo", "mpi", "ccl"))):
+            if value.strip().lower() not in ("", *allowed):
+                raise InvalidInputError(
+                    f"{var}={value!r} (or its HOROVOD_* name): use {', '.join(allowed)} or leave it empty")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
 

@@ -80,10 +80,13 @@ class _Append(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ringcomm-run`` argument parser: ringcomm's flags and horovodrun's."""
+def build_parser(prog: str = _PROG) -> argparse.ArgumentParser:
+    """The ``ringcomm-run`` argument parser: ringcomm's flags and horovodrun's.
+
+    ``prog``: the name usage errors and ``--version`` carry (``horovodrun`` when started as that).
+    """
     parser = argparse.ArgumentParser(
-        prog=_PROG,
+        prog=prog,
         allow_abbrev=False,
         description="Run COMMAND as N ringcomm workers on this machine or across hosts "
                     "(Horovod's horovodrun, for ringcomm; every horovodrun flag is accepted).",
@@ -92,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from .. import __version__
 
-    parser.add_argument("--version", action="version", version=f"ringcomm-run (ringcomm) {__version__}")
+    parser.add_argument("--version", action="version", version=f"{prog} (ringcomm) {__version__}")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, default=None, metavar="N",
                         help="number of worker processes to start (>= 1; required)")
     parser.add_argument("-cb", "--check-build", action="store_true",
@@ -349,6 +352,11 @@ def settings_env(args: argparse.Namespace) -> dict[str, str]:
         env["RINGCOMM_START_TIMEOUT"] = repr(float(args.start_timeout))
     if args.network_interfaces:
         env["RINGCOMM_NETWORK_INTERFACE"] = args.network_interfaces[0]
+    # as horovodrun's --gloo (HOROVOD_CONTROLLER and HOROVOD_CPU_OPERATIONS=gloo) and --mpi / --jsrun (MPI):
+    # what gloo_enabled() and mpi_enabled() answer in the workers
+    controller = "gloo" if args.use_gloo else "mpi" if args.use_mpi or args.use_jsrun else None
+    if controller is not None:
+        env["RINGCOMM_CONTROLLER"] = env["RINGCOMM_CPU_OPERATIONS"] = controller
     return env
 
 
@@ -428,13 +436,13 @@ def check_build_text() -> str:
 # --------------------------------------------------------------------------- parse
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None, prog: str = _PROG) -> argparse.Namespace:
     """Parse and validate ``argv``; exits with status 2 and a message that says what to pass.
 
     ``--check-build`` prints :func:`check_build_text` and exits 0.  The result carries
     ``settings_env`` (the ``RINGCOMM_*`` variables for the workers) and ``notices`` (warnings).
     """
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
@@ -468,7 +476,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # -H/--hostfile were read above (plan_hosts): reading them again cannot fail
     args.fixed_hosts = fixed_elastic_hosts(args) if is_elastic(args) and not args.host_discovery_script else None
     if not args.command:
-        parser.error("no command given: put the program after the options, e.g. ringcomm-run -np 2 python train.py")
+        parser.error(f"no command given: put the program after the options, e.g. {prog} -np 2 python train.py")
     args.settings_env = settings_env(args)
     args.notices = notices(args)
     return args

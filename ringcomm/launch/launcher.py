@@ -30,8 +30,9 @@ import secrets
 import shlex
 import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from ..job import hosts as _hosts
@@ -43,9 +44,10 @@ from .supervise import (
 )
 from ..errors import InvalidInputError
 from .args import build_parser, is_elastic, parse_args, plan_hosts
+from .lost import LostRanks
 from ..net.rendezvous import RendezvousServer
 
-__all__ = ["main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
+__all__ = ["main", "horovodrun_main", "build_parser", "parse_args", "worker_env", "run_job", "plan_hosts", "rendezvous_host",
            "output_paths"]
 
 #: After the first failure, how long the launcher waits for other ranks to exit on their own.
@@ -177,6 +179,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
     spawn_status = 0
     first_failure: Worker | None = None
     leftovers: list[Worker] = []
+    lost = LostRanks()
     try:
         server = RendezvousServer(size=size, secret=secret, host=bind)
         try:
@@ -207,7 +210,9 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
                 if args.verbose:
                     where = f" on {host}" + (" (ssh)" if workers[-1].remote else "") if host else ""
                     _say(f"rank {rank}: pid {workers[-1].pid}{where}")
-            first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0)
+            first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0,
+                                          lost=lost, reports=server.lost_reports)
+            lost.update(server.lost_reports(), time.monotonic())  # a rank tells before it exits: all are in
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
         finally:
             stop_all(workers, GRACE_SECONDS, hurry=lambda: len(catcher.received) > 1)
@@ -229,8 +234,8 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
         for worker in leftovers:
             _say(f"rank {worker.rank} (pid {worker.pid}) exited but left processes in its group; stopped them")
     if first_failure is not None:
-        first_failure = _root_cause(first_failure, workers)
-        _report_failure(first_failure, workers)
+        first_failure = _root_cause(first_failure, workers, lost.reports)
+        _report_failure(first_failure, workers, lost.reports)
         return exit_status(first_failure.returncode or 0) or 1
     if catcher.received:
         signum = catcher.received[0]
@@ -281,11 +286,18 @@ def _output_dirs(directory: str | None, size: int) -> list[str] | None:
 
 
 def _wait_for_end(
-    workers: list[Worker], exits: "queue.Queue[Worker]", catcher: SignalCatcher, stop_early: bool
+    workers: list[Worker], exits: "queue.Queue[Worker]", catcher: SignalCatcher, stop_early: bool,
+    lost: LostRanks | None = None, reports: Callable[[], dict[int, int]] | None = None,
 ) -> Worker | None:
-    """Block until every worker exited 0 (-> None), one failed (-> the first), or a signal came."""
+    """Block until every worker exited 0 (-> None), one failed (-> the first), or a signal came.
+
+    Meanwhile, a rank the others reported lost (``reports()``: reporting rank -> lost rank) is
+    stopped as :class:`~.lost.LostRanks` decides; its end is then the job's failure.
+    """
     finished = 0
     while finished < len(workers) and not stop_early and not catcher.received:
+        if lost is not None and reports is not None:
+            _stop_lost(workers, lost, reports())
         try:
             worker = exits.get(timeout=0.1)
         except queue.Empty:
@@ -303,12 +315,34 @@ def _wait_for_end(
     return None
 
 
-def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
+def _stop_lost(workers: list[Worker], lost: LostRanks, reports: dict[int, int]) -> None:
+    """Stop the ranks the job lost (a stopped process with SIGKILL at once, else SIGTERM then SIGKILL)."""
+    lost.update(reports, time.monotonic())
+    if not lost.reported():
+        return
+    by_rank = {w.rank: w for w in workers}
+    running = {w.rank for w in workers if not w.exited.is_set()}
+    frozen = {r for r in lost.reported() if r in by_rank and by_rank[r].is_frozen()}
+    for rank in lost.to_stop(running, frozen, time.monotonic()):
+        worker = by_rank[rank]
+        who = ", ".join(str(r) for r in lost.reporters_of(rank))
+        _say(f"rank{'s' if len(lost.reporters_of(rank)) > 1 else ''} {who} lost {worker.describe()}"
+             f"{' (its process is stopped)' if rank in frozen else ''}; stopping it")
+        worker.stopped_by_launcher = True
+        if rank in frozen:
+            worker.kill()
+        else:
+            threading.Thread(target=stop_all, args=([worker], GRACE_SECONDS), daemon=True,
+                             name=f"ringcomm-run-stop{rank}").start()
+
+
+def _root_cause(first: Worker, workers: list[Worker], reports: Mapping[int, int] | None = None) -> Worker:
     """The rank that failed on its own, not one that only reported losing a peer.
 
     When a rank dies, its peers raise PeerLostError within moments and may exit
     at nearly the same time; the earliest such exit is not the cause.
     """
+    reports = reports or {}
     # a rank signalled by the launcher may still have exited with its own error code first
     failed = sorted(
         (w for w in workers if w.returncode is not None and w.returncode != 0
@@ -317,7 +351,8 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
         key=lambda w: w.exited_at or 0.0,
     )
     for worker in failed:
-        if blamed_rank(worker) is None and not any("PeerLostError" in line for line in worker.last_lines()):
+        if (blamed_rank(worker) is None and worker.rank not in reports
+                and not any("PeerLostError" in line for line in worker.last_lines())):
             return worker
     # Two ranks that lost each other while both ran: the link broke; name the one that saw it first.
     if failed and link_lost_between(failed[0], workers) is not None:
@@ -326,6 +361,7 @@ def _root_cause(first: Worker, workers: list[Worker]) -> Worker:
     # stopped, or one that ended its program early with code 0: not a failure in the launcher's eyes).
     by_rank = {w.rank: w for w in workers}
     named = collections.Counter(r for w in failed if (r := blamed_rank(w)) is not None and r in by_rank)
+    named.update(r for r in reports.values() if r in by_rank)  # told the launcher, whatever their exit codes
     if named:
         return by_rank[named.most_common(1)[0][0]]
     return first
@@ -359,10 +395,15 @@ def link_lost_between(root: Worker, workers: list[Worker]) -> Worker | None:
     return other
 
 
-def _report_failure(root: Worker, workers: list[Worker]) -> None:
+def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, int] | None = None) -> None:
     """Print the torchrun-style root-cause block to stderr."""
-    reporters = [str(w.rank) for w in workers if w is not root and blamed_rank(w) == root.rank]
-    because = f"rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} failed because of it"
+    reports = reports or {}
+    blaming = [w for w in workers if w is not root and (blamed_rank(w) == root.rank or reports.get(w.rank) == root.rank)]
+    reporters = [str(w.rank) for w in blaming]
+    # ranks that caught the error and exited 0 did not fail: they reported losing it
+    failing = all(w.returncode not in (0, None) for w in blaming)
+    because = f"rank{'s' if len(reporters) > 1 else ''} {', '.join(reporters)} " + (
+        "failed because of it" if failing else "reported losing it")
     other = link_lost_between(root, workers)
     if other is not None:
         where = f" ({root.host} - {other.host})" if root.host != other.host else ""
@@ -392,13 +433,22 @@ def _report_failure(root: Worker, workers: list[Worker]) -> None:
     emit(sys.stderr, "\n".join(lines))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``ringcomm-run``; returns the exit status (the console script passes it to ``sys.exit``)."""
+def main(argv: Sequence[str] | None = None, prog: str = _PROG) -> int:
+    """Entry point of ``ringcomm-run``; returns the exit status (the console script passes it to ``sys.exit``).
+
+    ``prog``: the name usage errors carry (see :func:`horovodrun_main`).
+    """
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, prog)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     return run_job(args)
+
+
+def horovodrun_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``horovodrun`` (the ``horovod`` compat distribution): ``ringcomm-run`` whose usage errors
+    and ``--version`` say ``horovodrun``, the command the user typed."""
+    return main(argv, prog="horovodrun")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,17 @@ class Worker:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def is_frozen(self) -> bool:
+        """True while the local rank's process is stopped (SIGSTOP, a debugger): SIGTERM would wait for a
+        SIGCONT, so only SIGKILL ends it.  False for a remote rank, and where /proc is not there."""
+        if self.remote or self.exited.is_set():
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+        except (OSError, IndexError):
+            return False
+
     def group_alive(self) -> bool:
         """True while the worker or anything left in its process group still runs."""
         return not self.exited.is_set() or bool(live_groups([self.pid]))
@@ -283,7 +294,8 @@ def spawn(
 def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] = lambda: False) -> list[Worker]:
     """SIGTERM every live process group, SIGKILL what is left after ``grace`` s; returns groups that needed it.
 
-    Workers still running when this is called are marked ``stopped_by_launcher``.
+    Workers still running when this is called are marked ``stopped_by_launcher``; a stopped
+    process (SIGSTOP) gets SIGKILL at once, as SIGTERM would not reach it.
     ``hurry()`` turning true (e.g. a second Ctrl-C) skips the rest of the grace.
     """
     workers = list(workers)
@@ -293,7 +305,7 @@ def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] 
             if not worker.exited.is_set():
                 worker.stopped_by_launcher = True
             signalled.append(worker)
-            worker.terminate()
+            worker.kill() if worker.is_frozen() else worker.terminate()
     deadline = time.monotonic() + grace
     while _any_alive(signalled) and time.monotonic() < deadline and not hurry():
         time.sleep(0.02)

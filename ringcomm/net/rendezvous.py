@@ -64,6 +64,7 @@ from .rendezvous_client import (
     is_int,
     kv_get,
     kv_set,
+    lost_reports,
     register,
     sign,
     verify,
@@ -183,6 +184,11 @@ class RendezvousServer:
         with self._lock:
             state = self._rounds.get(round)
             return {r: dict(info) for r, info in state.infos.items()} if state else {}
+
+    def lost_reports(self) -> dict[int, int]:
+        """reporting rank -> the rank it lost, as the ranks told the server (:func:`report_lost`)."""
+        with self._lock:
+            return lost_reports(self._store)
 
     @property
     def refused_connections(self) -> int:

@@ -12,7 +12,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 import msgpack
@@ -21,7 +21,7 @@ import zmq
 from .auth import Credentials
 from ..errors import InvalidTypeError, RendezvousAbortedError, RendezvousError, RendezvousTimeoutError
 
-__all__ = ["register", "kv_set", "kv_get", "sign", "verify", "encode", "decode", "is_int", "credentials",
+__all__ = ["register", "kv_set", "kv_get", "report_lost", "lost_reports", "LOST_KEY_PREFIX", "sign", "verify", "encode", "decode", "is_int", "credentials",
            "waiting_line", "MAX_MESSAGE_BYTES", "CREDENTIALS_LABEL"]
 
 log = logging.getLogger("ringcomm.net.rendezvous")
@@ -245,6 +245,25 @@ def _timeout_message(
         f"rank {rank} timed out after {float(timeout):.1f} s waiting for the rendezvous at {address} "
         f"(round {rnd}): the other ranks did not all arrive{detail}. {_FIX_HINT}"
     )
+
+
+#: Store keys under which ranks tell the launcher which rank the job lost: ``<prefix><reporting rank>``.
+LOST_KEY_PREFIX = "job/lost-by/"
+
+
+def report_lost(address: str, secret: bytes, reporter: int, lost: int, timeout: float) -> None:
+    """Tell the rendezvous (``ringcomm-run``'s) that rank ``reporter`` lost rank ``lost`` (read by :func:`lost_reports`)."""
+    kv_set(address, secret, f"{LOST_KEY_PREFIX}{int(reporter)}", str(int(lost)).encode(), timeout)
+
+
+def lost_reports(store: Mapping[str, bytes]) -> dict[int, int]:
+    """reporting rank -> the rank it lost, from a rendezvous store's ``LOST_KEY_PREFIX`` keys (others ignored)."""
+    found = {}
+    for key, value in store.items():
+        reporter = key[len(LOST_KEY_PREFIX):] if key.startswith(LOST_KEY_PREFIX) else ""
+        if reporter.isdigit() and bytes(value).isdigit():
+            found[int(reporter)] = int(bytes(value))
+    return found
 
 
 def kv_set(address: str, secret: bytes, key: str, value: bytes, timeout: float) -> None:

@@ -8,10 +8,13 @@ Three cases, in this order:
    and size: ``ringcomm.init()`` joins the launcher's rendezvous, as a Horovod script would.
 3. Anything else (torchrun, ``mp.spawn`` with ``init_method="tcp://..."`` or ``env://``,
    Slurm, a store built by hand): the ranks agree through torch's store.  Every rank
-   publishes its host name; rank 0 starts a ringcomm rendezvous server on a free port and
-   publishes its address and the job's secret (``RINGCOMM_SECRET`` when set, else a random
-   one); every rank then runs ``ringcomm.init()`` with that address, its rank and its
-   placement (local rank and size, host index) worked out from every rank's host name.
+   tells rank 0 its host name; rank 0 starts a ringcomm rendezvous server on a free port and
+   publishes its address, every rank's host name and the job's secret (``RINGCOMM_SECRET``
+   when set, else a random one); every rank then runs ``ringcomm.init()`` with that address,
+   its rank and its placement (local rank and size, host index) worked out from every rank's
+   host name.  Each join is told apart by random nonces (:mod:`.store_join`), so a store that
+   outlives an attempt (torchrun's, across ``--max-restarts``) never hands a restarted rank
+   the last attempt's address; rank 0 removes the join's keys once every rank has joined.
 
 The secret travels through torch's store, which has no authentication of its own: whoever
 can reach the store can also join a gloo job; across hosts on an untrusted network, export
@@ -26,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -41,12 +44,15 @@ from ringcomm.job import mpi_env, topology
 from ringcomm.errors import InvalidInputError
 from ringcomm.net.rendezvous import RendezvousServer
 
+from . import store_join
+
 __all__ = ["join", "leave", "torch_env_for_ringcomm_run", "store_plan"]
 
 log = logging.getLogger("ringcomm.torch.distributed")
 _lock = threading.Lock()
 _server: RendezvousServer | None = None  # rank 0's rendezvous in case 3; lives as long as the job
-_KEY = "ringcomm/"
+#: How long the join through the store waits when neither torch's timeout nor the store's is known
+_STORE_WAIT_SECONDS = 300.0
 
 
 def torch_env_for_ringcomm_run(env: MutableMapping[str, str]) -> dict[str, str]:
@@ -116,23 +122,38 @@ def _environ(values: Mapping[str, str], hide: tuple[str, ...]) -> Iterator[None]
                 os.environ[k] = v
 
 
-def _store_get(store: Any, key: str, rank: int, waiting_for: str) -> bytes:
-    try:
-        return bytes(store.get(key))
-    except Exception as exc:
-        raise InvalidInputError(
-            f"init_process_group('ringcomm') on rank {rank}: waited in torch's store for {waiting_for} "
-            f"(key {key!r}) and gave up: {exc}; check that every rank was started (world size) and "
-            "reaches the store (MASTER_ADDR/MASTER_PORT or init_method)") from exc
+def _deadline(store: Any, timeout: datetime.timedelta | None) -> float:
+    """When the join through the store gives up: the process group's timeout, else the store's own."""
+    seconds = timeout.total_seconds() if timeout is not None else None
+    if seconds is None:
+        try:
+            seconds = float(store.timeout.total_seconds())
+        except (AttributeError, RuntimeError):
+            seconds = _STORE_WAIT_SECONDS
+    return time.monotonic() + (seconds if seconds > 0 else _STORE_WAIT_SECONDS)
 
 
-def _through_store(store: Any, rank: int, size: int) -> dict[str, str]:
+def _through_store(store: Any, rank: int, size: int, timeout: datetime.timedelta | None) -> dict[str, str]:
+    """Join through torch's store (:mod:`.store_join`): this join's values only, never an earlier attempt's."""
     global _server
     env = os.environ
     hostname = env.get("RINGCOMM_HOSTNAME") or socket.gethostname()
-    store.set(f"{_KEY}host/{rank}", hostname)
-    hostnames = [hostname if r == rank else _store_get(store, f"{_KEY}host/{r}", rank, f"rank {r}'s host name")
-                 .decode() for r in range(size)]
+    deadline = _deadline(store, timeout)
+    leader = store_join.Leader(size, secrets.token_hex(8), hostname)
+    try:
+        if rank == 0:
+            hostnames = store_join.lead(store, leader, deadline)
+        else:
+            plan = store_join.follow(store, store_join.Follower(rank, secrets.token_hex(8), hostname), deadline)
+    except store_join.JoinTimeout as exc:
+        raise InvalidInputError(
+            f"init_process_group('ringcomm') on rank {rank}: waited in torch's store for {exc.waiting_for} "
+            "and gave up; check that every rank was started (world size) and reaches the store "
+            "(MASTER_ADDR/MASTER_PORT or init_method)") from exc
+    except RuntimeError as exc:  # torch's store errors (DistStoreError...): the store went away
+        raise InvalidInputError(
+            f"init_process_group('ringcomm') on rank {rank}: torch's store failed while the ranks joined: {exc}; "
+            "check that the process that serves it (rank 0, or torchrun's agent) still runs") from exc
     if rank == 0:
         one_host = len(set(hostnames)) == 1
         others = [h for h in hostnames if h != hostname]
@@ -141,17 +162,28 @@ def _through_store(store: Any, rank: int, size: int) -> dict[str, str]:
             _server.close()
         _server = RendezvousServer(size, secret, host="127.0.0.1" if one_host else "0.0.0.0", port=0)
         addr = "127.0.0.1" if one_host else topology.pick_address(env, others[:1])
-        plan = {"rendezvous": f"tcp://{addr}:{_server.address.rpartition(':')[2]}",
+        body = {"rendezvous": f"tcp://{addr}:{_server.address.rpartition(':')[2]}",
                 "secret": "" if env.get("RINGCOMM_SECRET") else secret.hex(), "job": secrets.token_hex(4)}
-        store.set(f"{_KEY}plan", json.dumps(plan))
+        store.set(*leader.plan(body))
+        plan = body
     else:
-        plan = json.loads(_store_get(store, f"{_KEY}plan", rank, "rank 0's rendezvous address").decode())
+        hostnames = [str(h) for h in plan["hosts"]]
         secret = bytes.fromhex(plan["secret"] or env.get("RINGCOMM_SECRET", ""))
         if not secret:
             raise InvalidInputError(
                 f"init_process_group('ringcomm') on rank {rank}: rank 0 has RINGCOMM_SECRET set but this rank "
                 "has not; export the same RINGCOMM_SECRET on every rank")
     return store_plan(rank, hostnames, str(plan["rendezvous"]), secret, str(plan["job"]))
+
+
+def _remove(store: Any, keys: list[str]) -> None:
+    """Delete ``keys`` from the store, where the store can (a later join never reads them either way)."""
+    for k in keys:
+        try:
+            store.delete_key(k)
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            log.debug("could not remove %s from torch's store: %s", k, exc)
+            return
 
 
 def join(store: Any, rank: int, size: int, timeout: datetime.timedelta | None = None) -> str:
@@ -174,9 +206,11 @@ def join(store: Any, rank: int, size: int, timeout: datetime.timedelta | None = 
                                "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")):
                 rc.init(process_sets="dynamic")
             return "single"
-        plan = _through_store(store, rank, size)
+        plan = _through_store(store, rank, size, timeout)
         with _environ(plan, ("RINGCOMM_ELASTIC_WORKER",)):
             rc.init(process_sets="dynamic")
+        if rank == 0:  # every rank has read the plan (it registered at its rendezvous): the keys are spent
+            _remove(store, store_join.keys_of_join(size))
         return "store"
 
 
