@@ -442,7 +442,7 @@ class Engine:
             for entry in entries:
                 if entry.req.kind != wire.LANE_OFF:  # a notice, not an op
                     self._session.track(entry)
-                self._service.submit_local(entry.req, entry.arrays, now - entry.waited)
+                self._service.submit_local(entry.req, entry.arrays, now, entry.waited)
             return
         frames = self._session.announce(entries)
         assert self._ctrl is not None or not frames

@@ -57,8 +57,9 @@ class Controller:
 
     # -- input ---------------------------------------------------------------
 
-    def submit(self, rank: int, req: Request, now: float = 0.0) -> bool:
-        """Record that global ``rank`` announced ``req`` on process set ``req.pset``.
+    def submit(self, rank: int, req: Request, now: float = 0.0, waited: float = 0.0) -> bool:
+        """Record that global ``rank`` announced ``req`` on process set ``req.pset`` (at ``now``, after
+        waiting ``waited`` seconds for it already: see :meth:`Coordinator.submit`).
 
         Returns whether the op now waits for its set (False: it is answered already, to ``rank``
         alone: refused here, or failed on a stall before this rank submitted it)."""
@@ -76,7 +77,7 @@ class Controller:
         elif req.pset != 0 and req.kind in GLOBAL_ONLY:
             self._reject(rank, req, f"{what}: {req.kind} runs on the global process set only")
         else:
-            failed = coord.submit(rank, req, now)
+            failed = coord.submit(rank, req, now, waited)
             if failed:  # the op failed on a stall before this rank came: it fails here too
                 self._reject(rank, req, failed, "stall")
                 return False

@@ -40,18 +40,21 @@ class Stall(NamedTuple):
     submitted: tuple[int, ...]
     missing: tuple[int, ...]
     waited: float
+    #: seconds since a rank last submitted it
+    quiet: float = float("inf")
 
     def text(self, where: str = "") -> str:
         """``allreduce 'x' was submitted by ranks [0] 3 s ago but ranks [1, 2] have not submitted it``."""
+        ago = f"{self.waited:.0f}" if self.waited >= 10 else f"{self.waited:.1f}"
         return (f"{self.kind} '{self.name}'{where} was submitted by ranks {list(self.submitted)} "
-                f"{self.waited:.0f} s ago but ranks {list(self.missing)} have not submitted it")
+                f"{ago} s ago but ranks {list(self.missing)} have not submitted it")
 
     def failure(self, shutdown_seconds: float, where: str = "") -> str:
         """What the op fails with, on every rank, once it has waited ``shutdown_seconds``."""
-        late = "rank" if len(self.missing) == 1 else "ranks"
+        late = f"rank {self.missing[0]} gets" if len(self.missing) == 1 else f"ranks {list(self.missing)} get"
         return (f"stalled: {self.text(where)} (RINGCOMM_STALL_SHUTDOWN_SECONDS={shutdown_seconds:g}). The op "
-                f"failed on every rank and reduced no data: {late} {list(self.missing)} get this error when they "
-                "submit it, and later ops run as usual. Every rank must run the same collectives; if a rank is "
+                f"failed on every rank and reduced no data: {late} this error when submitting it, and later "
+                "ops run as usual. Every rank must run the same collectives; if a rank is "
                 "only slow, raise RINGCOMM_STALL_SHUTDOWN_SECONDS (0: wait for ever)")
 
     def blocked_by(self, barrier: Stall) -> bool:
@@ -201,6 +204,7 @@ class Coordinator:
         self._itemsize = itemsize
         self._pending: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
+        self._last_seen: dict[str, float] = {}
         self._ready: list[str] = []
         self._ready_set: set[str] = set()  # the names in _ready: a membership test per submit stays O(1)
         self._errors: dict[str, str] = {}
@@ -213,8 +217,9 @@ class Coordinator:
 
     # -- input ---------------------------------------------------------------
 
-    def submit(self, rank: int, req: Request, now: float = 0.0) -> str:
-        """Record that ``rank`` announced ``req`` (``now``: when it first did, on its own clock's terms).
+    def submit(self, rank: int, req: Request, now: float = 0.0, waited: float = 0.0) -> str:
+        """Record that ``rank`` announced ``req`` at ``now``, having waited ``waited`` seconds for it
+        before (an op its small-op lane handed on): a stall counts from then.
 
         Returns '' or, when the op already failed on a stall while ``rank`` had not submitted it, that
         error: the caller answers ``rank`` alone with it, and the op is not pending again.
@@ -236,7 +241,8 @@ class Coordinator:
         if rank in slot:
             self._errors[name] = f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed"
         slot[rank] = req
-        self._first_seen[name] = min(now, self._first_seen.get(name, now))
+        self._first_seen[name] = min(now - waited, self._first_seen.get(name, now))
+        self._last_seen[name] = now
         if req.kind == wire.JOIN and rank not in self._joined:
             self._joined.append(rank)
             self._recheck_all()
@@ -292,6 +298,7 @@ class Coordinator:
         for name in ready:
             reqs = self._pending.pop(name)
             self._first_seen.pop(name, None)
+            self._last_seen.pop(name, None)
             error = self._errors.pop(name, "") or check_agreement(name, reqs, self.where)
             first = reqs[min(reqs)]
             if error:
@@ -360,7 +367,8 @@ class Coordinator:
             slot = self._pending[name]
             kind = next(iter(slot.values())).kind
             missing = tuple(r for r in self.ranks if r not in slot and r not in self._joined)
-            stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
+            stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since,
+                                now - self._last_seen.get(name, since)))
         return stalls
 
     def fail(self, name: str, message: str, stall: bool = True, late: tuple[int, ...] = ()) -> None:

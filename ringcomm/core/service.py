@@ -36,6 +36,11 @@ log = logging.getLogger("ringcomm.service")
 
 Pair = tuple[Response, tuple[int, ...]]
 
+#: An op past the stall deadline fails once no rank has submitted it for this long: the ranks whose
+#: small-op lanes waited for it too hand it over within that time (each one's lane stops when rank 0
+#: says so), and the error then names every rank that waited.
+HAND_OVER_SECONDS = 1.0
+
 
 class Emission(NamedTuple):
     """One cycle's output: every response with its recipients, in execution order; the frames
@@ -71,25 +76,24 @@ class Service:
 
     # -- input ---------------------------------------------------------------
 
-    def submit_local(self, req: Request, arrays: list[np.ndarray], now: float) -> None:
+    def submit_local(self, req: Request, arrays: list[np.ndarray], now: float, waited: float = 0.0) -> None:
         """Rank 0's own op (its arrays stay rank 0's: they are read if the op is finished here).
 
-        ``now``: when rank 0 began to wait for it (earlier than the clock's now for an op the
-        small-op lane handed on)."""
-        if self._admit(0, req, now):
+        ``waited``: seconds rank 0 had waited for it already (an op its small-op lane handed on)."""
+        if self._admit(0, req, now, waited):
             key = (req.pset, req.name)
             self._canon.setdefault(key, req)
             if arrays:
                 self._local[key] = arrays
 
-    def _admit(self, rank: int, req: Request, since: float) -> bool:
+    def _admit(self, rank: int, req: Request, now: float, waited: float) -> bool:
         """Hand ``req`` to the controller; whether it now waits there (a lane notice never does)."""
         if req.kind == wire.LANE_OFF:  # an op of that rank's lane waited past the stall deadline
             log.debug("coordinator: rank %d's small-op lane gave up waiting for op %r: every rank stops "
                       "posting to the lane", rank, req.name)
             self._lane_off.append(req.name)
             return False
-        return self.controller.submit(rank, req, since)
+        return self.controller.submit(rank, req, now, waited)
 
     def receive(self, frame: bytes, now: float) -> None:
         """Another rank's signed control frame: its announcements (a bad frame is dropped and logged)."""
@@ -109,7 +113,7 @@ class Service:
             log.debug("coordinator: dropping control message: %s", exc)
             return
         for req, data, waited in reqs:
-            if self._admit(rank, req, now - waited):
+            if self._admit(rank, req, now, waited):
                 if data is not None:
                     self._payloads.setdefault((req.pset, req.name), {})[rank] = data
                 self._canon.setdefault((req.pset, req.name), req)
@@ -317,7 +321,7 @@ class Service:
                     coord.fail(pset, stall.name, stall.diverged(blocker, where))
                     self._lane_off.extend([stall.name] if pset == 0 else [])
                     continue
-            if shutdown_seconds and stall.waited >= shutdown_seconds:
+            if shutdown_seconds and stall.waited >= shutdown_seconds and stall.quiet >= HAND_OVER_SECONDS:
                 coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where), late=stall.missing)
                 self._lane_off.extend([stall.name] if pset == 0 else [])
                 continue

@@ -414,7 +414,7 @@ class LaneDriver:
                           tuple(missing), waited)
             deadline = (f"; it fails on every rank once it has waited {self._stall_shutdown:g} s "
                         "(RINGCOMM_STALL_SHUTDOWN_SECONDS)" if self._stall_shutdown else "")
-            log.warning("stall: %s in the small-op lane%s; every rank must run the same collectives in the end",
+            log.warning("stall: %s (the small-op lane)%s; every rank must run the same collectives in the end",
                         stall.text(), deadline)
 
     def _await_posts(self, missing: list[int], k: int, key: int) -> None:
