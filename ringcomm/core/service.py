@@ -321,9 +321,10 @@ class Service:
                     coord.fail(pset, stall.name, stall.diverged(blocker, where))
                     self._lane_off.extend([stall.name] if pset == 0 else [])
                     continue
-            if shutdown_seconds and stall.waited >= shutdown_seconds and stall.quiet >= HAND_OVER_SECONDS:
-                coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where), late=stall.missing)
-                self._lane_off.extend([stall.name] if pset == 0 else [])
+            if shutdown_seconds and stall.waited >= shutdown_seconds:
+                if stall.quiet >= HAND_OVER_SECONDS:  # else other ranks' lanes may still hand it over
+                    coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where), late=stall.missing)
+                    self._lane_off.extend([stall.name] if pset == 0 else [])
                 continue
             key = (pset, stall.name)
             periods = int(stall.waited // check_seconds) if check_seconds > 0 else 0
