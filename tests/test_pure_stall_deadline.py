@@ -146,3 +146,15 @@ def test_a_join_or_a_shutdown_is_never_a_stall() -> None:
     svc = Service(2, SECRET, fusion_threshold=1 << 20, small_bytes=0, cache_capacity=0)
     svc.submit_local(Request("__join__", wire.JOIN), [], 0.0)  # rank 1 still trains on its last batches
     assert svc.stalls(3600.0, CHECK, DEADLINE) == [] and svc.take(3600.0) is None
+
+
+def test_the_deadline_defaults_to_30_minutes_and_an_explicit_setting_wins() -> None:
+    from ringcomm.job.config import Settings
+
+    assert Settings.from_env({}).stall_shutdown_seconds == 1800.0
+    assert Settings.from_env({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"}).stall_shutdown_seconds == 0.0
+    assert Settings.from_env({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"}).stall_shutdown_seconds == 5.0
+    assert Settings.from_env({"RINGCOMM_STALL_SHUTDOWN_SECONDS": "7",
+                              "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}).stall_shutdown_seconds == 7.0
+    off = Settings.from_env({"HOROVOD_STALL_CHECK_DISABLE": "1"})
+    assert off.stall_shutdown_seconds == 0.0 and off.stall_check_seconds == float("inf")
