@@ -15,6 +15,7 @@ import pytest
 from conftest import WORKERS, launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(200)]
+pytest.importorskip("torch", reason="the worker runs ringcomm_torch (pip install -e '.[torch]')")
 
 WORKER = str(WORKERS / "stall_late_worker.py")
 LANE_OFF = {"RINGCOMM_SHM_LANE_BYTES": "0", "RINGCOMM_NET_LANE_BYTES": "0"}
