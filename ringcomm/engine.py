@@ -130,10 +130,6 @@ class Engine:
         # rank 0: its control socket (bound in _connect) and its service
         self._control = Rank0Control(self._service, self.size, settings.stall_check_seconds,
                                      settings.stall_shutdown_seconds) if self._service is not None else None
-        #: How many ops of the global set rank 0 failed as stalled: the ranks are out of step (the
-        #: runtime then stops posting to the small-op lane, whose indexes no longer line up; every
-        #: rank gets these responses, so every rank stops).
-        self.stalled_ops = 0
         #: ``(set, name)`` of ops rank 0 failed as stalled that this rank never submitted: it skipped
         #: them, so its count of unnamed ops is behind (the runtime catches up; appended here only).
         self.skipped_ops: collections.deque[tuple[int, str]] = collections.deque(maxlen=1024)
@@ -434,6 +430,14 @@ class Engine:
     def timeline_active(self) -> bool:
         return self.timeline is not None
 
+    def lane_stalled(self, name: str) -> None:
+        """The small-op lane's op ``name`` waited past the stall deadline here: rank 0 then has every
+        rank stop posting to the lane, so the op is decided by rank 0 (any thread)."""
+        try:
+            self.submit(Entry(Request(name, wire.LANE_OFF), [], Handle(name)))
+        except HorovodInternalError as exc:  # the engine failed or is shutting down: it ends the op itself
+            log.debug("rank %d: lane stall of %r not reported: %s", self.rank, name, exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         self._failed = exc
         for entry in self._session.pending() + list(self._queue):
@@ -452,8 +456,9 @@ class Engine:
             entries.append(entry)
         if self._service is not None:  # rank 0 is its own coordinator
             for entry in entries:
-                self._session.track(entry)
-                self._service.submit_local(entry.req, entry.arrays, now)
+                if entry.req.kind != wire.LANE_OFF:  # a notice, not an op
+                    self._session.track(entry)
+                self._service.submit_local(entry.req, entry.arrays, now, entry.waited)
             return
         frames = self._session.announce(entries)
         assert self._ctrl is not None or not frames
@@ -514,6 +519,9 @@ class Engine:
     # -- execution -----------------------------------------------------------
 
     def _execute(self, resp: Response) -> None:
+        if resp.kind == wire.LANE_OFF:  # rank 0 says: every rank stops posting to the small-op lane
+            self.lane_owner.stop_posting()
+            return
         step = self._session.begin(resp)
         entries = step.entries
         tl = self.timeline
@@ -525,11 +533,10 @@ class Engine:
                 tl.span(e.req.name, "QUEUE", e.submitted_at, e.drained_at or start)
                 tl.span(e.req.name, negotiate_phase(e.req.kind), e.drained_at or start, start if reduced_at is None else reduced_at)
         if step.error is not None:
-            if isinstance(step.error, StallError):
-                if resp.pset == 0:  # every rank gets it: every rank leaves the lane alike
-                    self.stalled_ops += 1
-                if not entries:  # the response reaches the set's members only
-                    self.skipped_ops.extend((resp.pset, n) for n in resp.names)
+            if isinstance(step.error, StallError) and not entries:
+                # the ranks diverged and this one never submits it (a rank that is only late does not
+                # get the response: rank 0 answers it when it submits the op)
+                self.skipped_ops.extend((resp.pset, n) for n in resp.names)
             for e in entries:
                 e.handle.set_error(step.error)
             return

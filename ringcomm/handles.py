@@ -137,6 +137,9 @@ class Entry:
     grouped: bool = False
     submitted_at: float = 0.0  # perf_counter when the user thread submitted it
     drained_at: float = 0.0  # ... when the engine thread took it from the queue and asked rank 0
+    #: seconds this rank had already waited for the op when the engine got it (the small-op lane's
+    #: wait, when the lane handed the op on): rank 0 counts a stall from then
+    waited: float = 0.0
 
     @property
     def key(self) -> tuple[int, str]:

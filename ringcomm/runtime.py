@@ -82,7 +82,6 @@ class Runtime:
         self._names: set[tuple[int, str]] = set()
         self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
         self._joins = 0
-        self._stalled_seen = 0
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
         """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
@@ -182,11 +181,6 @@ class Runtime:
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
-        if self.lane is not None and self.engine.stalled_ops != self._stalled_seen:
-            # rank 0 failed an op of the global set as stalled: the ranks' lane indexes no longer
-            # line up, so every rank posts no more (all ops go through the engine from here on)
-            self._stalled_seen = self.engine.stalled_ops
-            self.lane_owner.close(timeout=0.0, stalled=True)
         lane = self.lane if req.pset == 0 else None
         handle = Handle(name, release) if lane is None else LaneHandle(name, release)
         try:

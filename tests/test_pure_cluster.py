@@ -208,7 +208,7 @@ def test_any_interleaving_gives_every_rank_the_same_order_and_the_sum(size: int,
     joins = {r: cluster.results[(r, "join")] for r in range(size)}
     assert len({tuple(j) for j in joins.values()}) == 1 and joins[0][0] in range(size), joins
     # the second run of each global op went to rank 0 as a response-cache id
-    ids = [it for frame in cluster.announced for it, _ in wire.parse_request_batch(
+    ids = [it for frame in cluster.announced for it, _, _ in wire.parse_request_batch(
         wire.unpack_control(SECRET, frame), size)[1] if not isinstance(it, Request)]
     assert len(ids) >= len(sizes), "the repeated ops never hit the response cache"
 

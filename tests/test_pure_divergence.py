@@ -35,7 +35,9 @@ def test_op_waiting_for_ranks_in_a_barrier_fails_and_the_barrier_goes_on() -> No
     svc.stalls(now=5.5, check_seconds=CHECK, shutdown_seconds=0.0)
     emitted = svc.take(now=5.5)
     assert emitted is not None
-    ((resp, members),) = emitted.pairs
+    # every rank stops posting to the small-op lane (its indexes no longer line up), then the op fails
+    (off, everyone), (resp, members) = emitted.pairs
+    assert off.kind == wire.LANE_OFF and everyone == (0, 1, 2)
     assert resp.names == ("rs.7",) and members == (0, 1, 2) and resp.error_kind == "stall"
     assert "diverged" in resp.error and "barrier 'b.0'" in resp.error and "ranks [0, 2]" in resp.error
     svc.controller.submit(1, barrier("b.0"), now=6.0)  # rank 1 raised and reaches the barrier

@@ -100,9 +100,11 @@ def test_valid_messages_still_decode() -> None:
     assert wire.response_from_wire(list(VALID_RESP)) == Response(*VALID_RESP)
     # response-cache ids come back as (process set id, id); the global set's travel as bare ints
     assert wire.parse_request_batch(["req", 2, [VALID_REQ, 7, {"q": 3, "d": b"xy"}, {"s": 2, "c": 5},
-                                                {"q": {"s": 1, "c": 0}, "d": b"z"}]], 4) == (
-        2, [(Request(*VALID_REQ), None), ((0, 7), None), ((0, 3), b"xy"), ((2, 5), None), ((1, 0), b"z")])
-    for bad in ({"s": 1}, {"s": -1, "c": 0}, {"s": 1, "c": "x"}, {"s": 1, "c": 0, "d": b""}):
+                                                {"q": {"s": 1, "c": 0}, "d": b"z"}, {"q": 4, "w": 2.5}]], 4) == (
+        2, [(Request(*VALID_REQ), None, 0.0), ((0, 7), None, 0.0), ((0, 3), b"xy", 0.0), ((2, 5), None, 0.0),
+            ((1, 0), b"z", 0.0), ((0, 4), None, 2.5)])
+    for bad in ({"s": 1}, {"s": -1, "c": 0}, {"s": 1, "c": "x"}, {"s": 1, "c": 0, "d": b""}, {"q": 3},
+                {"q": 3, "w": -1.0}, {"q": 3, "w": float("inf")}, {"q": 3, "w": "1"}, {"q": 3, "d": 5}):
         with pytest.raises(ProtocolError):
             wire.parse_request_batch(["req", 2, [bad]], 4)
 
@@ -143,7 +145,8 @@ requests = st.builds(
     refused=st.text(max_size=4), set_ranks=st.lists(st.integers(0, 64), max_size=4).map(tuple),
     set_id=st.integers(-1, 9),
 )
-items = st.lists(st.tuples(requests | st.integers(0, 2**40), st.integers(0, 9), st.none() | st.binary(max_size=16)),
+items = st.lists(st.tuples(requests | st.integers(0, 2**40), st.integers(0, 9), st.none() | st.binary(max_size=16),
+                           st.just(0.0) | st.floats(0.0, 1e6, exclude_min=True)),
                  max_size=8)
 
 
@@ -156,7 +159,7 @@ def test_encoded_request_batches_decode_to_what_was_sent(sent, rank: int) -> Non
         src, part = wire.parse_request_batch(wire.unpack_control(SECRET, frame), 8)
         assert src == rank
         got += part
-    want = [(it if isinstance(it, Request) else (pset, it), data) for it, pset, data in sent]
+    want = [(it if isinstance(it, Request) else (pset, it), data, waited) for it, pset, data, waited in sent]
     assert got == want
 
 

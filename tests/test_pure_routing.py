@@ -253,6 +253,7 @@ def test_at_each_bound_the_callers_decide_as_they_did(size, s, kind, data):
 class _Op:
     def __init__(self, req: wire.Request, arrays: list[np.ndarray]) -> None:
         self.req, self.arrays = req, arrays
+        self.waited = 0.0
 
     @property
     def key(self) -> tuple[int, str]:
@@ -270,7 +271,7 @@ def test_the_session_sends_data_with_exactly_the_requests_it_did(size, small, op
     sent = {}
     for frame in frames:
         _, items = wire.parse_request_batch(wire.unpack_control(secret, frame), size)
-        sent.update({req.name: data for req, data in items})
+        sent.update({req.name: data for req, data, _ in items})
     for e in entries:
         expected = old_carries(e.req.kind, e.arrays[0].nbytes, small, small // size)
         assert (sent[e.req.name] is not None) == expected

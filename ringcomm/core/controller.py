@@ -57,8 +57,12 @@ class Controller:
 
     # -- input ---------------------------------------------------------------
 
-    def submit(self, rank: int, req: Request, now: float = 0.0) -> None:
-        """Record that global ``rank`` announced ``req`` on process set ``req.pset``."""
+    def submit(self, rank: int, req: Request, now: float = 0.0, waited: float = 0.0) -> bool:
+        """Record that global ``rank`` announced ``req`` on process set ``req.pset`` (at ``now``, after
+        waiting ``waited`` seconds for it already: see :meth:`Coordinator.submit`).
+
+        Returns whether the op now waits for its set (False: it is answered already, to ``rank``
+        alone: refused here, or failed on a stall before this rank submitted it)."""
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} out of range for size {self.size}")
         coord = self.sets.get(req.pset)
@@ -73,7 +77,10 @@ class Controller:
         elif req.pset != 0 and req.kind in GLOBAL_ONLY:
             self._reject(rank, req, f"{what}: {req.kind} runs on the global process set only")
         else:
-            coord.submit(rank, req, now)
+            failed = coord.submit(rank, req, now, waited)
+            if failed:  # the op failed on a stall before this rank came: it fails here too
+                self._reject(rank, req, failed, "stall")
+                return False
             if req.kind == wire.SHUTDOWN:
                 if rank not in self._left:
                     self._left.append(rank)
@@ -85,6 +92,8 @@ class Controller:
                     if coord.is_member(gone):
                         self._fail_waiting_for(coord, gone)
                         break
+            return True
+        return False
 
     def _fail_waiting_for(self, coord: Coordinator, rank: int) -> None:
         """Ops of ``coord`` that ``rank`` never submitted and never will (it shut down) fail at once."""
@@ -94,8 +103,9 @@ class Controller:
                                  f"rank(s) {list(ranks)} waited for it in {kind} '{name}'{coord.where}; every "
                                  "rank must run the same collectives before it ends", stall=False)
 
-    def _reject(self, rank: int, req: Request, message: str) -> None:
-        self._out.append((Response(req.kind, (req.name,), error=message, pset=req.pset), (rank,)))
+    def _reject(self, rank: int, req: Request, message: str, error_kind: str = "") -> None:
+        self._out.append((Response(req.kind, (req.name,), error=message, error_kind=error_kind, pset=req.pset),
+                          (rank,)))
 
     # -- output --------------------------------------------------------------
 
@@ -117,7 +127,7 @@ class Controller:
                     resp = self._add(resp)
                 elif resp.kind == wire.REMOVE_PSET and not resp.error:
                     resp = self._remove(resp, out)
-                out.append((resp, coord.ranks))
+                out.append((resp, coord.recipients(resp)))
         return out
 
     def _add(self, resp: Response) -> Response:
@@ -169,11 +179,12 @@ class Controller:
         """``(set id, stall)`` for every op waiting longer than ``after`` seconds for some members."""
         return [(pset, s) for pset, coord in self.sets.items() for s in coord.stalled(now, after)]
 
-    def fail(self, pset: int, name: str, message: str) -> None:
-        """Release op ``name`` of set ``pset`` as an error on its members (a stall that lasted too long)."""
+    def fail(self, pset: int, name: str, message: str, late: tuple[int, ...] = ()) -> None:
+        """Release op ``name`` of set ``pset`` as an error on its members (a stall that lasted too long;
+        ``late``: members that get it when they submit the op, see :meth:`Coordinator.fail`)."""
         coord = self.sets.get(pset)
         if coord is not None:
-            coord.fail(name, message)
+            coord.fail(name, message, late=late)
 
     def where(self, pset: int) -> str:
         coord = self.sets.get(pset)

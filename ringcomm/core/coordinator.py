@@ -24,6 +24,10 @@ from . import routing, wire
 from .fusion import FusionItem, plan_fusion
 from .wire import Request, Response
 
+#: Ops failed on a stall whose late ranks are still expected, remembered per process set (the oldest
+#: is forgotten first: its late ranks would then wait for the others again).
+LATE_KEPT = 4096
+
 JOIN_NAME = "__join__"
 SHUTDOWN_NAME = "__shutdown__"
 
@@ -36,15 +40,22 @@ class Stall(NamedTuple):
     submitted: tuple[int, ...]
     missing: tuple[int, ...]
     waited: float
+    #: seconds since a rank last submitted it
+    quiet: float = float("inf")
 
     def text(self, where: str = "") -> str:
         """``allreduce 'x' was submitted by ranks [0] 3 s ago but ranks [1, 2] have not submitted it``."""
+        ago = f"{self.waited:.0f}" if self.waited >= 10 else f"{self.waited:.1f}"
         return (f"{self.kind} '{self.name}'{where} was submitted by ranks {list(self.submitted)} "
-                f"{self.waited:.0f} s ago but ranks {list(self.missing)} have not submitted it")
+                f"{ago} s ago but ranks {list(self.missing)} have not submitted it")
 
     def failure(self, shutdown_seconds: float, where: str = "") -> str:
-        """What the op fails with once it has waited ``shutdown_seconds``."""
-        return f"stalled: {self.text(where)} (RINGCOMM_STALL_SHUTDOWN_SECONDS={shutdown_seconds:g})"
+        """What the op fails with, on every rank, once it has waited ``shutdown_seconds``."""
+        late = f"rank {self.missing[0]} gets" if len(self.missing) == 1 else f"ranks {list(self.missing)} get"
+        return (f"stalled: {self.text(where)} (RINGCOMM_STALL_SHUTDOWN_SECONDS={shutdown_seconds:g}). The op "
+                f"failed on every rank and reduced no data: {late} this error when submitting it, and later "
+                "ops run as usual. Every rank must run the same collectives; if a rank is "
+                "only slow, raise RINGCOMM_STALL_SHUTDOWN_SECONDS (0: wait for ever)")
 
     def blocked_by(self, barrier: Stall) -> bool:
         """Whether every rank this op waits for sits in ``barrier``, which only this op's ranks
@@ -193,33 +204,51 @@ class Coordinator:
         self._itemsize = itemsize
         self._pending: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
+        self._last_seen: dict[str, float] = {}
         self._ready: list[str] = []
         self._ready_set: set[str] = set()  # the names in _ready: a membership test per submit stays O(1)
         self._errors: dict[str, str] = {}
         self._stalled: set[str] = set()
         self._joined: list[int] = []
+        #: ops failed on a stall before some ranks submitted them: name -> (error, those ranks);
+        #: each one's next submission of the name is answered with that error, and nothing else
+        self._late: dict[str, tuple[str, set[int]]] = {}
+        self._recipients: dict[str, tuple[int, ...]] = {}  # failed ops answered to their submitters only
 
     # -- input ---------------------------------------------------------------
 
-    def submit(self, rank: int, req: Request, now: float = 0.0) -> None:
-        """Record that ``rank`` announced ``req``."""
+    def submit(self, rank: int, req: Request, now: float = 0.0, waited: float = 0.0) -> str:
+        """Record that ``rank`` announced ``req`` at ``now``, having waited ``waited`` seconds for it
+        before (an op its small-op lane handed on): a stall counts from then.
+
+        Returns '' or, when the op already failed on a stall while ``rank`` had not submitted it, that
+        error: the caller answers ``rank`` alone with it, and the op is not pending again.
+        """
         if rank not in self._members:
             raise ValueError(f"rank {rank} is not a member of{self.where or ' the job'} (ranks {list(self.ranks)})")
         name = req.name
+        late = self._late.get(name)
+        if late is not None and rank in late[1]:
+            late[1].discard(rank)
+            if not late[1]:
+                del self._late[name]
+            return late[0]
         if name in self._ready_set:
             # a rank re-used a name whose previous instance has not been taken yet
             self._errors.setdefault(name, f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed")
-            return
+            return ""
         slot = self._pending.setdefault(name, {})
         if rank in slot:
             self._errors[name] = f"op '{name}'{self.where} was submitted twice by rank {rank} before it completed"
         slot[rank] = req
-        self._first_seen.setdefault(name, now)
+        self._first_seen[name] = min(now - waited, self._first_seen.get(name, now))
+        self._last_seen[name] = now
         if req.kind == wire.JOIN and rank not in self._joined:
             self._joined.append(rank)
             self._recheck_all()
         else:
             self._check_ready(name)
+        return ""
 
     def is_member(self, rank: int) -> bool:
         """Whether global ``rank`` belongs to this set (constant time)."""
@@ -269,6 +298,7 @@ class Coordinator:
         for name in ready:
             reqs = self._pending.pop(name)
             self._first_seen.pop(name, None)
+            self._last_seen.pop(name, None)
             error = self._errors.pop(name, "") or check_agreement(name, reqs, self.where)
             first = reqs[min(reqs)]
             if error:
@@ -337,17 +367,35 @@ class Coordinator:
             slot = self._pending[name]
             kind = next(iter(slot.values())).kind
             missing = tuple(r for r in self.ranks if r not in slot and r not in self._joined)
-            stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since))
+            stalls.append(Stall(name, kind, tuple(sorted(slot)), missing, now - since,
+                                now - self._last_seen.get(name, since)))
         return stalls
 
-    def fail(self, name: str, message: str, stall: bool = True) -> None:
+    def fail(self, name: str, message: str, stall: bool = True, late: tuple[int, ...] = ()) -> None:
         """Release ``name`` now as an error on every rank (a stall that lasted too long, or with
-        ``stall=False`` a mismatch: ranks that will never submit it)."""
+        ``stall=False`` a mismatch: ranks that will never submit it).
+
+        ``late``: ranks that have not submitted it and are expected to: the error goes to the others
+        now, and to each of these when it submits the op (:meth:`submit`), so the op fails on every
+        rank and runs on none.  At most :data:`LATE_KEPT` such ops are remembered per set."""
         if name in self._pending and name not in self._ready_set:
             self._errors[name] = message
             if stall:
                 self._stalled.add(name)
+            if late:
+                self._late.pop(name, None)
+                while len(self._late) >= LATE_KEPT:
+                    del self._late[next(iter(self._late))]
+                self._late[name] = (message, set(late))
+                self._recipients[name] = tuple(r for r in self.ranks if r not in late)
             self._mark_ready(name)
+
+    def recipients(self, resp: Response) -> tuple[int, ...]:
+        """The ranks that execute ``resp``, one of :meth:`take_responses`'s: the set's ranks, but only
+        the submitters for an op failed with ``late`` ranks (asked once per response)."""
+        if resp.error and len(resp.names) == 1:
+            return self._recipients.pop(resp.names[0], self.ranks)
+        return self.ranks
 
     def waiting_for(self, rank: int) -> list[tuple[str, str, tuple[int, ...]]]:
         """``(name, kind, ranks that submitted it)`` of every pending op that ``rank`` has not submitted."""

@@ -36,6 +36,11 @@ log = logging.getLogger("ringcomm.service")
 
 Pair = tuple[Response, tuple[int, ...]]
 
+#: An op past the stall deadline fails once no rank has submitted it for this long: the ranks whose
+#: small-op lanes waited for it too hand it over within that time (each one's lane stops when rank 0
+#: says so), and the error then names every rank that waited.
+HAND_OVER_SECONDS = 1.0
+
 
 class Emission(NamedTuple):
     """One cycle's output: every response with its recipients, in execution order; the frames
@@ -64,23 +69,38 @@ class Service:
         self._local: dict[tuple[int, str], list[np.ndarray]] = {}  # rank 0's own arrays
         self._canon: dict[tuple[int, str], Request] = {}  # the first request seen per op, for the caches
         self._last_emit = 0.0
+        #: names of ops that turn every rank's small-op lane off, sent with the next emission
+        self._lane_off: list[str] = []
+        #: stall warnings given per op (one per check period it has waited)
+        self._warned: dict[tuple[int, str], int] = {}
 
     # -- input ---------------------------------------------------------------
 
-    def submit_local(self, req: Request, arrays: list[np.ndarray], now: float) -> None:
-        """Rank 0's own op (its arrays stay rank 0's: they are read if the op is finished here)."""
-        key = (req.pset, req.name)
-        self._canon.setdefault(key, req)
-        if arrays:
-            self._local[key] = arrays
-        self.controller.submit(0, req, now)
+    def submit_local(self, req: Request, arrays: list[np.ndarray], now: float, waited: float = 0.0) -> None:
+        """Rank 0's own op (its arrays stay rank 0's: they are read if the op is finished here).
+
+        ``waited``: seconds rank 0 had waited for it already (an op its small-op lane handed on)."""
+        if self._admit(0, req, now, waited):
+            key = (req.pset, req.name)
+            self._canon.setdefault(key, req)
+            if arrays:
+                self._local[key] = arrays
+
+    def _admit(self, rank: int, req: Request, now: float, waited: float) -> bool:
+        """Hand ``req`` to the controller; whether it now waits there (a lane notice never does)."""
+        if req.kind == wire.LANE_OFF:  # an op of that rank's lane waited past the stall deadline
+            log.debug("coordinator: rank %d's small-op lane gave up waiting for op %r: every rank stops "
+                      "posting to the lane", rank, req.name)
+            self._lane_off.append(req.name)
+            return False
+        return self.controller.submit(rank, req, now, waited)
 
     def receive(self, frame: bytes, now: float) -> None:
         """Another rank's signed control frame: its announcements (a bad frame is dropped and logged)."""
         try:
             rank, items = wire.parse_request_batch(wire.unpack_control(self._secret, frame), self.size)
             reqs = []
-            for it, data in items:
+            for it, data, waited in items:
                 if not isinstance(it, wire.Request):  # a response-cache id: (set id, id)
                     pset, cid = it
                     try:
@@ -88,20 +108,20 @@ class Service:
                     except KeyError:
                         raise ProtocolError(f"unknown response-cache id {cid} of process set {pset} "
                                             f"from rank {rank}") from None
-                reqs.append((it, data))
+                reqs.append((it, data, waited))
         except ProtocolError as exc:
             log.debug("coordinator: dropping control message: %s", exc)
             return
-        for req, data in reqs:
-            if data is not None:
-                self._payloads.setdefault((req.pset, req.name), {})[rank] = data
-            self._canon.setdefault((req.pset, req.name), req)
-            self.controller.submit(rank, req, now)
+        for req, data, waited in reqs:
+            if self._admit(rank, req, now, waited):
+                if data is not None:
+                    self._payloads.setdefault((req.pset, req.name), {})[rank] = data
+                self._canon.setdefault((req.pset, req.name), req)
 
     # -- output --------------------------------------------------------------
 
     def has_ready(self) -> bool:
-        return self.controller.has_ready()
+        return bool(self._lane_off) or self.controller.has_ready()
 
     def has_pending(self) -> bool:
         return self.controller.has_pending()
@@ -114,7 +134,7 @@ class Service:
         outside the loop's own turn (rank 0 takes requests while it waits inside a transfer, and
         answers only the sets without itself there), so the loop asks after every turn.
         """
-        if self.controller.has_ready():
+        if self.has_ready():
             if self._cycle <= 0:
                 return 0
             if now is None:
@@ -135,7 +155,8 @@ class Service:
         if self._cycle > 0 and coord.has_ready() and (now - self._last_emit) * 1000 < self._cycle:
             return None
         pairs = coord.take_responses(skip_member=0 if nested else None)
-        if not pairs:
+        lane_off = bool(self._lane_off) and not nested  # it goes to rank 0 too: not while rank 0 is busy
+        if not pairs and not lane_off:
             return None
         self._last_emit = now
         reduced_at: dict[tuple[Any, ...], float] = {}
@@ -145,6 +166,9 @@ class Service:
         for resp, _ in pairs:
             for name in resp.names:
                 self._local.pop((resp.pset, name), None)
+        if lane_off:  # first: a rank told of a failed op posts its next ones to the engine already
+            pairs.insert(0, (Response(wire.LANE_OFF, (self._lane_off[0],)), tuple(range(self.size))))
+            self._lane_off = []
         frames = self._frames(pairs) if self.size > 1 else {}
         local = [resp for resp, members in pairs if 0 in members]
         return Emission(pairs, frames, local, reduced_at)
@@ -272,29 +296,42 @@ class Service:
     # -- diagnostics ---------------------------------------------------------
 
     def stalls(self, now: float, check_seconds: float, shutdown_seconds: float) -> list[tuple[tuple[int, str], str]]:
-        """``((set, name), text)`` for ops that wait longer than ``check_seconds`` for some ranks;
-        those waiting ``shutdown_seconds`` (if set) are failed on every member instead.
+        """``((set, name), text)`` for each op to warn about now: one that has waited for some ranks
+        for another ``check_seconds`` (a warning every period, with the time waited so far).  One
+        waiting ``shutdown_seconds`` (if set) fails instead, on every member: on the ranks that
+        submitted it now, on each late rank when it submits it (:meth:`Coordinator.fail`).  A join
+        or a shutdown is never a stall (a rank that joined may wait for the others' last batches).
 
         An op waiting ``check_seconds`` for ranks that all sit in a barrier its own ranks have not
         reached is failed at once (:meth:`Stall.blocked_by`): the ranks diverged (a test failed on
         some ranks only), and failing that op lets its ranks go on to the barrier, in step again.
-        The barrier itself is left waiting."""
+        The barrier itself is left waiting.  Every failure of an op of the global set also turns
+        every rank's small-op lane off: the ranks' lane indexes may no longer line up."""
         coord = self.controller
         after = min(check_seconds, shutdown_seconds or check_seconds)
         out = []
-        stalls = coord.stalled(now, after)
+        stalls = [(p, s) for p, s in coord.stalled(now, after) if s.kind not in (wire.JOIN, wire.SHUTDOWN)]
         barriers = [(pset, s) for pset, s in coord.stalled(now, 0.0) if s.kind == wire.BARRIER] if stalls else []
+        warned: dict[tuple[int, str], int] = {}
         for pset, stall in stalls:
             where = coord.where(pset)
-            text = stall.text(where)
             if stall.waited >= check_seconds:
                 blocker = next((b for p, b in barriers if p == pset and stall.blocked_by(b)), None)
                 if blocker is not None:  # a deadlock, not a slow rank: end it where the barrier can go on
                     coord.fail(pset, stall.name, stall.diverged(blocker, where))
+                    self._lane_off.extend([stall.name] if pset == 0 else [])
                     continue
             if shutdown_seconds and stall.waited >= shutdown_seconds:
-                coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where))
+                if stall.quiet >= HAND_OVER_SECONDS:  # else other ranks' lanes may still hand it over
+                    coord.fail(pset, stall.name, stall.failure(shutdown_seconds, where), late=stall.missing)
+                    self._lane_off.extend([stall.name] if pset == 0 else [])
                 continue
-            if stall.waited >= check_seconds:
-                out.append(((pset, stall.name), text))
+            key = (pset, stall.name)
+            periods = int(stall.waited // check_seconds) if check_seconds > 0 else 0
+            warned[key] = max(periods, self._warned.get(key, 0))
+            if periods > self._warned.get(key, 0):
+                deadline = (f"; it fails on every rank once it has waited {shutdown_seconds:g} s "
+                            "(RINGCOMM_STALL_SHUTDOWN_SECONDS)" if shutdown_seconds else "")
+                out.append((key, stall.text(where) + deadline))
+        self._warned = warned  # ops that finished or failed are forgotten
         return out

@@ -31,6 +31,10 @@ log = logging.getLogger("ringcomm.session")
 #: Kinds whose requests go into the response caches (the others are rare or vary in shape).
 CACHED_KINDS = (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER)
 
+#: An op announced after this rank had waited for it this long (seconds) tells rank 0 so, which counts
+#: a stall from then; shorter waits are not worth the bytes.
+WAITED_MIN = 0.5
+
 #: A process set's id goes into the high bits of its ops' data-plane sequence numbers: members of a
 #: set count that set's ops alike, and messages of different sets never share a number.
 PSET_SHIFT = 40
@@ -41,6 +45,7 @@ class Op(Protocol):
 
     req: Request
     arrays: list[Any]  # the op's buffers (``nbytes``, ``tobytes()``)
+    waited: float  # seconds this rank waited for it before the engine got it (see ``handles.Entry``)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -110,10 +115,11 @@ class Session(Generic[E]):
 
     def announce(self, entries: list[E]) -> list[bytes]:
         """Track ``entries`` and return the control frames that announce them to rank 0."""
-        items: list[tuple[Request | int, int, bytes | None]] = []
+        items: list[tuple[Request | int, int, bytes | None, float]] = []
         for entry in entries:
-            self._inflight[entry.key] = entry
             req = entry.req
+            if req.kind != wire.LANE_OFF:  # a notice, not an op: nothing comes back for it
+                self._inflight[entry.key] = entry
             cache = self._caches.get(req.pset)
             cid = cache.lookup(req) if cache is not None else None
             nbytes = sum(a.nbytes for a in entry.arrays)
@@ -121,7 +127,8 @@ class Session(Generic[E]):
             # an op of no bytes has nothing to carry: it takes the data plane
             if 0 < nbytes and routing.route(req.kind, nbytes, routing.ENGINE_FACTS, self._limits) is routing.Path.RANK0:
                 data = b"".join(a.tobytes() for a in entry.arrays)
-            items.append((req if cid is None else cid, req.pset, data))
+            waited = entry.waited if entry.waited >= WAITED_MIN else 0.0
+            items.append((req if cid is None else cid, req.pset, data, waited))
         return wire.encode_requests(self._secret, self.rank, items) if items else []
 
     def receive(self, frame: bytes) -> list[Response]:

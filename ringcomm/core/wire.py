@@ -37,7 +37,13 @@ JOIN = "join"
 SHUTDOWN = "shutdown"
 ADD_PSET = "add_process_set"  # global set: register ranks ``set_ranks`` as a new process set
 REMOVE_PSET = "remove_process_set"  # global set: forget process set ``set_id``
-KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET)
+#: Not a collective: every rank stops posting to the small-op lane.  A rank sends it (named after
+#: its op) when an op of its lane waited past the stall deadline; rank 0 answers every rank with it,
+#: and also after it failed an op of the global set as stalled (the ranks' lane indexes no longer
+#: line up).  It never reaches a coordinator.
+LANE_OFF = "lane_off"
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, SHUTDOWN, ADD_PSET, REMOVE_PSET,
+         LANE_OFF)
 _KIND_SET = frozenset(KINDS)
 
 
@@ -236,13 +242,24 @@ def response_from_wire(obj: Any) -> Response:
     )
 
 
-def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | tuple[int, int], bytes | None]]]:
+class Announced(NamedTuple):
+    """One item of a request batch: a :class:`Request` or a response-cache id ``(set id, id)``, the
+    small op's payload sent along (or None), and how long the sender had already waited for the op
+    before announcing it (seconds: an op the small-op lane handed on after a stall)."""
+
+    item: Request | tuple[int, int]
+    data: bytes | None = None
+    waited: float = 0.0
+
+
+def parse_request_batch(msg: Any, size: int) -> tuple[int, list[Announced]]:
     """Split a decoded ``["req", rank, items]`` message: the sender's rank and its items.
 
     Each item is a :class:`Request` or a response-cache id — an int for the
     global set, ``{"s": set id, "c": id}`` for another process set, returned as
-    ``(set id, id)`` — with the small-allreduce payload sent along
-    (``{"q": item, "d": bytes}``) or None.  Raises :class:`ProtocolError` for anything else.
+    ``(set id, id)`` — either bare or as ``{"q": item}`` with the small-allreduce
+    payload (``"d": bytes``) and/or the seconds already waited (``"w": number``).
+    Raises :class:`ProtocolError` for anything else.
     """
     if not isinstance(msg, list) or len(msg) != 3 or msg[0] != "req":
         raise ProtocolError(f"malformed request batch: {_short(msg)}")
@@ -251,23 +268,28 @@ def parse_request_batch(msg: Any, size: int) -> tuple[int, list[tuple[Request | 
         raise ProtocolError(f"request batch from rank {_short(rank)}, not one of 1..{size - 1}")
     if not isinstance(items, list):
         raise ProtocolError(f"malformed request batch: items are {_short(items)}")
-    out: list[tuple[Request | tuple[int, int], bytes | None]] = []
+    out: list[Announced] = []
     for it in items:
-        data = None
+        data, waited = None, 0.0
         if isinstance(it, dict) and "q" in it:
-            if set(it) != {"q", "d"} or not isinstance(it["d"], bytes):
+            if not {"q"} < set(it) <= {"q", "d", "w"} or ("d" in it and not isinstance(it["d"], bytes)):
                 raise ProtocolError(f"malformed request with payload: keys {_short(list(it))}")
-            it, data = it["q"], it["d"]
+            if "w" in it:
+                waited = _num("request", "waited", it["w"])
+                if not 0.0 <= waited < float("inf"):
+                    raise _bad("request", "waited", waited)
+            it, data = it["q"], it.get("d")
         if isinstance(it, dict):  # a cached request of another process set
             if set(it) != {"s", "c"}:
                 raise ProtocolError(f"malformed cached request: keys {_short(list(it))}")
-            out.append(((_int("cached request", "s", it["s"]), _int("cached request", "c", it["c"])), data))
+            out.append(Announced((_int("cached request", "s", it["s"]), _int("cached request", "c", it["c"])),
+                                 data, waited))
         elif type(it) is int:
             if not 0 <= it <= _INT_MAX:
                 raise ProtocolError(f"response-cache id {it} is out of range")
-            out.append(((0, it), data))
+            out.append(Announced((0, it), data, waited))
         else:
-            out.append((request_from_wire(it), data))
+            out.append(Announced(request_from_wire(it), data, waited))
     return rank, out
 
 
@@ -334,25 +356,35 @@ def unpack_control(secret: bytes, frame: bytes) -> Any:
 # encoders: what the decoders above read back
 
 
-def encode_requests(secret: bytes, rank: int, items: list[tuple[Request | int, int, bytes | None]]) -> list[bytes]:
+def encode_requests(secret: bytes, rank: int,
+                    items: list[tuple[Request | int, int, bytes | None]] | list[tuple[Request | int, int, bytes | None, float]],
+                    ) -> list[bytes]:
     """Rank ``rank``'s announcements as signed ``["req", rank, items]`` frames.
 
-    Each item is ``(request or response-cache id, process set, payload or None)``: a
-    cached op travels as its id (an int for the global set, ``{"s": set, "c": id}``
-    for another), a small op's data rides along as ``{"q": item, "d": bytes}``.  A
-    new frame starts before the payloads in one would pass :data:`CONTROL_DATA_BYTES`.
+    Each item is ``(request or response-cache id, process set, payload or None[, seconds waited])``:
+    a cached op travels as its id (an int for the global set, ``{"s": set, "c": id}`` for
+    another), a small op's data rides along as ``{"q": item, "d": bytes}``, and an op this rank
+    had waited for before announcing it carries ``"w": seconds``.  A new frame starts before the
+    payloads in one would pass :data:`CONTROL_DATA_BYTES`.
     """
     frames: list[bytes] = []
     batch: list[Any] = []
     carried = 0
-    for it, pset, data in items:
+    for entry in items:
+        it, pset, data = entry[0], entry[1], entry[2]
+        waited = entry[3] if len(entry) > 3 else 0.0  # type: ignore[misc]
         obj: Any = list(it) if isinstance(it, Request) else it if pset == 0 else {"s": pset, "c": it}
-        if data is not None:
-            if batch and carried + len(data) > CONTROL_DATA_BYTES:
-                frames.append(pack_control(secret, ["req", rank, batch]))
-                batch, carried = [], 0
-            obj = {"q": obj, "d": data}
-            carried += len(data)
+        if data is not None or waited > 0:
+            wrapped: dict[str, Any] = {"q": obj}
+            if data is not None:
+                if batch and carried + len(data) > CONTROL_DATA_BYTES:
+                    frames.append(pack_control(secret, ["req", rank, batch]))
+                    batch, carried = [], 0
+                wrapped["d"] = data
+                carried += len(data)
+            if waited > 0:
+                wrapped["w"] = float(waited)
+            obj = wrapped
         batch.append(obj)
     if batch:
         frames.append(pack_control(secret, ["req", rank, batch]))

@@ -128,10 +128,14 @@ class Settings:
     peer_timeout: float = 30.0
     #: Seconds every rank has to reach the rendezvous.
     start_timeout: float = 60.0
-    #: Seconds after which rank 0 warns about an op only some ranks submitted.
+    #: Seconds after which rank 0 warns about an op only some ranks submitted, and again every
+    #: such period while it waits, with the time waited so far (``inf``: never).
     stall_check_seconds: float = 60.0
-    #: Seconds after which a stalled op fails on every rank (0: never).
-    stall_shutdown_seconds: float = 0.0
+    #: Seconds after which an op only some ranks submitted fails on every rank with ``StallError``:
+    #: now on the ranks that wait, later on each late rank when it submits it; no rank's data is
+    #: reduced, and the job goes on (0: wait for ever, Horovod's default; 1800, torch.distributed's
+    #: process-group timeout, bounds a wait for a rank that never comes).
+    stall_shutdown_seconds: float = 1800.0
     #: Entries in the response cache (0 disables it).
     cache_capacity: int = 1024
     #: Chrome-trace timeline path ("" for none).

@@ -36,7 +36,7 @@ from typing import Any
 from ..shm import futex
 from ..core import lane, wire
 from ..core.coordinator import Stall
-from ..errors import ShutdownError, StallError
+from ..errors import ShutdownError
 from ..handles import Entry, Handle
 from .records import EngineSide, Pending, Queued, State, naming, reacquire, spin_allowed
 
@@ -367,7 +367,6 @@ class LaneDriver:
 
     def _resolve(self, k: int, deadline: float | None, block: bool) -> bool:
         """Resolve index ``k`` if it is still pending; the lock is held (and released while sleeping)."""
-        started, warned = 0.0, False
         while True:
             p = self._pending.get(k)
             if p is None:
@@ -376,8 +375,6 @@ class LaneDriver:
             if sizes is not None:  # the common case (also right after a wait), read in one pass
                 self._finish_fast(k, p, sizes)
                 return True
-            if not started:
-                started = time.monotonic()
             own = p.own
             seen = [own if r == self.rank else self._region.seen(r, k) for r in range(self.size)]
             decision = lane.decide(p.key, seen)
@@ -394,20 +391,31 @@ class LaneDriver:
             if not block or (deadline is not None and time.monotonic() >= deadline):
                 return False
             missing = [r for r, s in enumerate(seen) if not s.posted]
-            waited = time.monotonic() - started
-            if self._stall_check > 0 and waited >= min(self._stall_check, self._stall_shutdown or self._stall_check):
-                stall = Stall(p.entry.req.name, p.entry.req.kind, tuple(r for r, s in enumerate(seen) if s.posted),
-                              tuple(missing), waited)
-                if self._stall_shutdown and waited >= self._stall_shutdown:
-                    # this rank gives the op up; it goes off, so what the others submit meanwhile
-                    # diverts to the engine instead of waiting for this rank's next slots
-                    self._fail(k, p, StallError(stall.failure(self._stall_shutdown)))
-                    self._go_off()
-                    return True
-                if not warned and waited >= self._stall_check:
-                    warned = True
-                    log.warning("stall: %s; every rank must run the same collectives in the end", stall.text())
+            self._check_stall(p, seen, missing)
             self._await_posts(missing, k, p.key)
+
+    def _check_stall(self, p: Pending, seen: list[lane.Seen], missing: list[int]) -> None:
+        """A warning every stall-check period ``p`` waits for the ``missing`` ranks; past the stall
+        deadline this rank stops posting and has rank 0 stop every rank (lock held, never waits).
+
+        The op is not given up here: a slot once posted stays, so a late rank that posted it before
+        it stopped would finish it.  Once every rank has stopped, the index resolves from the slots
+        alone, alike on every rank: fast if all posted it, else every rank hands it to the engine,
+        where rank 0 fails it on every rank (counting the time it waited here) and answers a late
+        rank with the same error when that one submits it."""
+        waited = time.monotonic() - p.posted_at
+        if self._stall_shutdown and waited >= self._stall_shutdown and not p.reported:
+            p.reported = True
+            self._go_off()
+            self._engine.lane_stalled(p.entry.req.name)
+        if self._stall_check > 0 and waited >= (p.warned + 1) * self._stall_check:
+            p.warned = int(waited // self._stall_check)
+            stall = Stall(p.entry.req.name, p.entry.req.kind, tuple(r for r, s in enumerate(seen) if s.posted),
+                          tuple(missing), waited)
+            deadline = (f"; it fails on every rank once it has waited {self._stall_shutdown:g} s "
+                        "(RINGCOMM_STALL_SHUTDOWN_SECONDS)" if self._stall_shutdown else "")
+            log.warning("stall: %s (the small-op lane)%s; every rank must run the same collectives in the end",
+                        stall.text(), deadline)
 
     def _await_posts(self, missing: list[int], k: int, key: int) -> None:
         """Wait (lock released) until the ``missing`` ranks have posted index ``k`` fast with ``key``,
@@ -459,6 +467,7 @@ class LaneDriver:
         handle = p.entry.handle
         assert isinstance(handle, LaneHandle)
         handle._lane = None  # from here on an ordinary handle: the engine finishes it
+        p.entry.waited = time.monotonic() - p.posted_at  # rank 0 counts a stall from the post
         self._divert_entry(p.entry)
 
     def _divert_entry(self, entry: Entry) -> None:
@@ -503,18 +512,23 @@ class LaneDriver:
 
     # -- closing ----------------------------------------------------------------
 
-    def close(self, timeout: float = 10.0, stalled: bool = False) -> None:
-        """This rank posts no more: the others divert what it never posts.  ``stalled``: the cause
-        is an op rank 0 gave up as stalled (the ranks ran different collectives), not a shutdown;
-        an op posted fast that the others never matched fails with a :class:`StallError` saying so."""
+    def close(self, timeout: float = 10.0) -> None:
+        """This rank posts no more (a shutdown): the others divert what it never posts."""
         with self._cond:
-            self._close_locked(time.monotonic() + timeout, stalled)
+            self._close_locked(time.monotonic() + timeout)
         if self._sweeper is not threading.current_thread():
             self._sweeper.join(timeout=1.0)
 
+    def stop_posting(self) -> None:
+        """This rank posts no more until the next join (rank 0 says so after a stall): what it
+        submits goes to the engine, and what it posted fast stays pending until the slots decide
+        it (every rank stops, so each such index resolves, alike everywhere)."""
+        with self._cond:
+            self._go_off()
+
     def _go_off(self) -> None:
         """This rank posts no more: what it submits from now on goes to the engine, and an index
-        it never posts diverts on the others (a stall gave an op up: OFF; a close: CLOSING)."""
+        it never posts diverts on the others (a stall: OFF; a close: CLOSING)."""
         if self._state is State.OPEN:
             self._state = State.OFF
             # lock held: a NetLane sends its off frame, which may wait in _drain as a post does
@@ -522,7 +536,7 @@ class LaneDriver:
             self._drain_backlog(None)
             self._cond.notify_all()
 
-    def _close_locked(self, deadline: float | None, stalled: bool = False) -> None:
+    def _close_locked(self, deadline: float | None) -> None:
         """Go off; ops already posted fast still resolve as the slots say (the others may have
         finished them already), waiting for the peers until ``deadline`` (None: no limit) with the
         lock released while it waits."""
@@ -532,7 +546,7 @@ class LaneDriver:
         self._state = State.CLOSING
         for k in sorted(self._pending):
             if not self._resolve(k, deadline, block=True) and k in self._pending:
-                self._fail(k, self._pending[k], self._unmatched(self._pending[k].entry.req.name, stalled))
+                self._fail(k, self._pending[k], self._unmatched(self._pending[k].entry.req.name))
         self._publish_read()  # reads no more: whatever an interrupted resolve left unpublished
         self._state = State.CLOSED
         if not self._unlinked:
@@ -541,14 +555,8 @@ class LaneDriver:
             # reopens its lane after the join; the lane's owner unlinks it when the engine closes otherwise
             self._unlink_once_all_posted()
 
-    def _unmatched(self, name: str, stalled: bool) -> BaseException:
+    def _unmatched(self, name: str) -> BaseException:
         """The error of an op this rank posted fast that the others never matched before it closed."""
-        if stalled:
-            return StallError(
-                f"rank {self.rank}: op {name!r} was in the small-op lane when rank 0 gave up an op as stalled: "
-                "the ranks did not run the same collectives, so their lane slots no longer line up and "
-                "every rank now sends its ops through rank 0; run the same collectives, in the same order, "
-                "on every rank")
         return ShutdownError(
             f"rank {self.rank}: ringcomm was shut down while op {name!r} waited for the other ranks; "
             "wait for every op (synchronize) before shutdown()")

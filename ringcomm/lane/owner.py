@@ -7,9 +7,10 @@ The engine and the runtime call :class:`LaneOwner` and nothing else of the lane'
                         hosts), or no lane
     runtime  start()    the driver over the region, given the engine as the one narrow
                         interface it diverts ops to (:class:`~ringcomm.lane.records.EngineSide`)
-             close()    this rank posts no more (a stalled op, a shutdown)
+             close()    this rank posts no more (a shutdown)
              reopen_after_join()   every rank joined: the lane starts again from index 0
-    engine   release()  the engine is closed: unlink and unmap the region, close a listener
+    engine   stop_posting()   rank 0 has every rank stop posting (a stall)
+             release()  the engine is closed: unlink and unmap the region, close a listener
 
 The runtime submits ops to :attr:`LaneOwner.driver` itself (the hot path goes through no owner).
 """
@@ -94,12 +95,16 @@ class LaneOwner:
         self.driver = LaneDriver(region, engine, max_bytes, stall_check, stall_shutdown)
         return self.driver
 
-    def close(self, timeout: float, stalled: bool = False) -> None:
-        """This rank posts no more (a shutdown, or every rank stops after a stalled op: ``stalled``):
-        the others divert what it never posts; ops it posted fast resolve, waiting up to ``timeout``
-        for the peers."""
+    def close(self, timeout: float) -> None:
+        """This rank posts no more (a shutdown): the others divert what it never posts; ops it
+        posted fast resolve, waiting up to ``timeout`` for the peers."""
         if self.driver is not None:
-            self.driver.close(timeout, stalled)
+            self.driver.close(timeout)
+
+    def stop_posting(self) -> None:
+        """Rank 0 has every rank stop posting (a stall): see :meth:`LaneDriver.stop_posting`."""
+        if self.driver is not None:
+            self.driver.stop_posting()
 
     def reopen_after_join(self, barrier: Callable[[], None]) -> None:
         """Every rank has joined: the lane starts again from index 0 (see

@@ -20,8 +20,8 @@ from ..job.cores import available_cores
 class State(enum.Enum):
     """Where this rank's side of the lane stands.
 
-    OPEN: posts every op of the global set.  OFF: posts no more (a stall made it give an op up);
-    what it submits goes to the engine.  CLOSING: ``close()`` or a join began: posts no more and
+    OPEN: posts every op of the global set.  OFF: posts no more (an op waited past the stall
+    deadline, or rank 0 failed one as stalled); what it submits goes to the engine.  CLOSING: ``close()`` or a join began: posts no more and
     resolves what it posted fast.  CLOSED: that is over; only a restart after a join reopens it.
     """
 
@@ -50,6 +50,10 @@ class EngineSide(Protocol):
         """True while a timeline is written: this rank then posts nothing fast (the engine times ops)."""
         ...
 
+    def lane_stalled(self, name: str) -> None:
+        """Op ``name`` waited in the lane past the stall deadline: have every rank stop posting."""
+        ...
+
 
 class Queued:
     """An op submitted, not yet posted (the slot of its index is still read, or a peer is behind)."""
@@ -62,12 +66,14 @@ class Queued:
 
 
 class Pending:
-    """An op posted fast, its index not resolved yet."""
+    """An op posted fast, its index not resolved yet (``warned``: stall warnings given for it;
+    ``reported``: it waited past the stall deadline and the engine was told)."""
 
-    __slots__ = ("entry", "key", "posted_at", "nbytes")
+    __slots__ = ("entry", "key", "posted_at", "nbytes", "warned", "reported")
 
     def __init__(self, entry: Entry, key: int, posted_at: float, nbytes: int) -> None:
         self.entry, self.key, self.posted_at, self.nbytes = entry, key, posted_at, nbytes
+        self.warned, self.reported = 0, False
 
     @property
     def own(self) -> lane.Seen:

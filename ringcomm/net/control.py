@@ -46,8 +46,8 @@ class TimelineNotes:
 class Rank0Control:
     """Rank 0's ROUTER socket and its :class:`Service`: reads requests, sends answers, warns of stalls.
 
-    ``stall_check_seconds`` / ``stall_shutdown_seconds``: when to warn of an op some ranks have
-    not submitted (each op once), and when the service fails it.
+    ``stall_check_seconds`` / ``stall_shutdown_seconds``: how often to warn of an op some ranks have
+    not submitted (every period it waits), and when the service fails it on every rank.
     """
 
     def __init__(self, service: Service, size: int, stall_check_seconds: float,
@@ -59,7 +59,6 @@ class Rank0Control:
         self._idents = {r: f"rank{r}".encode() for r in range(1, size)}
         self._stall_check = stall_check_seconds
         self._stall_shutdown = stall_shutdown_seconds
-        self._warned: set[tuple[int, str]] = set()
 
     def receive_one(self) -> bool:
         """Read one waiting message into the service; returns whether there was one."""
@@ -125,7 +124,5 @@ class Rank0Control:
                 log.debug("rank 0: %s is gone; response not delivered", ident.decode())
 
     def _check_stalls(self, now: float) -> None:
-        for key, text in self.service.stalls(now, self._stall_check, self._stall_shutdown):
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning("stall: %s; every rank must run the same collectives in the end", text)
+        for _, text in self.service.stalls(now, self._stall_check, self._stall_shutdown):
+            log.warning("stall: %s; every rank must run the same collectives in the end", text)
