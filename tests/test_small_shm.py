@@ -127,7 +127,7 @@ JOBS = [
     (8, 2, [4096, 16 * MiB, 64 * MiB], ["--torch"]),
     (8, 4, [4096, MiB], ["--no-ring-on-rank", "1"]),
     (1, 2, [MiB, 16 * MiB], []),
-    (1, 4, [4096, MiB, 16 * MiB], ["--torch"]),
+    (1, 4, [4096, MiB, 16 * MiB], []),
 ]
 
 
@@ -141,8 +141,8 @@ def test_a_job_in_a_small_dev_shm_is_right_and_leaves_it_empty(mb: int, np_: int
                         str(worker), *options, *map(str, sizes)])
     out = _in_small_shm(mb, command, timeout=280)
     assert "RC=0" in out and "SIGBUS" not in out, out[-4000:]
-    assert all(f"SMALLSHM OK rank={r}" in out for r in range(np_)), out[-4000:]
-    assert all(f"SMALLSHM {n} B right" in out for n in sizes), out[-4000:]
+    assert all(f"SMALLSHM OK rank={r} " in out for r in range(np_)), out[-4000:]
+    assert all(f"SMALLSHM {n} B right " in out for n in sizes), out[-4000:]
     assert "LEFT=[]" in out, out[-4000:]
     if mb == 1:  # no room for anything: each region that tried says so, once, with the fix
         assert "--shm-size" in out and "bytes free" not in out, out[-4000:]
@@ -241,12 +241,20 @@ def test_the_guard_removes_what_its_rank_left_when_it_dies(tmp_path, killed: str
 
 
 _KILL_DRIVER = """
-import json, os, subprocess, sys, time
-worker, delays = sys.argv[1], [float(d) for d in sys.argv[2:]]
+import json, os, queue, subprocess, sys, threading, time
+worker, moments = sys.argv[1], sys.argv[2:]
+
+def ancestors():
+    pid, found = os.getpid(), set()
+    while pid > 1:
+        found.add(str(pid))
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rpartition(")")[2].split()[1])
+    return found
 
 def running():
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in set(filter(str.isdigit, os.listdir("/proc"))) - ancestors():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if worker.encode() in f.read():
@@ -255,40 +263,61 @@ def running():
             pass
     return found
 
+def wait_for(lines, what, deadline):
+    while time.monotonic() < deadline:
+        if what == "named" and os.listdir("/dev/shm"):
+            return True
+        try:
+            line = lines.get(timeout=0.005)
+        except queue.Empty:
+            continue
+        if line is None:
+            return False
+        if what in line:
+            return True
+    return False
+
 results = []
-for delay in delays:
+for moment in moments:
     launcher = subprocess.Popen([sys.executable, "-m", "ringcomm.launch.launcher", "-v", "-np", "4", sys.executable,
-                                 worker, "--repeat", "1000", str(1 << 20), str(16 << 20)],
+                                 worker, "--pause", "3", "--repeat", "1000", str(1 << 20), str(16 << 20)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in launcher.stdout:
-        if "rank 3: pid" in line:  # every rank was started
-            break
-    time.sleep(delay)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in launcher.stdout] + [lines.put(None)], daemon=True).start()
+    deadline = time.monotonic() + 90
+    what, _, delay = moment.partition("+")
+    reached = wait_for(lines, "rank 3: pid", deadline) and (what == "rank 3: pid" or wait_for(lines, what, deadline))
+    time.sleep(float(delay or 0))
     seen = sorted(os.listdir("/dev/shm"))
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 30
     while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    results.append({"delay": delay, "seen": seen, "left": sorted(os.listdir("/dev/shm")), "running": running()})
+    results.append({"moment": moment, "reached": reached, "seen": seen, "left": sorted(os.listdir("/dev/shm")),
+                    "running": running()})
 print("RESULTS", json.dumps(results))
 """
 
 
 @needs_private_shm
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_a_launcher_killed_while_the_job_starts_leaves_dev_shm_empty(tmp_path) -> None:
-    """SIGKILL to ringcomm-run at several moments after it started 4 ranks (importing, meeting, making
-    the lane, the first ops): once the ranks are gone, /dev/shm is empty, and nobody is left."""
+    """SIGKILL to ringcomm-run at several moments after it started 4 ranks: as they import, once a file
+    appears in /dev/shm (the small-op lane, named once the ranks met), once init() returned (the lane
+    still named: no op ran yet), during the first large ops.  Once the ranks are gone /dev/shm is
+    empty, and nobody is left."""
     worker = tmp_path / "kill_me_worker.py"  # a name of this test's own, to find its processes by
     shutil.copy(WORKERS / "small_shm_worker.py", worker)
     driver = tmp_path / "driver.py"
     driver.write_text(_KILL_DRIVER)
-    delays = ["0", "0.4", "0.8", "1.2", "1.6", "2.2", "3", "4"]
-    out = _in_small_shm(64, f"{sys.executable} {driver} {worker} {' '.join(delays)}", timeout=280)
+    moments = ["rank 3: pid", "rank 3: pid+1", "named", "named+0.05", "SMALLSHM up", "SMALLSHM 1048576 B right"]
+    out = _in_small_shm(64, shlex.join([sys.executable, str(driver), str(worker), *moments]), timeout=380)
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULTS ")), None)
     assert line is not None, out[-4000:]
     results = json.loads(line[len("RESULTS "):])
-    assert [r["running"] for r in results] == [[]] * len(delays), results
-    assert [r["left"] for r in results] == [[]] * len(delays), results
+    assert all(r["reached"] for r in results), results
+    assert all(r["seen"] for r in results if r["moment"] in ("named", "SMALLSHM up")), results  # files to leave
+    assert [r["running"] for r in results] == [[]] * len(moments), results
+    assert [r["left"] for r in results] == [[]] * len(moments), results
     assert "LEFT=[]" in out, out[-2000:]

@@ -1,6 +1,6 @@
 """Worker for tests/test_small_shm.py: collectives of many sizes and a small training loop, checked exactly.
 
-Usage: ``small_shm_worker.py [--torch] [--no-ring-on-rank R] [--repeat K] BYTES...``
+Usage: ``small_shm_worker.py [--torch] [--no-ring-on-rank R] [--repeat K] [--pause S] BYTES...``
 
 For every size: a broadcast from the last rank, an allgather and a sum allreduce of float32
 arrays of that many bytes whose values are small integers (so every result is exact), each
@@ -8,13 +8,15 @@ compared element by element with what it must be.  ``--torch``: then a few steps
 DistributedOptimizer on a model with about 8 MB of gradients, compared with one process
 training on the global batch.  ``--no-ring-on-rank R``: rank R sends through its sockets only
 (RINGCOMM_SHM_SLOTS=0) while the others use shared memory.  ``--repeat K``: the sizes K times
-over (a job to kill).  Prints ``SMALLSHM OK rank=R``.
+over, and ``--pause S``: S seconds between ``init()`` (after which rank 0 prints ``SMALLSHM up``) and
+the first op, as a job that builds its model there (a job to kill).  Prints ``SMALLSHM OK rank=R``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -25,15 +27,20 @@ def option(name: str, default: int) -> int:
     return int(args[args.index(name) + 1]) if name in args else default
 
 
-no_ring, repeat = option("--no-ring-on-rank", -1), option("--repeat", 1)
-sizes = [int(a) for i, a in enumerate(args) if a.isdigit() and (i == 0 or not args[i - 1].startswith("--"))]
+no_ring, repeat, pause = option("--no-ring-on-rank", -1), option("--repeat", 1), option("--pause", 0)
+sizes = [int(a) for i, a in enumerate(args) if a.isdigit() and args[i - 1] not in ("--no-ring-on-rank", "--repeat",
+                                                                                     "--pause")]
 if int(os.environ["RINGCOMM_RANK"]) == no_ring:
     os.environ["RINGCOMM_SHM_SLOTS"] = "0"
 
 import ringcomm as rc  # noqa: E402
 
+started = time.monotonic()
 rc.init()
 R, N = rc.rank(), rc.size()
+if R == 0:
+    print("SMALLSHM up", flush=True)
+time.sleep(pause)
 
 
 _PERIOD = np.arange(97, dtype=np.float32)
@@ -59,7 +66,7 @@ for nbytes in sizes * repeat:
     assert np.array_equal(got, total), f"rank {R}: allreduce of {nbytes} B differs"
     del every, got, total
     if R == 0:
-        print(f"SMALLSHM {nbytes} B right", flush=True)
+        print(f"SMALLSHM {nbytes} B right ({time.monotonic() - started:.1f} s)", flush=True)
 
 if use_torch:
     import torch
@@ -91,4 +98,4 @@ if use_torch:
         assert err < 1e-5, f"rank {R}: training differs from one process on the global batch by {err}"
 
 rc.shutdown()
-print(f"SMALLSHM OK rank={R}", flush=True)
+print(f"SMALLSHM OK rank={R} ({time.monotonic() - started:.1f} s)", flush=True)
