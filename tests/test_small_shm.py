@@ -86,6 +86,8 @@ def test_the_message_names_the_path_the_bytes_and_the_fix() -> None:
     assert "RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES" in space.no_space_text(names.shm_allreduce_region("abc", 0), 1, 0)
     short = space.short_ring_text(ring, space.RingGeometry(4, SEGMENT), space.RingGeometry(1, MiB), 8 * MiB)
     assert "1 slot of 1.0 MiB" in short and "larger payloads go through the socket" in short
+    assert "128.0 KiB (131072 B)" in space.short_ring_text(ring, space.RingGeometry(4, SEGMENT),
+                                                           space.RingGeometry(1, 131072), MiB)
 
 
 # --------------------------------------------------------------------------- a private, small /dev/shm
@@ -144,8 +146,12 @@ def test_a_job_in_a_small_dev_shm_is_right_and_leaves_it_empty(mb: int, np_: int
     assert all(f"SMALLSHM OK rank={r} " in out for r in range(np_)), out[-4000:]
     assert all(f"SMALLSHM {n} B right " in out for n in sizes), out[-4000:]
     assert "LEFT=[]" in out, out[-4000:]
-    if mb == 1:  # no room for anything: each region that tried says so, once, with the fix
-        assert "--shm-size" in out and "bytes free" not in out, out[-4000:]
+    lines = out.splitlines()
+    for r in range(np_):  # a rank whose rings fell short says so once, with what to change
+        said = [ln for ln in lines if ln.startswith(f"[{r}]<stderr>:rank {r}: {names.SHM_DIR}/ringcomm-")]
+        assert len(said) <= 1 and all("--shm-size" in ln and "RINGCOMM_SHM_SLOTS" in ln for ln in said), said
+    if mb == 1:  # no room for the lane nor a whole slot: said, with the fix
+        assert "small-op lane disabled" in out and "so larger payloads go through the socket" in out, out[-4000:]
 
 
 @needs_private_shm
@@ -175,6 +181,7 @@ def test_a_region_that_does_not_fit_fails_at_creation_with_the_fix_not_sigbus_at
 
 _HOLD = """
 import sys, time
+from ringcomm.shm import slots as shm
 f = shm.MappedFile(sys.argv[1], 65536, create=True, reserve=True)
 print("made", flush=True)
 time.sleep(60)

@@ -208,6 +208,7 @@ class DataPlane:
             want = shm_space.RingGeometry(self._slots, self._slot_bytes)
             local = len(self._shm_sources) + 1
             shape: shm_space.RingGeometry | None = None
+            free: int | None = None
             for _ in range(3):  # other ranks take room at the same time: size again from what is left
                 free = shm_space.free_bytes(names.SHM_DIR)
                 shape = want if free is None else shm_space.ring_geometry(
@@ -224,16 +225,17 @@ class DataPlane:
                         return None
                     shape = None
             if shape != want:
-                self._tell_short(path, want, shape)
+                self._tell_short(path, want, shape, free)
         return ring
 
-    def _tell_short(self, path: str, want: shm_space.RingGeometry, got: shm_space.RingGeometry | None) -> None:
+    def _tell_short(self, path: str, want: shm_space.RingGeometry, got: shm_space.RingGeometry | None,
+                    free: int | None) -> None:
         """Log that a ring to a peer is smaller than asked: a warning, once per rank, when payloads that
         would have used it go through the socket instead (then DEBUG); INFO when it only has fewer slots."""
         falls_back = got is None or got.slot_bytes < want.slot_bytes
         level = logging.INFO if not falls_back else logging.DEBUG if self._short_warned else logging.WARNING
         if log.isEnabledFor(level):
-            text = shm_space.short_ring_text(path, want, got, shm_space.free_bytes(names.SHM_DIR))
+            text = shm_space.short_ring_text(path, want, got, free)
             log.log(level, "rank %d: %s", self.rank, text)
         self._short_warned |= falls_back
 

@@ -102,7 +102,9 @@ def free_bytes(directory: str) -> int | None:
 
 
 def size_text(nbytes: int) -> str:
-    """``16.0 MiB (16777216 B)``."""
+    """``16.0 MiB (16777216 B)``, ``128.0 KiB (131072 B)``."""
+    if nbytes < 1 << 20:
+        return f"{nbytes / 1024:.1f} KiB ({nbytes} B)"
     return f"{nbytes / (1 << 20):.1f} MiB ({nbytes} B)"
 
 
@@ -126,5 +128,5 @@ def short_ring_text(path: str, want: RingGeometry, got: RingGeometry | None, fre
         then = (f"it has 1 slot of {size_text(got.slot_bytes)}, so larger payloads go through the socket")
     else:
         then = f"it has {got.slots} of the {want.slots} slots"
-    return (f"{no_space_text(path, want.nbytes, free)} (ringcomm gives a ring at most 1/{SHARE} of the free "
-            f"space shared among the host's ranks); {then}. Results are the same, only slower")
+    return (f"{no_space_text(path, want.nbytes, free)} (a ring takes at most 1/{SHARE} of the free space, shared "
+            f"among the host's ranks); {then}. Results are the same, only slower")
