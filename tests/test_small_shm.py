@@ -126,7 +126,7 @@ def _in_small_shm(mb: int, script: str, timeout: float) -> str:
 #: 1 MB at 1 and 16 MiB) and a small training loop, with few jobs.
 JOBS = [
     (64, 4, [4096, MiB, 16 * MiB, 64 * MiB], []),
-    (8, 2, [4096, 16 * MiB, 64 * MiB], ["--torch"]),
+    (8, 2, [4096, 16 * MiB], ["--torch"]),
     (8, 4, [4096, MiB], ["--no-ring-on-rank", "1"]),
     (1, 2, [MiB, 16 * MiB], []),
     (1, 4, [4096, MiB, 16 * MiB], []),

@@ -7,7 +7,10 @@ slot over ZeroMQ; the receiver reduces straight out of the slot and hands it
 back with an ack.  That replaces two kernel copies (into and out of the
 socket) with one memcpy, and no payload passes through ZeroMQ's I/O thread.
 
-The sender creates the file; the receiver maps it when the first
+The sender creates the file, every page reserved (``posix_fallocate``: a
+/dev/shm without room refuses it there, instead of a SIGBUS at the first
+write), in the shape the room there allows (:mod:`ringcomm.shm.space`); the
+receiver learns that shape from the file's size.  The receiver maps it when the first
 notification arrives and unlinks the name at once, so nothing is left in
 /dev/shm once both sides have it mapped (the sender also unlinks it at the
 first ack, and the receiver at close if it never mapped it): a rank killed
