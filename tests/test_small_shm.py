@@ -25,7 +25,7 @@ from hypothesis import given, strategies as st
 
 from conftest import ROOT, WORKERS, job_env
 from ringcomm.job import names
-from ringcomm.shm import space
+from ringcomm.shm import slots as shm, space
 
 MiB = 1 << 20
 SEGMENT = 4 * MiB  # RINGCOMM_SEGMENT_BYTES's default: the slot size the rings ask for
@@ -88,6 +88,43 @@ def test_the_message_names_the_path_the_bytes_and_the_fix() -> None:
     assert "1 slot of 1.0 MiB" in short and "larger payloads go through the socket" in short
     assert "128.0 KiB (131072 B)" in space.short_ring_text(ring, space.RingGeometry(4, SEGMENT),
                                                            space.RingGeometry(1, 131072), MiB)
+
+
+@pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
+@pytest.mark.timeout(60)
+def test_the_sender_decides_the_ring_and_a_receiver_without_slots_of_its_own_reads_it(tmp_path) -> None:
+    """Rank 0 sends through shared memory (RINGCOMM_SHM_SLOTS=2), rank 1 through its socket only (0): each
+    reads what the other sends.  A receiver used to bound notifications by its own slot count and
+    dropped every one of a peer that had slots while it had none, then waited for the peer timeout."""
+    import numpy as np
+    import zmq
+
+    from ringcomm.net.auth import Credentials, ZapThread
+    from ringcomm.net.transport import DataPlane
+
+    ctx = zmq.Context()
+    creds = Credentials.derive(b"k" * 32, "job", encrypt=False)
+    zap = ZapThread(ctx, creds, "test")
+    planes = [DataPlane(ctx, r, 2, 1 << 30, peer_timeout=5.0, shm_slots=slots, shm_slot_bytes=65536, shm_min_bytes=4096,
+                        job_id=f"decide{os.getpid()}", credentials=creds) for r, slots in enumerate([2, 0])]
+    try:
+        tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
+        for r, p in enumerate(planes):
+            p.connect(1 - r, tables[1 - r], same_host=True, description=f"rank {1 - r}")
+        payload = np.arange(4096, dtype=np.float64)  # 32 KiB: between the bounds, into a slot
+        for seq in range(3):  # more sends than slots: the acks come back
+            planes[0].send(1, seq, 0, payload + seq)
+            planes[1].send(0, seq, 0, payload - seq)
+            assert np.array_equal(np.frombuffer(planes[1].recv(0, seq, 0), np.float64), payload + seq)
+            assert np.array_equal(np.frombuffer(planes[0].recv(1, seq, 0), np.float64), payload - seq)
+        assert planes[0].stats["shm"] == 3 and planes[0].stats["inline"] == 0
+        assert planes[1].stats["shm"] == 0 and planes[1].stats["inline"] == 3
+        assert planes[1].stats["dropped"] == 0
+    finally:
+        for p in planes:
+            p.close()
+        zap.stop()
+        ctx.term()
 
 
 # --------------------------------------------------------------------------- a private, small /dev/shm
