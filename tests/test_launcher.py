@@ -415,8 +415,10 @@ def test_ps_shows_each_guard_as_a_short_line_that_names_the_rank_command():
         assert len(watchers) == 1, watchers
         with open(f"/proc/{watchers[0]}/cmdline", "rb") as f:
             line = f.read().rstrip(b"\0").split(b"\0")
-        assert line == [sys.executable.encode(), b"-I", os.path.abspath(guard.__file__).encode(), str(proc.pid).encode(),
-                        b"--", sys.executable.encode(), b"-c", code.encode()]
+        assert line[:5] == [sys.executable.encode(), b"-I", os.path.abspath(guard.__file__).encode(),
+                            str(proc.pid).encode(), b"--reclaim"], line
+        assert re.fullmatch(rb"/dev/shm/ringcomm-[0-9a-f]+-\*", line[5]), line  # what the rank may leave there
+        assert line[6:] == [b"--", sys.executable.encode(), b"-c", code.encode()], line
         assert len(b" ".join(line)) < 300 + len(code), line
     finally:
         proc.kill()

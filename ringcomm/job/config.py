@@ -82,7 +82,8 @@ class Settings:
     #: Kernel socket buffer size for data-plane sockets, in bytes (0: the OS default).
     socket_buffer_bytes: int = 0
     #: Shared-memory slots per direction between ranks on one host (0: sockets only); each holds a
-    #: segment, so a pair of ranks maps 2 x slots x segment bytes (32 MiB by default).
+    #: segment, so a pair of ranks maps at most 2 x slots x segment bytes (32 MiB by default), fewer
+    #: where /dev/shm has less room (a ring takes at most 1/(2 x the host's ranks) of what is free).
     shm_slots: int = 4
     #: Segments smaller than this travel inside ZeroMQ messages even on one host.
     shm_min_bytes: int = 64 * 1024

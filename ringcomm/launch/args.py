@@ -190,7 +190,7 @@ def _add_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                             "(RINGCOMM_STALL_CHECK_SECONDS; default 60)")
     stall.add_argument("--stall-check-shutdown-time-seconds", type=float, default=None, metavar="S",
                        help="fail such an op on every rank after S seconds (RINGCOMM_STALL_SHUTDOWN_SECONDS; "
-                            "0: never)")
+                            "default 1800; 0: never)")
 
 
 def _add_library_arguments(parser: argparse.ArgumentParser) -> None:

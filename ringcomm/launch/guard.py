@@ -1,4 +1,4 @@
-"""Start a worker that dies with the launcher: ``python -I .../ringcomm/launch/guard.py PPID -- COMMAND...``.
+"""Start a worker that dies with the launcher: ``python -I .../ringcomm/launch/guard.py PPID [--reclaim GLOB] -- COMMAND...``.
 
 The launcher starts every local worker (and every ssh to a remote host)
 through this guard, run as a file so that it needs no import path.  It
@@ -12,19 +12,40 @@ before the exec the guard forks a small watcher: it dies with the worker (its
 parent, by its own death signal), and if the launcher goes first it gives the
 worker ``GRACE`` seconds after the SIGTERM, then SIGKILL.  Off Linux the guard
 just execs.
+
+The watcher also outlives the worker, by a moment: with ``--reclaim GLOB`` (the
+job's shared-memory files, ``/dev/shm/ringcomm-JOB-*``), once the worker has
+died, however it died, it removes every file there whose creator is dead (the
+lock rule of :mod:`ringcomm.shm.reclaim`, loaded by its path), so a rank killed
+while it held a named region (the small-op lane, a ring no peer had mapped yet)
+leaves nothing in /dev/shm even when the launcher was killed too.  A live
+rank's files are never touched.  The watcher leaves the worker's process group,
+so the launcher counts only the worker and what it started, and it ignores the
+SIGTERM of a launcher's stop: it ends with the worker.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
 
 _PR_SET_PDEATHSIG = 1
 #: Seconds a worker gets, after the launcher died and it got SIGTERM, before SIGKILL.
 GRACE = 3.0
+#: What the kernel sends the watcher when the worker (its parent) dies.
+_WORKER_GONE = signal.SIGUSR1
+#: The module with the lock rule (standard library only), beside this file's folder.
+_RECLAIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "shm", "reclaim.py")
+
+
+class _WorkerGone(Exception):
+    """Raised in the watcher by the signal the kernel sends when the worker dies."""
 
 
 def _die_with_parent(sig: int = signal.SIGTERM) -> bool:
@@ -47,32 +68,71 @@ def _parent_of(pid: int) -> int:
         return -1
 
 
-def _watch(worker: int, launcher: int) -> None:
-    """In a forked child: once ``launcher`` is no longer ``worker``'s parent, SIGTERM, grace, SIGKILL."""
-    _die_with_parent(signal.SIGKILL)  # the worker is this process's parent: never outlive it
-    if os.getppid() != worker:
-        os._exit(0)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # hold none of the launcher's pipes open
-        os.dup2(devnull, fd)
-    os.closerange(3, 65536)
-    while _parent_of(worker) == launcher:
-        time.sleep(0.5)
-    if _parent_of(worker) != -1:
+def _reclaimer(pattern: str | None) -> Callable[[int], object]:
+    """What removes the files matching ``pattern`` whose creators died, once ``worker`` has (nothing
+    without a pattern, or where :mod:`ringcomm.shm.reclaim` cannot be loaded)."""
+    spec = importlib.util.spec_from_file_location("ringcomm_guard_reclaim", _RECLAIM) if pattern else None
+    if pattern is None or spec is None or spec.loader is None:
+        return lambda worker: None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (OSError, ImportError, SyntaxError):
+        return lambda worker: None
+    return lambda worker: module.reclaim_dead(pattern, {worker})
+
+
+def _watch(worker: int, launcher: int, reclaim: str | None) -> None:
+    """In a forked child: once ``launcher`` is no longer ``worker``'s parent, SIGTERM, grace, SIGKILL;
+    once ``worker`` is gone, remove the dead's files matching ``reclaim``, and end."""
+
+    def gone(signum: int, frame: FrameType | None) -> None:
+        if os.getppid() != worker:
+            raise _WorkerGone
+
+    cleanup = _reclaimer(reclaim)
+    try:
+        signal.signal(_WORKER_GONE, gone)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop of the worker's group: end with the worker
+        _die_with_parent(_WORKER_GONE)  # the worker is this process's parent: never outlive it for long
+        if os.getppid() != worker:
+            raise _WorkerGone
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # hold none of the launcher's pipes open
+            os.dup2(devnull, fd)
+        os.closerange(3, 65536)
         try:
-            os.kill(worker, signal.SIGTERM)
-            deadline = time.monotonic() + GRACE
-            while time.monotonic() < deadline and _parent_of(worker) != -1:
-                time.sleep(0.1)
-            os.kill(worker, signal.SIGKILL)
+            os.setpgid(0, 0)  # not one of the worker's group, whose end the launcher waits for
         except OSError:
             pass
+        while _parent_of(worker) == launcher:
+            time.sleep(0.5)
+        if _parent_of(worker) != -1:
+            try:
+                os.kill(worker, signal.SIGTERM)
+                deadline = time.monotonic() + GRACE
+                while time.monotonic() < deadline and _parent_of(worker) != -1:
+                    time.sleep(0.1)
+                os.kill(worker, signal.SIGKILL)
+            except OSError:
+                pass
+        while os.getppid() == worker:  # it is dying: the kernel's signal is on its way
+            time.sleep(0.1)
+    except _WorkerGone:
+        pass
+    try:
+        cleanup(worker)
+    except OSError:  # best effort: what is left, the launcher or the next job's init() removes
+        pass
     os._exit(0)
 
 
 def main(argv: list[str]) -> int:
+    reclaim = None
+    if len(argv) > 2 and argv[1] == "--reclaim":
+        reclaim, argv = argv[2], [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m ringcomm.launch.guard PPID -- COMMAND...", file=sys.stderr)
+        print("usage: python -m ringcomm.launch.guard PPID [--reclaim GLOB] -- COMMAND...", file=sys.stderr)
         return 2
     parent = int(argv[0])
     command = argv[2:]
@@ -83,7 +143,7 @@ def main(argv: list[str]) -> int:
         me = os.getpid()
         if os.fork() == 0:
             try:
-                _watch(me, parent)
+                _watch(me, parent, reclaim)
             finally:
                 os._exit(0)
     try:

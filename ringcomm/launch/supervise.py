@@ -244,16 +244,18 @@ def live_groups(pgids: Iterable[int]) -> set[int]:
     return running
 
 
-def guard_command(parent: int, command: Sequence[str]) -> list[str]:
+def guard_command(parent: int, command: Sequence[str], job_id: str = "") -> list[str]:
     """The command line that runs ``command`` under :mod:`ringcomm.launch.guard` for launcher ``parent``.
 
     The guard runs as a file (``python -I .../ringcomm/launch/guard.py PPID -- COMMAND...``): ``-I``
     keeps the job's PYTHONPATH and the guard's own folder off its import path (it needs only the
-    standard library), and ``ps`` shows a short line that names the command.
+    standard library), and ``ps`` shows a short line that names the command.  With ``job_id`` it
+    also removes what the worker leaves in /dev/shm when it dies (``--reclaim``).
     """
     from . import guard
 
-    return [sys.executable, "-I", os.path.abspath(guard.__file__), str(parent), "--", *command]
+    reclaim = ["--reclaim", names.job_globs(job_id)[0]] if job_id else []
+    return [sys.executable, "-I", os.path.abspath(guard.__file__), str(parent), *reclaim, "--", *command]
 
 
 def _check_runnable(program: str, env: Mapping[str, str]) -> None:
@@ -273,7 +275,8 @@ def spawn(
 ) -> Worker:
     """Start ``command`` as rank ``rank`` in a new session with piped output.
 
-    It runs through :mod:`ringcomm.launch.guard`, so it gets SIGTERM if the launcher dies.
+    It runs through :mod:`ringcomm.launch.guard`, so it gets SIGTERM if the launcher dies, and the
+    shared-memory files of job ``env["RINGCOMM_JOB_ID"]`` it leaves are removed when it dies.
 
     ``remote``: ``command`` is an ssh to ``host``; its input stays open (a pipe) until the rank is stopped.
     ``output_dir``: an existing directory that gets copies of the output (``stdout``, ``stderr``);
@@ -281,7 +284,7 @@ def spawn(
     """
     _check_runnable(command[0], env)
     popen = subprocess.Popen(
-        guard_command(os.getpid(), command),
+        guard_command(os.getpid(), command, env.get("RINGCOMM_JOB_ID", "")),
         env=dict(env),
         stdin=subprocess.PIPE if remote else subprocess.DEVNULL,
         stdout=subprocess.PIPE,

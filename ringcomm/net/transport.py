@@ -4,7 +4,9 @@ Owned by the engine thread.  Messages on a pair's socket:
 
 - ``S`` notification (same host): the payload is in shared-memory slot
   ``slot`` of the sender's ring to this rank; the receiver acks the slot once
-  it has used it.
+  it has used it.  The sender alone decides whether a ring is used and its
+  shape (sized from the room in /dev/shm, :mod:`ringcomm.shm.space`); the
+  receiver maps whatever ring it is told of, whatever its own settings.
 - ``I`` inline: the payload travels in a second ZeroMQ frame (other hosts,
   small payloads, or no free slot).  Large inline payloads go zero-copy and
   tracked; ``flush()`` waits until ZeroMQ has released them.
@@ -36,6 +38,7 @@ there.)
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import time
 from collections.abc import Sequence
@@ -45,7 +48,7 @@ import numpy as np
 import zmq
 
 from ..job import names
-from ..shm import slots as shm
+from ..shm import slots as shm, space as shm_space
 from ..core import wire
 from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
@@ -86,8 +89,8 @@ class DataPlane:
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
         self._sockbuf = socket_buffer_bytes
-        self._slots = shm_slots if shm.available() else 0
-        self._slot_bytes = shm_slot_bytes
+        self._slots = shm_slots if shm.available() else 0  # what this rank's rings to its peers ask for
+        self._slot_bytes = shm_slot_bytes  # the segment size (every rank's): no slot is larger
         self._shm_min = shm_min_bytes
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
@@ -102,14 +105,15 @@ class DataPlane:
         self._in_rings: dict[int, shm.SlotRing] = {}
         self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
-        self._shm_peers: set[int] = set()
+        self._shm_peers: set[int] = set()  # same-host peers this rank has not tried to make a ring to yet
         self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
+        self._short_warned = False  # one warning per rank when /dev/shm has no room for a ring
         self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
         self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
         self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
-        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, self._slots, self._slot_bytes)
+        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, self._slot_bytes)
         self.unconnected, self.suspects, self.lost = self.peers.unconnected, self.peers.suspects, self.peers.lost
         self.reports, self.peer_names = self.peers.reports, self.peers.peer_names
         #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers
@@ -189,22 +193,51 @@ class DataPlane:
             if eps is None:
                 raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
             self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
-        if same_host and self._slots > 0:
-            self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
-            self._shm_sources.add(peer)
+        if same_host:
+            self._shm_sources.add(peer)  # it decides for itself whether it makes a ring to this rank
+            if self._slots > 0:
+                self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
 
     def _out_ring(self, dst: int) -> shm.SlotRing | None:
-        """This rank's ring to ``dst``, created the first time a payload could use it."""
+        """This rank's ring to ``dst``, created the first time a payload could use it, as large as the
+        room in /dev/shm allows (:func:`ringcomm.shm.space.ring_geometry`), its pages reserved."""
         ring = self._out_rings.get(dst)
         if ring is None and dst in self._shm_peers:
             self._shm_peers.discard(dst)
             path = names.shm_ring(self._job, self._round, self.rank, dst)
-            try:
-                ring = self._out_rings[dst] = shm.SlotRing(path, self._slots, self._slot_bytes, create=True)
-                self._free[dst] = collections.deque(range(self._slots))
-            except OSError as exc:
-                log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, dst, exc)
+            want = shm_space.RingGeometry(self._slots, self._slot_bytes)
+            local = len(self._shm_sources) + 1
+            shape: shm_space.RingGeometry | None = None
+            free: int | None = None
+            for _ in range(3):  # other ranks take room at the same time: size again from what is left
+                free = shm_space.free_bytes(names.SHM_DIR)
+                shape = want if free is None else shm_space.ring_geometry(
+                    want.slots, want.slot_bytes, self._shm_min, free, local)
+                if shape is None:
+                    break
+                try:
+                    ring = self._out_rings[dst] = shm.SlotRing(path, shape.slots, shape.slot_bytes, create=True)
+                    self._free[dst] = collections.deque(range(shape.slots))
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                        log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, dst, exc)
+                        return None
+                    shape = None
+            if shape != want:
+                self._tell_short(path, want, shape, free)
         return ring
+
+    def _tell_short(self, path: str, want: shm_space.RingGeometry, got: shm_space.RingGeometry | None,
+                    free: int | None) -> None:
+        """Log that a ring to a peer is smaller than asked: a warning, once per rank, when payloads that
+        would have used it go through the socket instead (then DEBUG); INFO when it only has fewer slots."""
+        falls_back = got is None or got.slot_bytes < want.slot_bytes
+        level = logging.INFO if not falls_back else logging.DEBUG if self._short_warned else logging.WARNING
+        if log.isEnabledFor(level):
+            text = shm_space.short_ring_text(path, want, got, free)
+            log.log(level, "rank %d: %s", self.rank, text)
+        self._short_warned |= falls_back
 
     def close(self) -> None:
         self.peers.close()
@@ -235,7 +268,7 @@ class DataPlane:
         if not self._shm_min <= nbytes <= self._slot_bytes:
             return None
         ring = self._out_ring(dst)
-        if ring is None:
+        if ring is None or nbytes > ring.slot_bytes:
             return None
         free = self._free[dst]
         if not free:
@@ -258,6 +291,9 @@ class DataPlane:
             payload = payload.view(np.uint8)
         n = payload.nbytes
         ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
+        if ring is not None and n > ring.slot_bytes:  # a ring made small for lack of room
+            ring = None
+            self.stats["shm_small"] += 1
         if ring is not None:
             free = self._free[dst]
             if not free:
@@ -348,13 +384,14 @@ class DataPlane:
 
     def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
-        msg = wire.parse_data(frames[0].bytes, len(frames), self._slots, self._slot_bytes)
+        # any shape the sender chose passes here; the ring itself bounds its slots below
+        msg = wire.parse_data(frames[0].bytes, len(frames), shm_space.MAX_SLOTS, self._slot_bytes)
         if msg.kind == b"L":  # the peer lost a rank and is failing: the error will name that rank
             self.peers.noted(src, msg.lost)
             return None
         if msg.kind == b"A":
             free = self._free.get(src)
-            if free is None or msg.slot in free:
+            if free is None or msg.slot in free or msg.slot >= self._out_rings[src].slots:
                 raise ProtocolError(f"ack of slot {msg.slot}, which is not in use towards rank {src}")
             free.append(msg.slot)
             if src not in self._acked:  # the receiver has the ring mapped: its name can go
@@ -369,7 +406,10 @@ class DataPlane:
             raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op "
                                 f"{current * self._stride})")
         if msg.kind == b"S":
-            self._in_ring(src)
+            ring = self._in_ring(src)
+            if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
+                raise ProtocolError(f"data notification for slot {msg.slot} of {msg.nbytes} bytes; rank {src}'s ring "
+                                    f"has {ring.slots} slots of {ring.slot_bytes} bytes")
             self._stash[src][key] = [msg.slot, msg.nbytes]
         else:
             self._stash[src][key] = frames[1]
@@ -381,7 +421,7 @@ class DataPlane:
         if ring is None:
             path = names.shm_ring(self._job, self._round, src, self.rank)
             try:
-                ring = shm.SlotRing(path, self._slots, self._slot_bytes, create=False)
+                ring = shm.SlotRing.open(path, self._slot_bytes)
             except (OSError, ValueError) as exc:
                 raise ProtocolError(f"shared-memory notification, but no ring {path} to map: {exc}") from None
             self._in_rings[src] = ring

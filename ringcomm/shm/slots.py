@@ -7,7 +7,10 @@ slot over ZeroMQ; the receiver reduces straight out of the slot and hands it
 back with an ack.  That replaces two kernel copies (into and out of the
 socket) with one memcpy, and no payload passes through ZeroMQ's I/O thread.
 
-The sender creates the file; the receiver maps it when the first
+The sender creates the file, every page reserved (``posix_fallocate``: a
+/dev/shm without room refuses it there, instead of a SIGBUS at the first
+write), in the shape the room there allows (:mod:`ringcomm.shm.space`); the
+receiver learns that shape from the file's size.  The receiver maps it when the first
 notification arrives and unlinks the name at once, so nothing is left in
 /dev/shm once both sides have it mapped (the sender also unlinks it at the
 first ack, and the receiver at close if it never mapped it): a rank killed
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import mmap
 import os
 import stat
@@ -42,6 +44,11 @@ import stat
 import numpy as np
 
 from ..job import names
+from . import space
+from .reclaim import process_visible, reclaim_dead, reclaim_if_dead
+
+__all__ = ["MappedFile", "SlotRing", "available", "process_visible", "reclaim_if_dead", "reclaim_left_by_dead",
+           "unlink"]
 
 def available() -> bool:
     return os.path.isdir(names.SHM_DIR) and os.access(names.SHM_DIR, os.W_OK)
@@ -62,7 +69,9 @@ class MappedFile:
     exactly ``nbytes`` long, else :class:`OSError` (``PermissionError``): ranks
     map only their own job's files.  ``reserve`` allocates the pages at creation
     (``posix_fallocate``), so a full /dev/shm fails here rather than with SIGBUS
-    at the first write.  A creator finds a file of a dead creator under its
+    at the first write: an :class:`OSError` with ``errno.ENOSPC`` whose message
+    names the path, the bytes needed, the bytes free and the fix
+    (:func:`ringcomm.shm.space.no_space_text`).  A creator finds a file of a dead creator under its
     name, removes it and creates its own; a live one's raises
     :class:`FileExistsError`.  ``named=False`` creates the file without a name:
     :meth:`name` gives it one later (once the ranks that will open it are
@@ -152,10 +161,13 @@ def _unnamed(path: str, nbytes: int, reserve: bool) -> tuple[int, str | None]:
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes) if reserve else os.ftruncate(fd, nbytes)
-    except BaseException:
-        os.close(fd)
+    except BaseException as exc:
+        os.close(fd)  # the pages it got go with it
         if temp is not None:
             unlink(temp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            free = space.free_bytes(os.path.dirname(path))
+            raise OSError(exc.errno, space.no_space_text(path, nbytes, free)) from None
         raise
     return fd, temp
 
@@ -173,37 +185,6 @@ def _name(fd: int, temp: str | None, path: str) -> None:
         os.close(proc)
 
 
-def reclaim_if_dead(path: str) -> bool:
-    """Remove the file at ``path`` if no live process holds its creator's lock; returns whether it is gone.
-
-    Only this user's files are touched (another user's name squatted in /dev/shm stays and fails the
-    creation, as before).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid():
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # its creator is alive
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
-            return True
-        if (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino):  # still the dead creator's file
-            unlink(path)
-        return True
-    finally:
-        os.close(fd)
-
-
 def reclaim_left_by_dead(directory: str = names.SHM_DIR) -> list[tuple[str, int]]:
     """Remove every ``ringcomm-*`` file in ``directory`` that this user's processes created and that
     no live process holds (:func:`reclaim_if_dead`): what jobs killed with SIGKILL before they could
@@ -212,39 +193,27 @@ def reclaim_left_by_dead(directory: str = names.SHM_DIR) -> list[tuple[str, int]
     A file being made under a temporary name (``...new``) by a live process is left alone: its
     creator takes the lock just after it opens it.
     """
-    removed = []
-    for path in sorted(glob.glob(os.path.join(directory, names.prefix("*") + "*"))):
-        if path.endswith(".new"):
-            pid = path.rsplit(".", 2)[-2]
-            if not pid.isdigit() or process_visible(int(pid)):
-                continue
-        try:
-            size = os.stat(path, follow_symlinks=False).st_size
-        except OSError:
-            continue
-        if reclaim_if_dead(path) and not os.path.exists(path):
-            removed.append((path, size))
-    return removed
-
-
-def process_visible(pid: int) -> bool:
-    """Whether process ``pid`` exists in this process's view (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return reclaim_dead(os.path.join(directory, names.prefix("*") + "*"))
 
 
 class SlotRing(MappedFile):
-    """A mapped ring of equal slots."""
+    """A mapped ring of equal slots; its creator reserves every page (:class:`MappedFile`)."""
 
     def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
-        super().__init__(path, slots * slot_bytes, create)
+        super().__init__(path, slots * slot_bytes, create, reserve=create)
         self.slots = slots
         self.slot_bytes = slot_bytes
+
+    @classmethod
+    def open(cls, path: str, segment_bytes: int) -> "SlotRing":
+        """Map the ring another rank made at ``path``, in the shape its size tells
+        (:func:`ringcomm.shm.space.geometry_of`; ``segment_bytes``: the job's segment size)."""
+        nbytes = os.stat(path, follow_symlinks=False).st_size
+        shape = space.geometry_of(nbytes, segment_bytes)
+        if shape is None:
+            raise OSError(errno.EINVAL, f"shared-memory file {path}: {nbytes} bytes is no ring of "
+                          f"{segment_bytes}-byte slots (nor one slot of whole pages below that)")
+        return cls(path, shape.slots, shape.slot_bytes, create=False)
 
     def slot(self, index: int, nbytes: int) -> np.ndarray:
         start = index * self.slot_bytes
