@@ -49,7 +49,7 @@ from .basics import check_process_set, global_process_set, size
 from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
 from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
 from .compression import Compression
-from .device import ops_for
+from .device import ops_for, service
 from .handles import Handle
 from .sparse import sparse_allreduce_async
 
@@ -297,7 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ops = self._device_ops(key[0])
             if ops is not None and all(self._device_ops(p) is ops and p.dtype is key[0].dtype
                                        and p.device == key[0].device for p in key):
-                self._device_buckets[key] = DeviceBucket(key, [self._names[p] for p in key], ops)
+                self._device_buckets[key] = DeviceBucket(key, [self._names[p] for p in key], service(ops, key[0].device))
             elif ops is None and self._flat_on_host(key):
                 self._host_buckets[key] = HostBucket(key, [self._names[p] for p in key])
 

@@ -194,7 +194,8 @@ def test_a_collective_on_staged_device_data_is_named_now_and_submitted_once_the_
     ready = ops.event()
     ops.record(ready, "side")  # held: not ready
     arr = np.ones(4, np.float32)
-    s = Staged(arr, torch.float32, torch.float32, torch.device("cpu"), False, None, None, ready)
+    s = Staged(arr, torch.float32, torch.float32, torch.device("cpu"), False, None, None, ready,
+               device.service(ops, torch.device("cpu")))
     names = []
     with device.override(ops):
         core = collectives._start([s], "allreduce", None, hvd.global_process_set,

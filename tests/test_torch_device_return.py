@@ -28,7 +28,7 @@ from ringcomm_torch import device  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
-COMPLETER = "ringcomm-torch-completer"
+COMPLETER = "ringcomm-torch-device-return"
 X = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
 
 

@@ -99,7 +99,7 @@ def check_device_buckets(sgd: Callable) -> None:
     ops = device.FakeOps()
     opt = check_equivalence(sgd, "device buckets, fp16 (fake device)", tol=1e-2, steps=3, ops=ops,
                             compression=hvd.Compression.fp16)
-    assert ops.count("unpack", "ringcomm-torch-completer") == 3 * len(opt._device_buckets)
+    assert ops.count("unpack", "ringcomm-torch-device-return") == 3 * len(opt._device_buckets)
 
 
 def check_unused_parameter() -> None:
