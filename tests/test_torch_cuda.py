@@ -1,4 +1,5 @@
-"""CUDA tensors through ringcomm_torch (staged through pinned host memory).  Skipped without a GPU.
+"""CUDA tensors through ringcomm_torch (staged through pinned host memory by the device's one service).
+Skipped without a GPU.
 
 Runs in one process or under ``ringcomm-run`` at any size (tools/gpu_check.sh runs np 1, 2, 4).
 """
@@ -14,7 +15,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import ringcomm_torch as hvd  # noqa: E402
-from ringcomm_torch.tensors import pinned_pool  # noqa: E402
+from ringcomm_torch import device  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,16 +41,17 @@ def test_collectives_keep_device_dtype_and_values(dtype):
 
 def test_pinned_buffers_are_reused():
     t = torch.randn(1000, device="cuda")
+    pool = device.service_for(t).pool  # the device's one pool, shared with the optimizer's buckets
     for _ in range(3):  # a buffer returns to the pool once its copy back completed: warm up both ops
         hvd.allreduce_(t)
         hvd.allreduce(t)
         torch.cuda.synchronize()
-    before = pinned_pool.allocations
+    before = pool.allocations
     for _ in range(20):
         hvd.allreduce_(t)
         hvd.allreduce(t)
         torch.cuda.synchronize()
-    assert pinned_pool.allocations == before
+    assert pool.allocations == before
 
 
 def test_results_are_ordered_on_the_current_stream():
