@@ -112,7 +112,7 @@ def test_optimizer_buckets_on_cuda_never_synchronize_outside_the_stager():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
-    assert 1 < len(opt._device_buckets) < 10
+    assert 1 < len(opt.reducer.device_buckets) < 10
     waits: list[str] = []
     real = (torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize, torch.cuda.synchronize)
 
@@ -180,7 +180,7 @@ def test_optimizer_gradients_become_views_of_the_cuda_buckets(set_to_none):
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
-    for bucket in opt._device_buckets.values():
+    for bucket in opt.reducer.device_buckets.values():
         assert all(bucket.views())
         home = bucket._flat.untyped_storage().data_ptr()
         assert all(p.grad.untyped_storage().data_ptr() == home for p in bucket.params)

@@ -166,7 +166,7 @@ def test_one_service_per_device_and_the_optimizer_shares_it_with_the_collectives
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters())
     assert a is b and a is not None and a.ops is ops
-    assert all(bucket.service is a for bucket in opt._device_buckets.values())
+    assert all(bucket.service is a for bucket in opt.reducer.device_buckets.values())
     assert device.service_for(torch.zeros(1)) is None  # outside the override: a host tensor
 
 
@@ -176,7 +176,7 @@ def test_the_return_threads_are_bounded_whatever_the_number_of_ops_in_flight():
     with device.override(ops):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(), groups=24)
-    assert len(opt._device_buckets) == 24
+    assert len(opt.reducer.device_buckets) == 24
     ops.hold()  # every bucket's op in flight at once, its copy held
     model(torch.ones(2, 8)).sum().backward()
     ops.fire()
