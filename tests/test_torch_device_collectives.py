@@ -184,3 +184,39 @@ def test_the_return_threads_are_bounded_whatever_the_number_of_ops_in_flight():
     names = [t.name for t in threading.enumerate()]
     assert 1 <= names.count("ringcomm-torch-device-return") <= RETURN_THREADS
     assert returns.threads <= RETURN_THREADS
+
+
+
+class _Op:
+    """A core handle stand-in: done once ``gate`` is set; ``waiting`` is set when a thread waits on it."""
+
+    def __init__(self, gate: threading.Event, value: int) -> None:
+        self.gate, self.value, self.waiting = gate, value, threading.Event()
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+    def wait(self) -> int:
+        self.waiting.set()
+        self.gate.wait()
+        return self.value
+
+
+def test_a_return_thread_takes_a_finished_op_before_an_older_one_still_in_flight():
+    from ringcomm_torch.device_threads import ReturnPool
+
+    pool = ReturnPool(limit=1)
+    blocker, late, early = (_Op(threading.Event(), v) for v in (0, 1, 2))
+    order: list[int] = []
+    first = pool.submit(blocker, order.append, "blocker")
+    assert blocker.waiting.wait(10)  # the pool's one thread waits on it
+    a = pool.submit(late, order.append, "late")  # queued first
+    b = pool.submit(early, order.append, "early")  # queued second, and done
+    early.gate.set()
+    blocker.gate.set()  # the thread comes free: it takes "early", done, before "late"
+    first.wait()
+    b.wait()
+    assert order == [0, 2] and not a.done() and pool.threads == 1
+    late.gate.set()
+    a.wait()
+    assert order == [0, 2, 1]
