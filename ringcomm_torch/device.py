@@ -15,7 +15,9 @@ queues the device work that brings its results back, so the thread in ``synchron
 makes its stream wait for an event::
 
     svc = service_for(grad)                      # the device's one service
-    ready = svc.to_host(pinned, grad)            # autograd thread: queue the copy, record its event
+    side = svc.after(svc.current())              # autograd thread: the side stream follows the current one
+    svc.ops.copy(pinned, grad, side)             # queue the copy to a pinned buffer of svc.pool
+    ready = svc.mark()                           # and record its event
     staging = svc.start(ready, start_op, name)   # returns at once
     # stager thread: ops.wait_event(ready) (GIL released), then start_op() hands the buffer to the core
     back = svc.then(staging, copy_home, name)    # returns at once
@@ -414,13 +416,6 @@ class DeviceService:
         event = self.ops.event()
         self.ops.record(event, self.side if stream is None else stream)
         return event
-
-    def to_host(self, host: torch.Tensor, src: torch.Tensor) -> Any:
-        """Queue ``host`` (pinned) = ``src`` on the side stream after the current stream's work;
-        returns the *ready* event the stager waits for before the core reads ``host``."""
-        side = self.after(self.current())
-        self.ops.copy(host, src, side)
-        return self.mark()
 
     def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> None:
         """Queue ``target`` = ``host`` on the side stream, after ``consumer``'s work (default: the

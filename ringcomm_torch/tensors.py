@@ -291,7 +291,8 @@ def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Sta
         side = svc.after(svc.current())  # t's producers have finished
         with svc.ops.on(side), torch.no_grad():
             src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) runs on the side stream too
-        ready = svc.to_host(host, src)  # the stager waits for it before the core reads the buffer
+        svc.ops.copy(host, src, side)
+        ready = svc.mark()  # the stager waits for it before the core reads the buffer
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
             svc.ops.wait_event(ready)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready, svc)
