@@ -145,9 +145,13 @@ class FlatBucket:
         self._flat: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []  # each parameter's place in the flat buffer, shaped like it
 
+    def _allocate(self) -> torch.Tensor:
+        """The flat buffer's memory (a bucket shared between processes allocates its own)."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
     def _flat_buffer(self) -> torch.Tensor:
         if self._flat is None:
-            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._flat = self._allocate()
             self._parts, start = [], 0
             for p in self.params:
                 self._parts.append(self._flat[start:start + p.numel()].view(p.shape))

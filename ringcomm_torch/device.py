@@ -35,7 +35,7 @@ import torch
 
 from .device_threads import Returning, Staging, returns, stager
 
-__all__ = ["DeviceOps", "CudaOps", "FakeOps", "cuda_ops", "ops_for", "override", "PinnedPool", "DeviceService",
+__all__ = ["DeviceOps", "CudaOps", "FakeOps", "FakeEvent", "cuda_ops", "ops_for", "override", "PinnedPool", "DeviceService",
            "service", "service_for", "Staging", "Returning", "stager", "returns"]
 
 
@@ -143,9 +143,18 @@ class CudaOps:
         return torch.cuda.stream(stream)
 
 
-class _FakeEvent:
+class FakeEvent:
+    """A :class:`FakeOps` event: ``done`` is set when it happens."""
+
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done: Any = threading.Event()
+
+    def on_record(self) -> None:
+        """Called as it is recorded (an interprocess one counts its records)."""
+
+    def on_stream_wait(self) -> None:
+        """Called when a stream is made to wait for it (a peer's interprocess one blocks: the fake
+        runs a stream's work at once, so the wait happens where it is queued)."""
 
 
 class FakeOps:
@@ -157,13 +166,14 @@ class FakeOps:
     ``count(call, buffer=flat)`` counts the packs and unpacks (batched or in parts) of one
     bucket's flat buffer, and the copies into or out of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipc: bool = False) -> None:
+        self.ipc = ipc  # whether ranks may share its buffers and events (device_ipc_ops.FakeIpc)
         self.calls: list[tuple[str, str]] = []
         self._storages: list[tuple[int, ...]] = []  # per call: the storages it wrote or read in bulk
         self.pinned_allocations = 0
         self._held = False
         self._deferred: list[Callable[[], None]] = []
-        self._events: list[_FakeEvent] = []
+        self._events: list[FakeEvent] = []
         self._lock = threading.Lock()
 
     def _note(self, call: str, *tensors: torch.Tensor) -> None:
@@ -202,10 +212,11 @@ class FakeOps:
         return "current"
 
     def event(self) -> Any:
-        return _FakeEvent()
+        return FakeEvent()
 
     def record(self, event: Any, stream: Any) -> None:
         self._note("record")
+        event.on_record()
         with self._lock:
             if self._held:
                 self._events.append(event)
@@ -214,6 +225,7 @@ class FakeOps:
 
     def stream_wait(self, stream: Any, event: Any) -> None:
         self._note("stream_wait")
+        event.on_stream_wait()
 
     def wait_event(self, event: Any) -> None:
         self._note("wait_event")

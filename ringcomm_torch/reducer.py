@@ -23,9 +23,11 @@ import torch
 from ringcomm import api as _core_api
 from ringcomm.errors import RingcommError
 
+from .basics import global_process_set, local_size, rank, size
 from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
-from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
+from .collectives import Adasum, Average, Several, Sum, allreduce_async_, grouped_allreduce_async_, synchronize
 from .device import ops_for, service
+from .device_ipc import IpcBucket, choose_path, log_once, share_buckets
 from .handles import Handle
 from .sparse import sparse_allreduce_async
 
@@ -82,7 +84,30 @@ class Reducer:
     def add(self, trainable: list[torch.Tensor]) -> None:
         """Reduce these parameters' gradients from now on, in the groups formed for them."""
         self.requires_update.extend(trainable)
+        before = set(self.device_buckets)
         self._form_groups(trainable)
+        self._on_device([k for k in self.device_buckets if k not in before])
+
+    def _on_device(self, keys: list[Any]) -> None:
+        """Where the ranks of this job share one host and their GPUs can reach each other, the new
+        device buckets ``keys`` become :class:`IpcBucket` (on every rank, or on none; the reason is
+        logged once).  A collective of the job: every rank forms the same buckets."""
+        if not keys:
+            return
+        enabled = _core_api.current_settings().device_ipc
+        n, local = size(), local_size()
+        if self.process_set not in (None, global_process_set):
+            log_once(False, "the optimizer reduces over a process set")
+            return
+        if not enabled or n < 2 or local != n:
+            log_once(*choose_path(enabled, n, local, [], [], True, True))
+            return
+        probes = [torch.zeros(1, dtype=dt) for dt in {k[0].dtype for k in keys}]
+        flat_ok = all(self.compression.compress(probe)[0] is probe for probe in probes)
+        candidates = [IpcBucket(k, [self.names[p] for p in k], self.device_buckets[k].service) for k in keys]
+        if share_buckets(candidates, rank(), n, local, True, self.op in (Sum, Average), flat_ok, self.process_set):
+            for k, bucket in zip(keys, candidates):
+                self.device_buckets[k] = bucket
 
     def _form_groups(self, params: list[torch.Tensor]) -> None:
         spec = self._groups_spec

@@ -47,7 +47,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
     >"$SUMMARY" 2>&1
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py
-       tests/test_torch_device_return.py tests/test_torch_device_collectives.py)
+       tests/test_torch_device_return.py tests/test_torch_device_collectives.py tests/test_torch_device_ipc.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
     step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
@@ -63,6 +63,13 @@ for batch in 64 256; do  # the four setups side by side in one run, rounds alter
         --json "$RAW/training-b$batch.json"
     grep -h "img/s\|^| \|per round" "$OUT/training-b$batch.log" >>"$SUMMARY"
 done
+
+# DistributedOptimizer through pinned host memory (RINGCOMM_DEVICE_IPC=0) beside the runs above, which
+# reduce on the GPU through CUDA IPC (two ranks share the GPU)
+RINGCOMM_DEVICE_IPC=0 step training-b64-pinned 120 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch 64 \
+    --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" --json "$RAW/training-b64-pinned.json"
+{ echo "RINGCOMM_DEVICE_IPC=0:"; grep -h "img/s\|^| " "$OUT/training-b64-pinned.log"; } >>"$SUMMARY"
+mv "$OUT/training-b64-pinned.log" "$RAW/"
 
 # where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
 # summary counts synchronizes and copies per thread and lists the costliest ops; the trace stays
