@@ -192,11 +192,35 @@ def share_buckets(buckets: Sequence[IpcBucket], rank: int, size: int, local_size
     log_once(use, reason)
     if not use:
         return False
-    mine = [b.mine() for b in buckets]
-    every = _rc.allgather_object(mine, name="device_ipc.handles", process_set=process_set)
-    for i, b in enumerate(buckets):
-        b.open(rank, [every[k][i] for k in range(size)])
-    _rc.barrier(process_set=process_set)  # every rank opened every handle
+    # a rank that cannot share or open a handle says so, and every rank keeps the pinned path
+    mine: Any = None
+    try:
+        mine = [b.mine() for b in buckets]
+        problem = None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, which all fall back
+        problem = f"{type(exc).__name__}: {exc}"
+    every = _rc.allgather_object((mine, problem), name="device_ipc.handles", process_set=process_set)
     assert ipc is not None
-    ipc.opened()
-    return True
+    if _fell_back(every):
+        ipc.opened()  # nobody will open this rank's handles
+        return False
+    problem = None
+    try:
+        for i, b in enumerate(buckets):
+            b.open(rank, [every[k][0][i] for k in range(size)])
+    except Exception as exc:  # noqa: BLE001
+        problem = f"{type(exc).__name__}: {exc}"
+    opened = _rc.allgather_object((None, problem), name="device_ipc.opened", process_set=process_set)
+    ipc.opened()  # every rank has opened every handle (or given up)
+    return not _fell_back(opened)
+
+
+def _fell_back(every: Sequence[tuple[Any, str | None]]) -> bool:
+    """Whether a rank reported a problem (each rank's ``(value, problem)``); logs the first."""
+    for k, (_, problem) in enumerate(every):
+        if problem is not None:
+            _log.warning("DistributedOptimizer reduces CUDA buckets through pinned host memory: rank %d could "
+                         "not share its buckets through CUDA IPC (%s); set RINGCOMM_DEVICE_IPC=0 to skip trying",
+                         k, problem)
+            return True
+    return False
