@@ -9,9 +9,9 @@ stream and returns:
 2. one batched copy packs into the flat buffer the gradients that are not already there
    (compressed if asked);
 3. one device-to-host copy into the pinned buffer, then a *ready* event;
-4. the stager thread (:mod:`.device`) waits for that event, GIL released, and starts one core
+4. the stager thread (:mod:`.device_threads`) waits for that event, GIL released, and starts one core
    allreduce of the pinned buffer in place;
-5. a completer thread waits for that allreduce and, the moment it is done, queues on the same
+5. a return thread waits for that allreduce and, the moment it is done, queues on the same
    side stream one host-to-device copy into the flat buffer (then the decompression and one
    batched copy into the gradients that are not views of it), and records a *back* event.
 
@@ -44,7 +44,7 @@ import torch
 import ringcomm as _rc
 from ringcomm import api as _core_api
 
-from .device import DeviceOps, completer, stager
+from .device import DeviceService
 from .handles import Handle
 
 __all__ = ["DeviceBucket", "HostBucket", "FlatBucket", "GroupKey", "plan_buckets", "split_list", "bucket_caps", "FIRST_BUCKET_BYTES", "BUCKET_BYTES", "DEVICE_DTYPES"]
@@ -145,9 +145,13 @@ class FlatBucket:
         self._flat: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []  # each parameter's place in the flat buffer, shaped like it
 
+    def _allocate(self) -> torch.Tensor:
+        """The flat buffer's memory (a bucket shared between processes allocates its own)."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
     def _flat_buffer(self) -> torch.Tensor:
         if self._flat is None:
-            self._flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._flat = self._allocate()
             self._parts, start = [], 0
             for p in self.params:
                 self._parts.append(self._flat[start:start + p.numel()].view(p.shape))
@@ -216,9 +220,10 @@ class HostBucket(FlatBucket):
 class DeviceBucket(FlatBucket):
     """One bucket's buffers and its in-place reduction (see the module docstring)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], ops: DeviceOps) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], service: DeviceService) -> None:
         super().__init__(params, names)
-        self.ops = ops
+        self.service = service
+        self.ops = service.ops
         self._pinned: torch.Tensor | None = None
         self._in_place: bool | None = None  # whether the compression reduces the flat buffer itself
 
@@ -226,7 +231,7 @@ class DeviceBucket(FlatBucket):
         flat = self._flat_buffer()
         nbytes = self.numel * wire.itemsize
         if self._pinned is None or self._pinned.numel() < nbytes:
-            self._pinned = self.ops.pinned(nbytes)
+            self._pinned = self.service.pool.allocate(nbytes)  # kept for the bucket's life
         return flat, self._pinned[:nbytes].view(wire)
 
     def _pack(self, flat: torch.Tensor, grads: list[torch.Tensor], side: Any) -> None:
@@ -247,16 +252,13 @@ class DeviceBucket(FlatBucket):
 
     def start(self, grads: list[torch.Tensor], *, name: str, op: Any, compression: Any, prescale: float,
               postscale: float, process_set: Any) -> Handle:
-        """Queue the copies and hand the op to the stager, and its way back to the completer;
+        """Queue the copies and hand the op to the stager, and its way back to a return thread;
         returns at once.  ``synchronize`` on the handle waits for both and makes the current
         stream wait for the results, which are then in ``grads`` (or in the flat buffer, where
         each gradient is a view of it)."""
-        ops, dev = self.ops, self.device
+        ops, svc = self.ops, self.service
         t0 = time.perf_counter()
-        side = ops.side_stream(dev)
-        produced = ops.event()
-        ops.record(produced, ops.current_stream(dev))
-        ops.stream_wait(side, produced)  # the gradients' producers come first
+        side = svc.after(svc.current())  # the gradients' producers come first
         flat, _ = self._buffers(self.dtype)
         self._pack(flat, grads, side)
         with ops.on(side):
@@ -267,8 +269,7 @@ class DeviceBucket(FlatBucket):
         grads, back_into = self._become_views(grads) if wire is flat else (grads, list(range(len(grads))))
         _, host = self._buffers(wire.dtype)
         ops.copy(host, wire, side)
-        ready = ops.event()
-        ops.record(ready, side)
+        ready = svc.mark()
         array = host.numpy()
         core_name = f"allreduce.{name}"
         if _core_api.timeline_active():  # which parameters this bucket carries
@@ -279,7 +280,7 @@ class DeviceBucket(FlatBucket):
             return _rc.allreduce_async(array, op=op, name=core_name, prescale_factor=prescale,
                                        postscale_factor=postscale, out=array, process_set=process_set)
 
-        def home(_raw: Any) -> Any:  # on a completer thread, once the reduction is done
+        def home(_raw: Any) -> Any:  # on a return thread, once the reduction is done
             t1 = time.perf_counter()
             ops.copy(wire, host, side)  # after the device-to-host copy on the same stream
             with ops.on(side):
@@ -288,17 +289,16 @@ class DeviceBucket(FlatBucket):
                 ops.unpack(value, grads, side)
             elif back_into:
                 ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
-            back = ops.event()
-            ops.record(back, side)
+            back = svc.mark()
             if _core_api.timeline_active():
                 _core_api.timeline_span(core_name, "BUCKET_UNPACK", t1, time.perf_counter(),
                                         {"parameters": self.names})
             return back
 
-        returning = completer.submit(stager.submit(ops, ready, begin, core_name), home, core_name)
+        returning = svc.then(svc.start(ready, begin, core_name), home, core_name)
 
         def finish(back: Any) -> list[torch.Tensor]:  # on the thread in synchronize(): no copy, no wait
-            ops.stream_wait(ops.current_stream(dev), back)  # later kernels see the reduced values
+            ops.stream_wait(svc.current(), back)  # later kernels see the reduced values
             return grads
 
         return Handle("allreduce", name, returning, finish, None, int(array.nbytes))

@@ -31,7 +31,7 @@ from ringcomm.core.ops import ReduceOp
 
 from .basics import check_process_set, global_process_set, rank
 from .handles import Handle, completed, poll, synchronize
-from .tensors import Staged, begin, empty_result, stage, stageable_dtype, to_tensor
+from .tensors import Staged, begin, empty_result, stage, stageable_dtype
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
@@ -319,7 +319,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                   lambda nm: _rc.allgather_async(s.array, name=nm, process_set=process_set))
 
     def finish(raw: Any) -> torch.Tensor:
-        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
+        return s.to_tensor(np.asarray(raw), tensor)
     return Handle("allgather", name, core, finish, s.release, s.array.nbytes)
 
 
@@ -340,7 +340,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                                                          process_set=process_set))
 
     def finish(raw: Any) -> list[torch.Tensor]:
-        return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
+        return [s.to_tensor(np.asarray(r), t) for t, s, r in zip(tensors, staged, raw)]
     return Handle("allgather", name, core, finish, _release_all(staged), _nbytes(staged))
 
 
@@ -435,7 +435,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
     def finish(raw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = raw
-        out_t = to_tensor(np.asarray(output), tensor.dtype, tensor.device)
+        out_t = s.to_tensor(np.asarray(output), tensor)
         recv_t = torch.from_numpy(np.array(received, dtype=np.int64)).to(splits_dtype)
         return out_t, recv_t
     return Handle("alltoall", name, core, finish, s.release, s.array.nbytes)
@@ -464,7 +464,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                                                      postscale_factor=postscale_factor, process_set=process_set))
 
     def finish(raw: Any) -> torch.Tensor:
-        return to_tensor(np.asarray(raw), tensor.dtype, tensor.device)
+        return s.to_tensor(np.asarray(raw), tensor)
     return Handle("reducescatter", name, core, finish, s.release, s.array.nbytes)
 
 
@@ -488,7 +488,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                                              process_set=process_set))
 
     def finish(raw: Any) -> list[torch.Tensor]:
-        return [to_tensor(np.asarray(r), t.dtype, t.device) for t, r in zip(tensors, raw)]
+        return [s.to_tensor(np.asarray(r), t) for t, s, r in zip(tensors, staged, raw)]
     return Handle("reducescatter", name, core, finish, _release_all(staged), _nbytes(staged))
 
 

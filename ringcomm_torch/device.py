@@ -1,26 +1,31 @@
-"""The device operations ringcomm_torch uses (streams, events, copies, pinned buffers), behind one
-small interface, and the thread that hands staged device data to the core once it is ready.
+"""The device layer of ringcomm_torch: every CUDA op goes through one :class:`DeviceService` per
+device (its side stream, its pool of pinned buffers, the process's stager and return threads),
+behind one small interface of device operations.
 
-:class:`CudaOps` is the real one.  :class:`FakeOps` runs the same calls on CPU tensors for tests:
-it records every call with the thread that made it, and while :meth:`FakeOps.hold` is on it
-leaves recorded events *not ready* and fills the destinations of the copies with NaN until
+:class:`CudaOps` is the real interface.  :class:`FakeOps` runs the same calls on CPU tensors for
+tests: it records every call with the thread that made it, and while :meth:`FakeOps.hold` is on
+it leaves recorded events *not ready* and fills the destinations of the copies with NaN until
 :meth:`FakeOps.fire` runs them, so a reader that does not wait for the event reads poison.
+Under :func:`override` every tensor is a device tensor served by the given operations, so the
+fake covers the optimizer's buckets, the per-tensor collectives and the ``"ringcomm"`` backend.
 
 Nothing here blocks the calling thread except :meth:`DeviceOps.wait_event`, which only the
-:class:`Stager` thread calls (and ``synchronize()``/``wait()`` through it).  The
-:class:`Completer`'s threads wait for core ops and then queue the device work that brings their
-results back, so the thread in ``synchronize()`` only makes its stream wait for an event::
+stager thread calls (:mod:`.device_threads`).  A return thread waits for each core op and then
+queues the device work that brings its results back, so the thread in ``synchronize()`` only
+makes its stream wait for an event::
 
-    ops.record(ready, ops.side_stream(dev))   # autograd thread: queue the copy, record its event
-    staging = stager.submit(ops, ready, start_op)   # returns at once
+    svc = service_for(grad)                      # the device's one service
+    side = svc.after(svc.current())              # autograd thread: the side stream follows the current one
+    svc.ops.copy(pinned, grad, side)             # queue the copy to a pinned buffer of svc.pool
+    ready = svc.mark()                           # and record its event
+    staging = svc.start(ready, start_op, name)   # returns at once
     # stager thread: ops.wait_event(ready) (GIL released), then start_op() hands the buffer to the core
-    back = completer.submit(staging, copy_back)     # returns at once
-    # a completer thread: staging.wait(), then copy_back(result) queues the copy home, records an event
+    back = svc.then(staging, copy_home, name)    # returns at once
+    # a return thread: staging.wait(), then copy_home(result) queues the copy home, records an event
 """
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,8 +33,10 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DeviceOps", "CudaOps", "FakeOps", "cuda_ops", "staging_ops", "ops_for", "override", "Stager", "Staging",
-           "stager", "Completer", "Returning", "completer"]
+from .device_threads import Returning, Staging, returns, stager
+
+__all__ = ["DeviceOps", "CudaOps", "FakeOps", "FakeEvent", "cuda_ops", "ops_for", "override", "PinnedPool", "DeviceService",
+           "service", "service_for", "Staging", "Returning", "stager", "returns"]
 
 
 class DeviceOps(Protocol):
@@ -128,14 +135,26 @@ class CudaOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(stream)  # the allocator keeps it until the side stream is done with it
 
     def on(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
 
 
-class _FakeEvent:
+class FakeEvent:
+    """A :class:`FakeOps` event: ``done`` is set when it happens."""
+
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done: Any = threading.Event()
+
+    def on_record(self) -> None:
+        """Called as it is recorded (an interprocess one counts its records)."""
+
+    def on_stream_wait(self) -> None:
+        """Called when a stream is made to wait for it (a peer's interprocess one blocks: the fake
+        runs a stream's work at once, so the wait happens where it is queued)."""
 
 
 class FakeOps:
@@ -147,13 +166,14 @@ class FakeOps:
     ``count(call, buffer=flat)`` counts the packs and unpacks (batched or in parts) of one
     bucket's flat buffer, and the copies into or out of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, ipc: bool = False) -> None:
+        self.ipc = ipc  # whether ranks may share its buffers and events (device_ipc_ops.FakeIpc)
         self.calls: list[tuple[str, str]] = []
         self._storages: list[tuple[int, ...]] = []  # per call: the storages it wrote or read in bulk
         self.pinned_allocations = 0
         self._held = False
         self._deferred: list[Callable[[], None]] = []
-        self._events: list[_FakeEvent] = []
+        self._events: list[FakeEvent] = []
         self._lock = threading.Lock()
 
     def _note(self, call: str, *tensors: torch.Tensor) -> None:
@@ -192,10 +212,11 @@ class FakeOps:
         return "current"
 
     def event(self) -> Any:
-        return _FakeEvent()
+        return FakeEvent()
 
     def record(self, event: Any, stream: Any) -> None:
         self._note("record")
+        event.on_record()
         with self._lock:
             if self._held:
                 self._events.append(event)
@@ -204,6 +225,7 @@ class FakeOps:
 
     def stream_wait(self, stream: Any, event: Any) -> None:
         self._note("stream_wait")
+        event.on_stream_wait()
 
     def wait_event(self, event: Any) -> None:
         self._note("wait_event")
@@ -288,11 +310,6 @@ def cuda_ops() -> CudaOps:
     return _cuda_ops
 
 
-def staging_ops() -> DeviceOps:
-    """What stages CUDA tensors for the collectives: the :func:`override` if one is in force."""
-    return _override if _override is not None else cuda_ops()
-
-
 def ops_for(t: torch.Tensor) -> DeviceOps | None:
     """The device operations for ``t``: CUDA's for a CUDA tensor, the :func:`override` if one is
     in force (for every tensor), else None (a host tensor: no staging needed)."""
@@ -312,140 +329,171 @@ def override(ops: DeviceOps | None) -> Iterator[DeviceOps | None]:
         _override = previous
 
 
-class Staging:
-    """One op waiting for its device data: ``done()``/``wait()`` as a core handle's, once started."""
-
-    __slots__ = ("name", "_started", "_core", "_error")
-
-    def __init__(self, name: str | None) -> None:
-        self.name = name
-        self._started = threading.Event()
-        self._core: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._started.is_set() and (self._error is not None or self._core is None or bool(self._core.done()))
-
-    def started(self) -> Any:
-        """Wait until the op was handed to the core; returns what ``start()`` returned."""
-        self._started.wait()
-        if self._error is not None:
-            raise self._error
-        return self._core
-
-    def wait(self) -> Any:
-        core = self.started()
-        return None if core is None else core.wait()
+        _forget(ops)
 
 
-class Stager:
-    """One daemon thread that waits for each staged buffer's event (GIL released) and then starts
-    its core op, in submission order; the submitting thread never waits."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[tuple[DeviceOps, Any, Callable[[], Any], Staging]] = collections.deque()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def submit(self, ops: DeviceOps, ready: Any, start: Callable[[], Any], name: str | None) -> Staging:
-        """``start()`` (which returns the core handle) runs on the stager once ``ready`` (an event,
-        or a list of them) happened."""
-        import os
-
-        staging = Staging(name)
-        with self._cond:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()  # a forked child starts its own thread
-                self._jobs.clear()
-                self._thread = threading.Thread(target=self._run, name="ringcomm-torch-stager", daemon=True)
-                self._thread.start()
-            self._jobs.append((ops, ready, start, staging))
-            self._cond.notify()
-        return staging
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
-                ops, ready, start, staging = self._jobs.popleft()
-            try:
-                for event in ready if isinstance(ready, list) else [ready]:
-                    ops.wait_event(event)
-                staging._core = start()
-            except BaseException as exc:  # raised again by wait(), on the caller's thread
-                staging._error = exc
-            staging._started.set()
+def _size_class(nbytes: int) -> int:
+    """Smallest power of two >= nbytes (at least 4 KiB): pooled buffers are shared within a class."""
+    return max(4096, 1 << max(0, (nbytes - 1)).bit_length())
 
 
-stager = Stager()
+class PinnedPool:
+    """A device's page-locked host buffers, allocated through its :class:`DeviceOps`.
 
+    ``acquire(n)`` returns a uint8 buffer of at least ``n`` bytes, one per power-of-two size
+    class, reused; ``release(buf, event)`` gives it back, usable again once ``event`` (recorded
+    after the last copy that reads or writes it) has happened.  ``allocate(n)`` is a buffer of
+    exactly ``n`` bytes that its owner keeps (a bucket's, for the optimizer's life).
+    ``allocations`` counts both kinds."""
 
-class Returning:
-    """One op's way back: ``done()``/``wait()`` as a core handle's; ``wait()`` returns what the
-    completer's ``then`` returned (or raises the op's error, or ``then``'s)."""
+    def __init__(self, ops: DeviceOps) -> None:
+        self._ops = ops
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._in_flight: list[tuple[Any, torch.Tensor]] = []
+        self.allocations = 0
 
-    __slots__ = ("name", "_done", "_result", "_error")
-
-    def __init__(self, name: str | None) -> None:
-        self.name = name
-        self._done = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> Any:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-class Completer:
-    """Daemon threads that each wait for one op (its ``wait()``, GIL released) and then run its
-    ``then(result)`` there, which queues the device work that brings the results back.
-
-    A job takes an idle thread, or a new one when none is idle, so an op whose peers are late
-    never holds back the way back of another that is done; the threads stay for later jobs."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._jobs: collections.deque[tuple[Any, Callable[[Any], Any], Returning]] = collections.deque()
-        self._idle = 0
-        self._pid = 0
-
-    def submit(self, op: Any, then: Callable[[Any], Any], name: str | None) -> Returning:
-        """``then(op.wait())`` runs on a completer thread; returns at once."""
-        import os
-
-        returning = Returning(name)
-        with self._cond:
-            if self._pid != os.getpid():  # a forked child has none of its parent's threads
-                self._pid, self._idle = os.getpid(), 0
-                self._jobs.clear()
-            self._jobs.append((op, then, returning))
-            if self._idle < len(self._jobs):
-                threading.Thread(target=self._run, name="ringcomm-torch-completer", daemon=True).start()
+    def _reclaim(self) -> None:
+        still: list[tuple[Any, torch.Tensor]] = []
+        for event, buf in self._in_flight:
+            if event is None or self._ops.query(event):
+                self._free.setdefault(buf.numel(), []).append(buf)
             else:
-                self._cond.notify()
-        return returning
+                still.append((event, buf))
+        self._in_flight = still
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._idle += 1
-                while not self._jobs:
-                    self._cond.wait()
-                self._idle -= 1
-                op, then, returning = self._jobs.popleft()
-            try:
-                returning._result = then(op.wait())
-            except BaseException as exc:  # raised again by wait(), on the caller's thread
-                returning._error = exc
-            returning._done.set()
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        cls = _size_class(nbytes)
+        with self._lock:
+            self._reclaim()
+            free = self._free.get(cls)
+            if free:
+                return free.pop()
+            self.allocations += 1
+        return self._ops.pinned(cls)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self.allocations += 1
+        return self._ops.pinned(nbytes)
+
+    def release(self, buf: torch.Tensor, event: Any = None) -> None:
+        with self._lock:
+            self._in_flight.append((event, buf))
+
+    def clear(self) -> None:
+        """Drop every cached buffer; in-flight ones are dropped once done."""
+        with self._lock:
+            self._reclaim()
+            self._free.clear()
 
 
-completer = Completer()
+class DeviceService:
+    """Everything one device's CUDA work goes through: its side stream, its :class:`PinnedPool`,
+    and the process's :data:`~.device_threads.stager` and :data:`~.device_threads.returns`.
+
+    Optimizer buckets, the per-tensor collectives and the ``"ringcomm"`` backend stage through
+    the same service (:func:`service_for`), so a device has one side stream and one pool.  Every
+    method only queues device work, except none: the waits are the stager's."""
+
+    def __init__(self, ops: DeviceOps, device: torch.device) -> None:
+        self.ops = ops
+        self.device = device
+        self.pool = PinnedPool(ops)
+        self._side: Any = None
+
+    def __repr__(self) -> str:
+        return f"<DeviceService {self.device} via {type(self.ops).__name__}>"
+
+    @property
+    def side(self) -> Any:
+        """The side stream every staging copy of this device runs on."""
+        if self._side is None:
+            self._side = self.ops.side_stream(self.device)
+        return self._side
+
+    def current(self) -> Any:
+        """The calling thread's current stream on this device."""
+        return self.ops.current_stream(self.device)
+
+    def after(self, stream: Any) -> Any:
+        """The side stream, made to wait for what ``stream`` has queued so far; returns it."""
+        produced = self.ops.event()
+        self.ops.record(produced, stream)
+        self.ops.stream_wait(self.side, produced)
+        return self.side
+
+    def mark(self, stream: Any = None) -> Any:
+        """An event recorded now on ``stream`` (default: the side stream)."""
+        event = self.ops.event()
+        self.ops.record(event, self.side if stream is None else stream)
+        return event
+
+    def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> None:
+        """Queue ``target`` = ``host`` on the side stream, after ``consumer``'s work (default: the
+        current stream), and make ``consumer`` wait for it.  A ``host`` that is not a pinned
+        buffer is first copied into one from the pool (a copy from pageable memory would make
+        the host wait)."""
+        consumer = self.current() if consumer is None else consumer
+        side = self.after(consumer)
+        buf = None
+        if not pinned:
+            nbytes = host.numel() * host.element_size()
+            buf = self.pool.acquire(nbytes)
+            staged = buf[:nbytes].view(host.dtype).view(host.shape)
+            with torch.no_grad():
+                staged.copy_(host)
+            host = staged
+        self.ops.copy(target, host, side)
+        back = self.mark()
+        self.ops.stream_wait(consumer, back)
+        if buf is not None:
+            self.pool.release(buf, back)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a pooled buffer back once the copies queued so far on the side stream are done."""
+        self.pool.release(buf, self.mark())
+
+    def start(self, ready: Any, start: Callable[[], Any], name: str | None) -> Staging:
+        """``start()`` (the core op) on the stager once ``ready`` (an event or a list) happened."""
+        return stager.submit(self.ops, ready, start, name)
+
+    def then(self, op: Any, then: Callable[[Any], Any], name: str | None) -> Returning:
+        """``then(op.wait())`` on a return thread; returns at once."""
+        return returns.submit(op, then, name)
+
+
+_services: dict[tuple[int, str], DeviceService] = {}
+_services_lock = threading.Lock()
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def service(ops: DeviceOps, device: torch.device) -> DeviceService:
+    """The one :class:`DeviceService` of ``device`` served by ``ops``."""
+    key = (id(ops), _device_key(device))
+    with _services_lock:
+        svc = _services.get(key)
+        if svc is None:
+            svc = _services[key] = DeviceService(ops, torch.device(key[1]))
+        return svc
+
+
+def service_for(t: torch.Tensor) -> DeviceService | None:
+    """The service that stages ``t``: its CUDA device's, every tensor's under an :func:`override`,
+    else None (a host tensor: nothing to stage)."""
+    ops = ops_for(t)
+    return None if ops is None else service(ops, t.device)
+
+
+def _forget(ops: DeviceOps | None) -> None:
+    """Drop the services of an override's ``ops`` (objects made meanwhile keep theirs)."""
+    if ops is None or ops is _cuda_ops:
+        return
+    with _services_lock:
+        for key in [k for k in _services if k[0] == id(ops)]:
+            del _services[key]

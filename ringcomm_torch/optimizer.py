@@ -23,6 +23,10 @@ live as long as the optimizer (:mod:`.buckets`): the hook only queues one device
 copy per bucket on a side stream, the results are copied back as each bucket's reduction
 finishes, and the gradients become views of the buckets (nothing to pack or unpack).
 
+The reductions themselves (the buckets, the ready counts, the handles in flight, submit and
+write-back) belong to the optimizer's :class:`~.reducer.Reducer` (``opt.reducer``); the
+optimizer keeps Horovod's surface and delegates to it.
+
 What each rank sees (size 2, the same model; rank r's batch gives grad g_r)::
 
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -33,7 +37,6 @@ What each rank sees (size 2, the same model; rank r's batch gives grad g_r)::
 
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -42,26 +45,18 @@ from typing import Any
 
 import torch
 
-from ringcomm import api as _core_api
-from ringcomm.errors import InvalidInputError, InvalidTypeError, RingcommError
+from ringcomm.errors import InvalidInputError, InvalidTypeError
 
 from .basics import check_process_set, global_process_set, size
-from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
-from .collectives import Adasum, Average, Several, allreduce_async_, grouped_allreduce_async_, synchronize
+from .collectives import Adasum, Average, synchronize
 from .compression import Compression
-from .device import ops_for
-from .handles import Handle
-from .sparse import sparse_allreduce_async
+from .reducer import GradientsPendingError, Reducer
 
 __all__ = ["DistributedOptimizer", "GradientsPendingError"]
 
 _ZERO_GRAD_MSG = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
-)
-_TOO_MANY_PASSES_MSG = (
-    "Gradients were computed more than backward_passes_per_step times before call to step(). "
-    "Increase backward_passes_per_step to accumulate gradients locally."
 )
 _ADASUM_SKIP_MSG = "Skipping synchronization is not supported when using Adasum optimizer."
 _STEP_AFTER_SYNC_MSG = (
@@ -70,12 +65,6 @@ _STEP_AFTER_SYNC_MSG = (
     "context if you use optimizer.synchronize() in your code."
 )
 
-
-_WRITTEN = object()  # a device bucket's handle wrote the reduced values into the gradients itself
-
-
-class GradientsPendingError(RingcommError, AssertionError):
-    """Gradients were touched while their reductions were in flight (Horovod raises AssertionError)."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -135,18 +124,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Adasum over more than one rank reduces the optimizer's steps (deltas), not the gradients
         self._adasum = op == Adasum and (members or 1) > 1
         self.backward_passes_per_step = int(backward_passes_per_step)
-        self._lock = threading.RLock()
         self._names = self._name_parameters(named_parameters)
-        self._delay = {p: self.backward_passes_per_step for p in self._all_params()}
-        self._handles: dict[Any, tuple[Any, Any]] = {}
         self._synchronized = False
         self._should_synchronize = True
-        self._requires_update: list[torch.Tensor] = []
-        self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
-        self._device_buckets: dict[tuple[torch.Tensor, ...], DeviceBucket] = {}
-        self._host_buckets: dict[tuple[torch.Tensor, ...], HostBucket] = {}
-        self._groups_spec = self._check_groups(groups)
+        self.reducer = Reducer(self._names, compression, op, self.gradient_predivide_factor, sparse_as_dense,
+                               process_set, self.backward_passes_per_step, self._check_groups(groups),
+                               self._adasum, _step_alone_of(weakref.ref(self)))
+        self.reducer.watch(self._all_params())
         self._hook_handles: list[Any] = []
         self._register_hooks(self._all_params())
         weakref.finalize(self, _remove_hooks, self._hook_handles)
@@ -205,11 +189,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        with self._lock:
-            self._handles.clear()
-            self._synchronized = False
-            self._should_synchronize = True
-            self._reset_delays()
+        self.reducer.clear()
+        self._synchronized = False
+        self._should_synchronize = True
         self._optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -219,7 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gi = len(self.param_groups) - 1
         for j, p in enumerate(new):
             self._names.setdefault(p, f"noname.{gi}.{j}")
-            self._delay[p] = self.backward_passes_per_step
+        self.reducer.watch(new)
         self._register_hooks(new)
 
     # ------------------------------------------------------------ setup
@@ -270,109 +252,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     seen.add(id(p))
         return groups
 
-    def _form_groups(self, params: list[torch.Tensor]) -> None:
-        spec = self._groups_spec
-        if self._adasum:
-            return  # each parameter steps and reduces its delta on its own
-        if spec is None:
-            settings = _core_api.current_settings()
-            # DDP's buckets per (device, dtype); a lone host parameter is reduced where it lies
-            formed = [b for b in self._buckets_by_kind(params, *bucket_caps(settings.fusion_threshold,
-                                                                             settings.bucket_bytes))
-                      if len(b) > 1 or self._device_ops(b[0]) is not None]
-        elif isinstance(spec, list):
-            ids = {id(p) for p in params}
-            formed = [[p for p in group if id(p) in ids] for group in spec]
-            grouped = {id(p) for g in formed for p in g}
-            formed += [[p] for p in params if id(p) not in grouped]
-        else:
-            formed = split_list(params, spec)
-        for group in formed:
-            if not group:
-                continue
-            key = GroupKey(group)
-            for p in key:
-                self._group_of[p] = key
-            self._group_counts[key] = 0
-            ops = self._device_ops(key[0])
-            if ops is not None and all(self._device_ops(p) is ops and p.dtype is key[0].dtype
-                                       and p.device == key[0].device for p in key):
-                self._device_buckets[key] = DeviceBucket(key, [self._names[p] for p in key], ops)
-            elif ops is None and self._flat_on_host(key):
-                self._host_buckets[key] = HostBucket(key, [self._names[p] for p in key])
-
-    def _device_ops(self, p: torch.Tensor) -> Any:
-        """The device operations that stage ``p``'s bucket, or None (host, or a dtype the core
-        reduces through another wire dtype: those take the per-tensor path)."""
-        return ops_for(p) if p.dtype in DEVICE_DTYPES and p.layout is torch.strided else None
-
-    def _flat_on_host(self, group: tuple[torch.Tensor, ...]) -> bool:
-        """Whether a group of host parameters is reduced as one flat buffer (:class:`HostBucket`):
-        more than one, all of one dtype a bucket carries, on the CPU, with a compression that leaves
-        a tensor of that dtype as it is."""
-        first = group[0]
-        if len(group) < 2 or first.dtype not in DEVICE_DTYPES or first.device.type != "cpu":
-            return False
-        if any(p.dtype is not first.dtype or p.layout is not torch.strided or p.device != first.device for p in group):
-            return False
-        probe = torch.zeros(1, dtype=first.dtype)
-        return bool(self._compression.compress(probe)[0] is probe)
-
-    def _buckets_by_kind(self, params: list[torch.Tensor], first: int, cap: int) -> list[list[torch.Tensor]]:
-        """Parameters in reverse order, one bucket list per (device, dtype), DDP's sizes."""
-        by_kind: dict[tuple[Any, torch.dtype], list[torch.Tensor]] = {}
-        for p in reversed(params):
-            by_kind.setdefault((p.device, p.dtype), []).append(p)
-        out = []
-        for group in by_kind.values():
-            plan = plan_buckets([p.numel() * p.element_size() for p in group], first, cap)
-            out += [[group[i] for i in b] for b in plan]
-        return out
-
     def _register_hooks(self, params: list[torch.Tensor]) -> None:
         if not self._included:
             return
         trainable = [p for p in params if p.requires_grad]
-        self._requires_update.extend(trainable)
-        self._form_groups(trainable)
+        self.reducer.add(trainable)
         ref = weakref.ref(self)
         for p in trainable:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref)))
 
     # ------------------------------------------------------------ reductions
 
-    def _scales(self) -> tuple[float, float]:
-        if self.op == Average:
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
-
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
-        if p.grad is None:
-            # no gradient this step (unused parameter): reduce zeros so that no rank waits for it
-            p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grad = p.grad
-        return grad.to_dense() if grad.is_sparse else grad
-
-    def _sparse(self, p: torch.Tensor) -> bool:
-        """Reduced as a sparse tensor (indices and values allgathered), as Horovod does without sparse_as_dense."""
-        return p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense
-
-    def _submit(self, p: torch.Tensor) -> tuple[Any, Any]:
-        if self._adasum:
-            return self._submit_delta(p)
-        if self._sparse(p):
-            assert p.grad is not None
-            return sparse_allreduce_async(p.grad, name=self._names[p], op=self.op, process_set=self.process_set), None
-        tensor = self._dense_grad(p)
-        compressed, ctx = self._compression.compress(tensor)
-        pre, post = self._scales()
-        handle = allreduce_async_(compressed, name=self._names[p], op=self.op,
-                                  prescale_factor=pre, postscale_factor=post, process_set=self.process_set)
-        return handle, (ctx, compressed)
-
-    def _submit_delta(self, p: torch.Tensor) -> tuple[Any, Any]:
-        """Adasum: step the wrapped optimizer on ``p`` alone, reduce the change it made (Adasum), and
-        keep the starting value; ``step()`` sets ``p`` to the start plus the reduced change."""
+    def _step_alone(self, p: torch.Tensor) -> torch.Tensor:
+        """Adasum: step the wrapped optimizer on ``p`` alone and leave the change it made in ``p``;
+        returns the starting value (``step()`` sets ``p`` to it plus the reduced change)."""
         start = p.detach().clone()
         stashed = [group["params"] for group in self.param_groups]
         try:
@@ -384,70 +277,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group["params"] = params
         with torch.no_grad():
             p.sub_(start)  # p holds the delta until step()
-        compressed, cctx = self._compression.compress(p.detach())
-        handle = allreduce_async_(compressed, name=self._names[p], op=Adasum, process_set=self.process_set)
-        return handle, (start, cctx)
-
-    def _submit_group(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        if any(self._sparse(p) for p in group):
-            # a sparse gradient cannot share a fused buffer: each member is reduced on its own
-            parts = [self._submit(p) for p in group]
-            handle = Handle("allreduce", self._names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
-            return handle, [c for _, c in parts]
-        # a sparse gradient reduced as dense (sparse_as_dense) is a copy: it is written back below
-        all_dense = not any(p.grad is not None and p.grad.is_sparse for p in group)
-        tensors = [self._dense_grad(p) for p in group]
-        pre, post = self._scales()
-        bucket = self._device_buckets.get(group) if all_dense else None
-        if bucket is not None:  # results land in the gradients themselves: nothing to write back
-            handle = bucket.start(tensors, name=self._names[group[0]], op=self.op, compression=self._compression,
-                                  prescale=pre, postscale=post, process_set=self.process_set)
-            return handle, _WRITTEN
-        on_host = self._host_buckets.get(group) if all_dense else None
-        if on_host is not None:
-            return on_host.start(tensors, name=self._names[group[0]], op=self.op, prescale=pre, postscale=post,
-                                 process_set=self.process_set), _WRITTEN
-        pairs = [self._compression.compress(t) for t in tensors]
-        handle = grouped_allreduce_async_([c for c, _ in pairs], name=self._names[group[0]],
-                                          op=self.op, prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
-        return handle, [(ctx, c) for c, ctx in pairs]
-
-    def _grad_ready(self, p: torch.Tensor) -> None:
-        """Post-accumulate hook body: count the pass and start the reduction on the k-th."""
-        with self._lock:
-            if p not in self._delay:
-                return
-            if self._delay[p] <= 0:
-                raise GradientsPendingError(_TOO_MANY_PASSES_MSG)
-            self._delay[p] -= 1
-            group = self._group_of.get(p)
-            if self._delay[p] > 0:
-                # accumulating locally; the entry makes zero_grad() refuse until step()
-                self._handles.setdefault(p if group is None else group, (None, None))
-                return
-            if group is None:
-                self._handles[p] = self._submit(p)
-                return
-            self._group_counts[group] += 1
-            if self._group_counts[group] == len(group):
-                self._handles[group] = self._submit_group(group)
-                self._group_counts[group] = 0
-            else:
-                self._handles.setdefault(group, (None, None))
-
-    def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        if ctx is None:  # a sparse reduction: every rank's entries, summed per index
-            p.grad = output.coalesce()
-            return
-        cctx, sent = ctx
-        value = self._compression.decompress(output, cctx)
-        assert p.grad is not None  # only parameters with a gradient are written back
-        with torch.no_grad():
-            if p.grad.is_sparse:
-                p.grad = value.to_sparse()
-            elif value is not p.grad:
-                p.grad.copy_(value)
+        return start
 
     def synchronize(self) -> None:
         """Finish every gradient reduction of this step; ``p.grad`` then holds the reduced values.
@@ -461,50 +291,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._included:  # outside the process set: the local gradients stay as they are
             self._synchronized = True
             return
-        with self._lock:
-            # start whatever has not been started: parameters without gradients and delayed passes
-            for group in list(self._group_counts):
-                handle = self._handles.get(group)
-                if handle is None or handle[0] is None:
-                    self._handles[group] = self._submit_group(group)
-                    self._group_counts[group] = 0
-            for p in self._requires_update:
-                if p in self._group_of:
-                    continue
-                entry = self._handles.get(p)
-                if entry is None or entry[0] is None:
-                    self._handles[p] = self._submit(p)
-            handles, self._handles = self._handles, {}
-            self._reset_delays()
-        error: BaseException | None = None
-        for key, (handle, ctx) in handles.items():
-            try:
-                outputs = synchronize(handle)
-            except BaseException as exc:  # finish the others, then raise the first failure
-                error = error or exc
-                continue
-            if ctx is _WRITTEN:
-                continue
-            if isinstance(key, tuple):
-                for p, out, c in zip(key, outputs, ctx):
-                    self._write_back(p, out, c)
-            else:
-                self._write_back(key, outputs, ctx)
-        if error is not None:
-            raise error
+        self.reducer.synchronize()
         self._synchronized = True
-
-    def _reset_delays(self) -> None:
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        for group in self._group_counts:
-            self._group_counts[group] = 0
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated before each reduction."""
-        with self._lock:
-            self.backward_passes_per_step = int(passes)
-            self._reset_delays()
+        self.backward_passes_per_step = int(passes)
+        self.reducer.set_passes(passes)
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -539,13 +332,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Adasum: every parameter's delta (stepped during backward, or now if it had no gradient) is
         reduced with Adasum, and the parameter becomes its starting value plus the reduced delta."""
         loss = closure() if closure is not None else None
-        with self._lock:
-            for p in self._requires_update:
-                entry = self._handles.get(p)
-                if entry is None or entry[0] is None:
-                    self._handles[p] = self._submit_delta(p)
-            handles, self._handles = self._handles, {}
-            self._reset_delays()
+        handles = self.reducer.take_deltas()
         error: BaseException | None = None
         for p, (handle, (start, cctx)) in handles.items():
             try:
@@ -561,7 +348,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; refused while reductions are pending."""
-        if self._handles:
+        if self.reducer.pending():
             raise GradientsPendingError(_ZERO_GRAD_MSG)
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -570,8 +357,19 @@ def _make_hook(ref: "weakref.ReferenceType[DistributedOptimizer]") -> Any:
     def hook(p: torch.Tensor) -> None:
         opt = ref()
         if opt is not None:
-            opt._grad_ready(p)
+            opt.reducer.grad_ready(p)
     return hook
+
+
+def _step_alone_of(ref: "weakref.ReferenceType[DistributedOptimizer]") -> Any:
+    """The optimizer's ``_step_alone``, held weakly by its reducer (the hooks hold the optimizer
+    weakly too, so that dropping it removes them at once)."""
+    def step_alone(p: torch.Tensor) -> torch.Tensor:
+        opt = ref()
+        if opt is None:
+            raise ReferenceError("DistributedOptimizer: the optimizer was dropped during an Adasum step")
+        return opt._step_alone(p)
+    return step_alone
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -11,14 +11,15 @@ an array (:func:`stage`) and puts results back (:meth:`Staged.write_back`,
 * bfloat16 (no NumPy dtype): reductions run in float32 (upcast, reduce,
   round back once); data movement (broadcast, allgather, alltoall) views the
   bits as int16, so values arrive bit-exact.
-* CUDA: device -> host into a page-locked buffer taken from :class:`PinnedPool`
-  (one free list per power-of-two size class, reused across steps), copied on a
-  side ``torch.cuda.Stream`` that first waits for the current stream; the copy's
-  event is :attr:`Staged.ready`, and the stager thread (:mod:`.device`) waits for it
-  before the core reads the buffer (:func:`begin`), so the caller never waits for
-  the GPU.  Results go back host -> device on the side stream; the current stream
-  waits for that copy, and the buffer returns to the pool only once the copy's
-  event has completed.
+* CUDA: through the device's one :class:`~.device.DeviceService` (the optimizer's buckets
+  and the ``"ringcomm"`` backend use the same one): device -> host into a page-locked buffer
+  of its pool (one free list per power-of-two size class, reused across steps), copied on its
+  side stream after the current stream's work; the copy's event is :attr:`Staged.ready`, and
+  the stager thread waits for it before the core reads the buffer (:func:`begin`), so the
+  caller never waits for the GPU.  Results go back host -> device on the side stream; the
+  current stream waits for that copy, and the buffer returns to the pool only once the copy's
+  event has happened.  A result the core allocated (allgather, alltoall, reducescatter) is
+  first copied into a pooled pinned buffer, so that no copy reads pageable memory.
 
 Example (any rank)::
 
@@ -41,10 +42,10 @@ from ringcomm import api as _core_api
 from ringcomm.errors import InvalidTypeError
 from ringcomm.core.ops import SUPPORTED_DTYPES
 
-from .device import stager, staging_ops
+from .device import DeviceService, cuda_ops, service, service_for
 
-__all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "PinnedPool", "pinned_pool", "check_dtype",
-           "check_stageable", "stageable_dtype"]
+__all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "check_dtype", "check_stageable",
+           "stageable_dtype"]
 
 _CORE_TORCH_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "uint8",
@@ -103,9 +104,8 @@ def _from_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _size_class(nbytes: int) -> int:
-    """Smallest power of two >= nbytes (at least 4 KiB): buffers are shared within a class."""
-    return max(4096, 1 << max(0, (nbytes - 1)).bit_length())
+def _device_service(device: torch.device) -> DeviceService:
+    return service(cuda_ops(), device)
 
 
 # -- device<->host copies on the timeline --------------------------------------
@@ -174,82 +174,29 @@ class copies_belong_to:  # lower case: used as a function, like contextlib's man
         _trace.name = self._previous
 
 
-class PinnedPool:
-    """Page-locked host buffers for staging CUDA tensors, allocated once per size class and reused.
-
-    ``acquire(n)`` returns a uint8 pinned tensor of at least ``n`` bytes;
-    ``release(buf, event)`` gives it back, usable again once ``event`` (a
-    ``torch.cuda.Event`` recorded after the last copy that reads it) has completed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._in_flight: list[tuple[Any, torch.Tensor]] = []
-        self.allocations = 0
-
-    def _reclaim(self) -> None:
-        still: list[tuple[Any, torch.Tensor]] = []
-        for event, buf in self._in_flight:
-            if event is None or event.query():
-                self._free.setdefault(buf.numel(), []).append(buf)
-            else:
-                still.append((event, buf))
-        self._in_flight = still
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        cls = _size_class(nbytes)
-        with self._lock:
-            self._reclaim()
-            free = self._free.get(cls)
-            if free:
-                return free.pop()
-            self.allocations += 1
-        return torch.empty(cls, dtype=torch.uint8, pin_memory=True)
-
-    def release(self, buf: torch.Tensor, event: Any = None) -> None:
-        with self._lock:
-            self._in_flight.append((event, buf))
-
-    def clear(self) -> None:
-        """Drop every cached buffer (e.g. at shutdown); in-flight ones are dropped once done."""
-        with self._lock:
-            self._reclaim()
-            self._free.clear()
-
-
-pinned_pool = PinnedPool()
-_side_streams: dict[int, Any] = {}
-_streams_lock = threading.Lock()
-
-
-def _side_stream(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    with _streams_lock:
-        stream = _side_streams.get(index)
-        if stream is None:
-            stream = _side_streams[index] = torch.cuda.Stream(device=index)
-        return stream
-
-
 class Staged:
     """One tensor's values as a C-contiguous host array in the wire dtype.
 
     ``array`` is what the core reads (and, for in-place ops, writes).
     ``direct`` is True when ``array`` shares memory with the tensor itself, so a
-    result written into ``array`` needs no copy back.
+    result written into ``array`` needs no copy back.  ``service`` is the device's
+    :class:`~.device.DeviceService` for a device tensor (None on the host): ``array``
+    is then a pinned buffer of its pool, filled once ``ready`` (an event) happened.
     """
 
-    __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "_buf", "_keep")
+    __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "service", "consumer", "_buf", "_keep")
 
     def __init__(self, array: np.ndarray, dtype: torch.dtype, wire: torch.dtype, device: torch.device,
-                 direct: bool, buf: torch.Tensor | None, keep: Any, ready: Any = None) -> None:
+                 direct: bool, buf: torch.Tensor | None, keep: Any, ready: Any = None,
+                 service: DeviceService | None = None) -> None:
         self.array = array
         self.ready = ready  # the device -> host copy's event (None: ``array`` holds the values now)
         self.dtype = dtype
         self.wire = wire
         self.device = device
         self.direct = direct
+        self.service = service
+        self.consumer: Any = None  # the stream results are ordered on (None: the current one then)
         self._buf = buf
         self._keep = keep
 
@@ -263,37 +210,37 @@ class Staged:
         if not src.flags.writeable:
             src = src.copy()
         host = torch.from_numpy(np.ascontiguousarray(src)).reshape(target.shape)
-        if target.device.type == "cuda":
-            _copy_to_device(target, host, self)
+        if self.service is not None:
+            _copy_to_device(self.service, target, host, pinned=result is None, consumer=self.consumer)
         else:
             with torch.no_grad():
                 target.copy_(_from_wire(host, target.dtype))
         return target
 
+    def to_tensor(self, result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        """A new tensor of ``like``'s dtype and device holding ``result`` (a core array in the wire
+        dtype, of any shape)."""
+        return to_tensor(result, like.dtype, like.device, self.service)
+
     def release(self) -> None:
-        """Return a pinned staging buffer to the pool (no-op for CPU tensors)."""
+        """Return a pinned staging buffer to the pool (no-op for host tensors), once the copies
+        queued on the side stream so far are done."""
         if self._buf is not None:
             buf, self._buf = self._buf, None
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(_side_stream(self.device))
-            pinned_pool.release(buf, event)
+            if self.service is not None:
+                self.service.release(buf)
         self._keep = None
 
 
-def _copy_to_device(target: torch.Tensor, host: torch.Tensor, staged: Staged | None) -> None:
-    """Host -> ``target`` on the side stream; the current stream then waits for it."""
-    stream = _side_stream(target.device)
-    current = torch.cuda.current_stream(target.device)
-    stream.wait_stream(current)  # target may still be in use by queued kernels
+def _copy_to_device(service: DeviceService, target: torch.Tensor, host: torch.Tensor, *, pinned: bool,
+                    consumer: Any = None) -> None:
+    """Host -> ``target`` on the side stream; ``consumer`` (default: the current stream) waits for it."""
+    if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
+        host = host.view(torch.bfloat16)  # the bits as they were sent
     with traced_copy("MEMCPY_H2D") as timed:
-        with torch.cuda.stream(stream), torch.no_grad():
-            dev = host.to(target.device, non_blocking=host.is_pinned())
-            target.copy_(_from_wire(dev, target.dtype))
+        service.to_device(target, host, pinned=pinned, consumer=consumer)
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
-            stream.synchronize()
-    current.wait_stream(stream)
+            service.ops.wait_event(service.mark())
 
 
 def check_stageable(t: Any, what: str) -> None:
@@ -326,51 +273,56 @@ def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
     """A host array holding ``t``'s values in the wire dtype (see the module docstring)."""
     check_stageable(t, what)
     wire = wire_dtype(t.dtype, reduce)
-    if t.device.type == "cpu":
+    svc = service_for(t)
+    if svc is None:
         host = _to_wire(t, wire)
         # contiguous and either the same dtype or bfloat16 bits viewed as int16: same memory
         direct = t.is_contiguous() and (wire is t.dtype or wire is torch.int16 and t.dtype is torch.bfloat16)
         return Staged(host.numpy(), t.dtype, wire, t.device, direct, None, host)
-    return _stage_cuda(t, wire)
+    return _stage_device(svc, t, wire)
 
 
-def _stage_cuda(t: torch.Tensor, wire: torch.dtype) -> Staged:
+def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Staged:
+    """Queue ``t``'s copy into a pinned buffer of the device's pool; the caller does not wait."""
     nbytes = t.numel() * wire.itemsize
-    buf = pinned_pool.acquire(nbytes)
+    buf = svc.pool.acquire(nbytes)
     host = buf[:nbytes].view(wire).view(t.shape)
-    stream = _side_stream(t.device)
-    stream.wait_stream(torch.cuda.current_stream(t.device))  # t's producers have finished
     with traced_copy("MEMCPY_D2H") as timed:
-        with torch.cuda.stream(stream), torch.no_grad():
-            src = _to_wire(t, wire)
-            host.copy_(src, non_blocking=True)
-            t.record_stream(stream)
-        ready = torch.cuda.Event()
-        ready.record(stream)  # the stager waits for it before the core reads the buffer
+        side = svc.after(svc.current())  # t's producers have finished
+        with svc.ops.on(side), torch.no_grad():
+            src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) runs on the side stream too
+        svc.ops.copy(host, src, side)
+        ready = svc.mark()  # the stager waits for it before the core reads the buffer
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
-            ready.synchronize()
-    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready)
+            svc.ops.wait_event(ready)
+    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready, svc)
 
 
 def begin(staged: Sequence[Staged], start: Callable[[], Any], name: str | None) -> Any:
     """``start()`` (which hands the staged arrays to the core and returns its handle) now when
     every array holds its values, else on the stager thread once the copies' events happened
     (the handle returned then waits for that first).  Returns the core handle or a stand-in."""
-    ready = [s.ready for s in staged if s.ready is not None]
-    if not ready:
+    waiting = [s for s in staged if s.ready is not None]
+    if not waiting:
         return start()
-    return stager.submit(staging_ops(), ready, start, name)
+    svc = waiting[0].service
+    assert svc is not None  # only a device tensor's staging has a ready event
+    return svc.start([s.ready for s in waiting], start, name)
 
 
-def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new tensor of ``dtype`` on ``device`` from a core result array in the wire dtype."""
+def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
+              service: DeviceService | None = None) -> torch.Tensor:
+    """A new tensor of ``dtype`` on ``device`` from a core result array in the wire dtype; through
+    ``service`` (default: the device's, for a CUDA device) when it goes to a device."""
     arr = np.ascontiguousarray(result)
     if not arr.flags.writeable:
         arr = arr.copy()
     host = torch.from_numpy(arr)
-    if device.type == "cuda":
+    if service is None and device.type == "cuda":
+        service = _device_service(device)
+    if service is not None:
         out = torch.empty(host.shape, dtype=dtype, device=device)
-        _copy_to_device(out, host, None)
+        _copy_to_device(service, out, host, pinned=False)
         return out
     return _from_wire(host, dtype)
 

@@ -103,6 +103,13 @@ def test_every_collective_matches_gloo_under_mp_spawn_np3():
     assert_ok(out, "collectives", 3)
 
 
+@pytest.mark.timeout(150)
+def test_the_backends_device_path_on_the_fake_device_matches_gloo_np2():
+    """Every collective and DDP training with every tensor staged through the fake device's one
+    service: gloo's results; no device wait but the stager's (tests/ddp_workers/ddp_checks.py)."""
+    assert_ok(ringcomm_run(2, str(CHECKS), "device", timeout=140), "device", 2)
+
+
 class _Rank:
     """One rank started with Slurm's variables, its output read by a thread."""
 

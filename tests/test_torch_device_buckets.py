@@ -79,7 +79,7 @@ def test_hook_queues_without_waiting_data_is_poison_until_the_event_fires_and_re
         assert time.monotonic() - started < 5
         assert ops.count("wait_event", hook_thread) == 0  # no synchronize of any kind on the hook's thread
         assert not submitted  # the stager waits for the event: nothing reached the core
-        bucket = next(iter(opt._device_buckets.values()))
+        bucket = next(iter(opt.reducer.device_buckets.values()))
         assert torch.isnan(bucket._pinned.view(torch.float32)).all()  # the copy has not happened
         ops.fire()
         opt.synchronize()
@@ -95,8 +95,8 @@ def test_hook_queues_without_waiting_data_is_poison_until_the_event_fires_and_re
 def test_one_copy_each_way_per_bucket_and_no_pinned_allocation_after_the_first_step():
     ops = device.FakeOps()
     model, opt = model_and_opt(ops, widths=(32,) * 12)  # 22 tensors, one small first bucket
-    n = len(opt._device_buckets)
-    assert n >= 1 and sum(len(k) for k in opt._device_buckets) == 22
+    n = len(opt.reducer.device_buckets)
+    assert n >= 1 and sum(len(k) for k in opt.reducer.device_buckets) == 22
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
     for step in range(3):
         before = ops.count("copy")
@@ -136,10 +136,10 @@ def test_a_resnet18_shaped_model_makes_one_core_op_per_bucket():
     with device.override(ops):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
                                        named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
-    sizes = [sum(p.numel() * 4 for p in b) for b in opt._device_buckets]
-    assert sizes[0] <= buckets.FIRST_BUCKET_BYTES or len(next(iter(opt._device_buckets))) == 1
+    sizes = [sum(p.numel() * 4 for p in b) for b in opt.reducer.device_buckets]
+    assert sizes[0] <= buckets.FIRST_BUCKET_BYTES or len(next(iter(opt.reducer.device_buckets))) == 1
     assert len(sizes) <= 4 and all(s <= buckets.BUCKET_BYTES or len(b) == 1
-                                   for s, b in zip(sizes, opt._device_buckets))
+                                   for s, b in zip(sizes, opt.reducer.device_buckets))
     calls = []
     real = rc.allreduce_async
 
@@ -154,7 +154,7 @@ def test_a_resnet18_shaped_model_makes_one_core_op_per_bucket():
         opt.step()
     finally:
         rc.allreduce_async = real
-    assert len(calls) == len(opt._device_buckets)
+    assert len(calls) == len(opt.reducer.device_buckets)
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in params)
 
 
@@ -174,7 +174,7 @@ def test_device_buckets_keep_horovod_semantics():
     with opt.skip_synchronize():
         opt.step()
     model, opt, expected = model_and_opt(ops, x=x, groups=2)
-    assert len(opt._device_buckets) == 2
+    assert len(opt.reducer.device_buckets) == 2
     model(x).square().sum().backward()
     opt.step()
     for p, g in zip(model.parameters(), expected):
@@ -194,7 +194,8 @@ def test_a_collective_on_staged_device_data_is_named_now_and_submitted_once_the_
     ready = ops.event()
     ops.record(ready, "side")  # held: not ready
     arr = np.ones(4, np.float32)
-    s = Staged(arr, torch.float32, torch.float32, torch.device("cpu"), False, None, None, ready)
+    s = Staged(arr, torch.float32, torch.float32, torch.device("cpu"), False, None, None, ready,
+               device.service(ops, torch.device("cpu")))
     names = []
     with device.override(ops):
         core = collectives._start([s], "allreduce", None, hvd.global_process_set,
@@ -250,7 +251,7 @@ def test_sparse_as_dense_gradients_get_the_reduced_values_in_a_bucket(monkeypatc
     with device.override(device.FakeOps() if kind == "device" else None):
         opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
                                        sparse_as_dense=True, op=hvd.Sum)
-    assert len(opt._host_buckets if kind == "host" else opt._device_buckets) == 1
+    assert len(opt.reducer.host_buckets if kind == "host" else opt.reducer.device_buckets) == 1
     lin(emb(torch.tensor([1, 3, 3]))).sum().backward()
     local = {n: p.grad.to_dense().clone() for n, p in named}
     opt.synchronize()

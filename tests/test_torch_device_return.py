@@ -28,7 +28,7 @@ from ringcomm_torch import device  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
-COMPLETER = "ringcomm-torch-completer"
+COMPLETER = "ringcomm-torch-device-return"
 X = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))  # the same on every rank
 
 
@@ -77,7 +77,7 @@ def counts(ops, buckets, call, thread=None):
 def test_step_only_waits_on_streams_and_each_bucket_comes_home_on_a_completer_thread():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     n = len(buckets)
     assert n == 3
     me = threading.current_thread().name
@@ -102,7 +102,7 @@ def test_step_only_waits_on_streams_and_each_bucket_comes_home_on_a_completer_th
 def test_with_views_in_place_nothing_is_packed_or_unpacked_after_the_first_step():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     n = len(buckets)
     train(model, opt, twin, twin_opt, set_to_none=False)  # the first step packs and sets up the views
     assert counts(ops, buckets, "pack") == [1] * n and counts(ops, buckets, "unpack") == [0] * n
@@ -124,7 +124,7 @@ def test_with_views_in_place_nothing_is_packed_or_unpacked_after_the_first_step(
 def test_set_to_none_between_steps_packs_again_and_the_views_come_back():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     n = len(buckets)
     for step in range(4):
         none = step % 2 == 0  # torch's default, then zeroing in place
@@ -138,7 +138,7 @@ def test_set_to_none_between_steps_packs_again_and_the_views_come_back():
 def test_a_gradient_the_user_replaced_is_packed_alone_and_becomes_a_view_again():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     train(model, opt, twin, twin_opt, set_to_none=False)
     first = next(iter(model.parameters()))
     owner = next(b for b in buckets if any(p is first for p in b.params))
@@ -166,7 +166,7 @@ def test_a_non_contiguous_parameter_keeps_its_own_gradient_and_gets_the_results_
     with device.override(ops):
         opt = hvd.DistributedOptimizer(torch.optim.SGD([w, b], lr=0.1), named_parameters=[("w", w), ("b", b)])
     twin_opt = torch.optim.SGD([tw, tb], lr=0.1)
-    (bucket,) = opt._device_buckets.values()
+    (bucket,) = opt.reducer.device_buckets.values()
     for step in range(3):
         opt.zero_grad(set_to_none=False)
         twin_opt.zero_grad(set_to_none=False)
@@ -184,7 +184,7 @@ def test_a_non_contiguous_parameter_keeps_its_own_gradient_and_gets_the_results_
 def test_backward_passes_per_step_accumulates_into_the_views():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops, backward_passes_per_step=2)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     for _ in range(3):
         train(model, opt, twin, twin_opt, set_to_none=False, passes=2)
     assert counts(ops, buckets, "pack") == [1] * len(buckets) and ops.count("unpack") == 0
@@ -193,7 +193,7 @@ def test_backward_passes_per_step_accumulates_into_the_views():
 def test_fp16_compression_keeps_its_own_gradients_and_unpacks_on_the_completer():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops, compression=hvd.Compression.fp16)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     n = len(buckets)
     me = threading.current_thread().name
     for step in range(2):
@@ -228,7 +228,7 @@ class _Gated:
 def test_the_hook_returns_while_events_are_held_and_the_results_stay_poison_until_theirs_fires(monkeypatch):
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     train(model, opt, twin, twin_opt, set_to_none=False)
     gate = threading.Event()
     real = rc.allreduce_async
@@ -331,7 +331,7 @@ def test_gradients_that_swapped_places_in_a_bucket_are_packed_from_copies():
     ops = device.FakeOps()
     model, opt, twin, twin_opt = make(ops)
     train(model, opt, twin, twin_opt, set_to_none=False)
-    bucket = next(iter(opt._device_buckets.values()))
+    bucket = next(iter(opt.reducer.device_buckets.values()))
     i, j = [k for k, p in enumerate(bucket.params) if p.dim() == 2][:2]
     names = {id(p): n for n, p in model.named_parameters()}
     twins = dict(twin.named_parameters())

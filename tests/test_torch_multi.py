@@ -76,16 +76,33 @@ def test_a_rank_lagging_50ms_does_not_slow_the_others_hooks():
     assert_all_ranks_ok(out, 2)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_the_device_test_files_pass_under_the_launcher():
     """The GPU check runs these files under the launcher at np 2 and 4; on a CPU machine their fake
     device tests run there too, so a test that only holds in one process fails here, not on a GPU."""
-    files = ["tests/test_torch_cuda.py", "tests/test_torch_device_buckets.py", "tests/test_torch_device_return.py"]
+    files = ["tests/test_torch_cuda.py", "tests/test_torch_device_buckets.py", "tests/test_torch_device_return.py",
+             "tests/test_torch_device_collectives.py"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", *files]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=80)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count(" passed") >= 2, out[-3000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("np_,setting", [(2, "1"), (3, "1"), (2, "0")], ids=["np2", "np3", "np2-off"])
+def test_buckets_reduce_on_the_device_through_the_fake_ipc(np_, setting):
+    """tests/test_torch_device_ipc.py under the launcher: bitwise alike on every rank and the pinned
+    path's results within rounding; no wait for a peer in backward; RINGCOMM_DEVICE_IPC=0 falls back."""
+    env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, "-m", "pytest", "-q",
+           "-p", "no:cacheprovider", "-o", "addopts=", "tests/test_torch_device_ipc.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("3 passed, 1 skipped") == np_, out[-3000:]
+

@@ -262,14 +262,14 @@ def test_host_buckets_follow_reverse_parameter_order_the_byte_caps_and_the_dtype
     monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, bucket_bytes=1600))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
                                    named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
-    groups = {tuple(p.numel() for p in g) for g in opt._group_of.values()}
+    groups = {tuple(p.numel() for p in g) for g in opt.reducer.group_of.values()}
     assert groups == {(7, 5), (10, 300), }  # reverse order, one dtype each; lone ones stay ungrouped
-    assert all(isinstance(b, HostBucket) for b in opt._host_buckets.values()) and len(opt._host_buckets) == 2
+    assert all(isinstance(b, HostBucket) for b in opt.reducer.host_buckets.values()) and len(opt.reducer.host_buckets) == 2
     monkeypatch.setattr(rt, "settings", dataclasses.replace(rt.settings, bucket_bytes=1 << 30))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
                                    named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
     # the first bucket is at most 1 MiB, the others at most the cap
-    assert {tuple(p.numel() for p in g) for g in opt._group_of.values()} == {(7, 5), (2000, 10, 300, 100)}
+    assert {tuple(p.numel() for p in g) for g in opt.reducer.group_of.values()} == {(7, 5), (2000, 10, 300, 100)}
 
 
 def test_objects_barrier_join():

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (7.5 minutes on one H200 when it also ran the bound at batch 256 and
-# two training jobs in the threads step, since dropped): the CUDA tests under ringcomm-run at
-# np 1, 2 and 4, then `bench training --device cuda` (resnet18, batch 64 and 256: ringcomm_torch vs
-# DDP on gloo vs DDP on the "ringcomm" backend, alternating rounds; at batch 64 also the bound of
-# independent processes), `bench allreduce --device cuda` (vs gloo), the shared-memory allreduce
-# of host arrays on 1 thread per rank vs 4, and three ringcomm_torch
+# The GPU checks in one run (about 8 minutes on one H200): the CUDA tests (and the fake-device
+# tests of the same paths) under ringcomm-run at np 1, 2 and 4, then `bench training --device cuda`
+# (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on gloo vs DDP on
+# the "ringcomm" backend vs the bound of independent processes with no exchange, alternating
+# rounds), `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs gloo), a
+# SyncBatchNorm training step against a BatchNorm one, the shared-memory allreduce of host arrays
+# on 1 thread per rank vs 4, and three ringcomm_torch
 # steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default:
-# ./gpu-check-out): six files, the benches' raw numbers packed in one archive.  summary.txt starts
+# ./gpu-check-out): seven files, the benches' raw numbers packed in one archive.  summary.txt starts
 # with the machine and grows after each step, so a run cut short still tells what it measured.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
@@ -46,7 +47,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
     >"$SUMMARY" 2>&1
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py
-       tests/test_torch_device_return.py)
+       tests/test_torch_device_return.py tests/test_torch_device_collectives.py tests/test_torch_device_ipc.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
     step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
@@ -56,14 +57,19 @@ for np in 1 2 4; do  # one log for the three
 done
 grep -h "^===\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 20 >>"$SUMMARY"
 
-for batch in 64 256; do
-    setups=(ddp ddp_ringcomm ringcomm)
-    [ "$batch" = 64 ] && setups+=(independent)
-    step "training-b$batch" 200 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
-        --steps 20 --warmup 5 --repeats 3 --setups "${setups[@]}" --no-plot --out-dir "$RAW" \
+for batch in 64 256; do  # the four setups side by side in one run, rounds alternating
+    step "training-b$batch" 260 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
+        --steps 20 --warmup 5 --repeats 3 --setups ddp ddp_ringcomm ringcomm independent --no-plot --out-dir "$RAW" \
         --json "$RAW/training-b$batch.json"
     grep -h "img/s\|^| \|per round" "$OUT/training-b$batch.log" >>"$SUMMARY"
 done
+
+# DistributedOptimizer through pinned host memory (RINGCOMM_DEVICE_IPC=0) beside the runs above, which
+# reduce on the GPU through CUDA IPC (two ranks share the GPU)
+RINGCOMM_DEVICE_IPC=0 step training-b64-pinned 120 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch 64 \
+    --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" --json "$RAW/training-b64-pinned.json"
+{ echo "RINGCOMM_DEVICE_IPC=0:"; grep -h "img/s\|^| " "$OUT/training-b64-pinned.log"; } >>"$SUMMARY"
+mv "$OUT/training-b64-pinned.log" "$RAW/"
 
 # where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
 # summary counts synchronizes and copies per thread and lists the costliest ops; the trace stays
@@ -77,6 +83,55 @@ cat "$RAW/profile-b64.json" >>"$SUMMARY" 2>/dev/null
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
+
+# a training step with hvd.SyncBatchNorm against the same step with torch's BatchNorm2d: two ranks on
+# one GPU, a conv net at batch 64, DistributedOptimizer, alternating rounds; every rank's running
+# statistics must agree after the SyncBatchNorm steps
+cat >"$RAW/syncbn_step.py" <<'PYEOF'
+import time
+
+import torch
+import ringcomm_torch as hvd
+
+hvd.init()
+torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+
+
+def net(norm):
+    torch.manual_seed(0)
+    layers = []
+    for cin, cout in ((3, 32), (32, 64), (64, 64)):
+        layers += [torch.nn.Conv2d(cin, cout, 3, padding=1), norm(cout), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(64, 10)).cuda()
+
+
+def timed(model, steps=20, warmup=5):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(64, 3, 32, 32, device="cuda") + hvd.rank()
+    y = torch.randint(0, 10, (64,), device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+plain, synced = net(torch.nn.BatchNorm2d), net(hvd.SyncBatchNorm)
+rounds = [(timed(plain), timed(synced)) for _ in range(3)]
+stats = hvd.allgather(synced[1].running_mean.unsqueeze(0))
+assert all(torch.allclose(stats[0], row) for row in stats), "SyncBatchNorm running means differ between ranks"
+if hvd.rank() == 0:
+    for bn, sbn in rounds:
+        print(f"syncbn: BatchNorm2d {bn:.2f} ms/step, SyncBatchNorm {sbn:.2f} ms/step, ratio {sbn / bn:.2f}")
+PYEOF
+step syncbn 120 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" "$RAW/syncbn_step.py"
+grep -h "syncbn:\|Error\|error" "$OUT/syncbn.log" | tail -n 6 >>"$SUMMARY"
 
 # the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS;
 # the default takes 4 with 2 ranks on 16 cores), host arrays, alternating twice

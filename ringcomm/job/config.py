@@ -70,6 +70,10 @@ class Settings:
     #: early), filled in reverse parameter order (the order backward produces them); each bucket
     #: starts its reduction once all its gradients are ready.  0: one op per parameter.
     bucket_bytes: int = 25 * 1024 * 1024
+    #: DistributedOptimizer's CUDA buckets, in a job whose ranks all share one host and whose GPUs are
+    #: one or have peer access: reduced on the GPUs through CUDA IPC, each rank summing its shard of
+    #: every rank's bucket (``ringcomm_torch/device_ipc.py``); 0: always through pinned host memory.
+    device_ipc: bool = True
     #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
     cycle_time: float = 0.0
     #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments

@@ -1,7 +1,8 @@
 """The ``"ringcomm"`` process group: torch.distributed's collectives on ringcomm's engine.
 
 Every collective stages its tensors as host arrays (:mod:`ringcomm_torch.tensors`: a
-contiguous CPU tensor *is* the array, no copy; CUDA tensors go through pinned buffers),
+contiguous CPU tensor *is* the array, no copy; CUDA tensors go through the pinned buffers
+and side stream of their device's one service, :mod:`ringcomm_torch.device`),
 submits them to the core under a name counted per group (every rank calls a group's
 collectives in the same order, as torch requires), and returns a
 :class:`~.work.RingcommWork` that completes when the core's handles do.
@@ -111,7 +112,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _start(self, what: str, submit: Callable[[], list[Any]], finish: Callable[[list[Any]], Any],
                staged: Sequence[Staged] = ()) -> RingcommWork:
-        """Submit the core ops (``submit`` returns their handles); the work completes with ``finish``."""
+        """Submit the core ops (``submit`` returns their handles); the work completes with ``finish``.
+
+        Device tensors go through their device's service (:mod:`ringcomm_torch.device`): the
+        results are copied home on its side stream, ordered before later work of the stream that
+        is current here, at the call (the completer thread's own stream is another)."""
+        for s in staged:
+            if s.service is not None:
+                s.consumer = s.service.current()
         ready = [s.ready for s in staged if s.ready is not None]
         try:
             # CUDA tensors: the stager submits once their copies to the host are done (the names

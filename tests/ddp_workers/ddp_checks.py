@@ -9,7 +9,8 @@ with ``init_method="tcp://..."``, or with Slurm's variables (``SLURM_PROCID``, `
 and ``init_method="tcp://MASTER_ADDR:MASTER_PORT"``, as Slurm scripts do.  Prints ``MODE OK rank=R`` when every check passed.
 
 Modes: ``equiv`` (DDP 20 steps on both backends from the same seed: parameters within 1e-6),
-``collectives`` (every collective against gloo or NumPy), ``hooks`` (fp16/bf16 compression and
+``collectives`` (every collective against gloo or NumPy), ``device`` (the collectives and DDP
+through the fake device, checking where the device work is queued and waited for), ``hooks`` (fp16/bf16 compression and
 PowerSGD comm hooks), ``train`` (trains until killed: prints ``STEP n``; a failure prints
 ``CAUGHT`` with the error and exits 3), ``monitored`` (rank 1 arrives late at a monitored barrier).
 """
@@ -186,6 +187,26 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
         dist.barrier()
 
 
+def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
+    """The backend's device path, on the fake device (every tensor a device tensor): every collective
+    and DDP training give gloo's results; the calling thread (and autograd's, which runs DDP's
+    hooks) only queues device work, and the stager waits for the copies to the host."""
+    import threading
+
+    from ringcomm_torch import device
+
+    ops = device.FakeOps()
+    with device.override(ops):
+        check_collectives(rank, gloo)
+        check_equiv(rank, gloo)
+    waited = {t for c, t in ops.calls if c == "wait_event"}
+    assert waited == {"ringcomm-torch-stager"}, f"rank {rank}: device waits on threads {waited}"
+    here = [c for c, t in ops.calls if t == threading.current_thread().name]
+    assert here.count("copy") > 50 and here.count("stream_wait") > 50, f"rank {rank}: {len(here)} calls here"
+    home = ops.count("copy", "ringcomm-torch-completer")  # the results, queued as each op completes
+    assert home > 50, f"rank {rank}: {home} copies home on the backend's completer"
+
+
 def check_hooks(rank: int, gloo: dist.ProcessGroup) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -261,6 +282,8 @@ def main(rank: int, mode: str, init_method: str | None = None, world: int | None
             check_collectives(rank, gloo)
         elif one == "hooks":
             check_hooks(rank, gloo)
+        elif one == "device":
+            check_device(rank, gloo)
         elif one == "train":
             run_train(rank)
         elif one == "monitored":

@@ -29,7 +29,7 @@ def main() -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), groups=30)
     submits: list[float] = []
-    original = opt._submit_group
+    original = opt.reducer.submit_group
 
     def timed(group):  # how long each submit (a hook's work) keeps the autograd thread
         start = time.perf_counter()
@@ -38,7 +38,7 @@ def main() -> None:
         finally:
             submits.append(time.perf_counter() - start)
 
-    opt._submit_group = timed
+    opt.reducer.submit_group = timed
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     backward: list[float] = []
     slowest: list[float] = []  # per step, the slowest submit

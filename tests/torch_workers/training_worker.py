@@ -92,14 +92,14 @@ def check_device_buckets(sgd: Callable) -> None:
     ops = device.FakeOps()
     opt = check_equivalence(sgd, "device buckets (fake device)", steps=6, ops=ops, groups=2,
                             set_to_none=lambda step: step % 3 == 0)
-    buckets = list(opt._device_buckets.values())
+    buckets = list(opt.reducer.device_buckets.values())
     assert len(buckets) == 2 and all(all(b.views()) for b in buckets), f"rank {R}: gradients are not bucket views"
     packs = [ops.count("pack", buffer=b._flat) for b in buckets]
     assert packs == [2, 2] and ops.count("unpack") == 0, f"rank {R}: packs {packs}, unpacks {ops.count('unpack')}"
     ops = device.FakeOps()
     opt = check_equivalence(sgd, "device buckets, fp16 (fake device)", tol=1e-2, steps=3, ops=ops,
                             compression=hvd.Compression.fp16)
-    assert ops.count("unpack", "ringcomm-torch-completer") == 3 * len(opt._device_buckets)
+    assert ops.count("unpack", "ringcomm-torch-device-return") == 3 * len(opt.reducer.device_buckets)
 
 
 def check_unused_parameter() -> None:
