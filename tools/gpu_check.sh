@@ -29,6 +29,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's code wins over an installed copy
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# the buckets reduce on the GPU through CUDA IPC in every step but the pinned comparison (off by default)
+export RINGCOMM_DEVICE_IPC=1
 
 STATUS=()
 SUMMARY="$OUT/summary.txt"

@@ -73,7 +73,8 @@ class Settings:
     #: DistributedOptimizer's CUDA buckets, in a job whose ranks all share one host and whose GPUs are
     #: one or have peer access: reduced on the GPUs through CUDA IPC, each rank summing its shard of
     #: every rank's bucket (``ringcomm_torch/device_ipc.py``); 0: always through pinned host memory.
-    device_ipc: bool = True
+    #: Off by default until the path has been measured on GPUs (the fake device checks its logic).
+    device_ipc: bool = False
     #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
     cycle_time: float = 0.0
     #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments
