@@ -182,25 +182,25 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
     with refusing("allreduce", cname, process_set):
         op = resolve_op(op, average, stacklevel=4)  # the warning names the caller of allreduce_async
         s = stage(tensor, reduce=True, what=what)
-    in_place = output is tensor
-    if not in_place and s.direct:
-        # the staged array aliases the caller's tensor: reduce into a fresh tensor instead
-        result_t = empty_result(tensor)
-        out = result_t.numpy()
-
-        def finish(_raw: Any) -> torch.Tensor:
-            return result_t
-    else:
-        out = s.array  # a private staging copy (or the tensor itself, in place)
-        target = tensor if in_place else None
-
-        def finish(_raw: Any) -> torch.Tensor:
-            dest = target if target is not None else empty_result(tensor)
-            return s.write_back(dest)
+    out, result = _reduced_into(tensor, s, output is tensor)
     core = _start([s], "allreduce", cname, process_set,
                   lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, out=out, process_set=process_set))
-    return Handle("allreduce", name, core, finish, s.release, s.array.nbytes)
+    return Handle("allreduce", name, core, lambda _raw: result(), s.release, s.array.nbytes)
+
+
+def _reduced_into(tensor: torch.Tensor, s: Staged, in_place: bool) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:
+    """Where the core writes ``tensor``'s reduced values, and what then gives the torch result.
+
+    In place, or from a private staging copy (non-contiguous, bfloat16, CUDA): into the staged
+    array, then copied back where it is not the tensor itself.  Out of place from the tensor's own
+    memory: straight into the new result tensor, so that nothing is copied afterwards."""
+    if not in_place and s.direct:
+        result_t = empty_result(tensor)
+        return result_t.numpy(), lambda: result_t
+    if in_place:
+        return s.array, lambda: s.write_back(tensor)
+    return s.array, lambda: s.write_back(empty_result(tensor))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -250,31 +250,22 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
     by_dtype: dict[str, list[int]] = {}
     for i, s in enumerate(staged):
         by_dtype.setdefault(s.array.dtype.name, []).append(i)
-    order = [i for dt in sorted(by_dtype) for i in by_dtype[dt]]
     names = dict(zip(sorted(by_dtype), _group_names(base, sorted(by_dtype))))
-    # in place, the core writes straight into the staged arrays (the tensors themselves when they
-    # are contiguous in the wire dtype): no result arrays to allocate and nothing to copy back
+    # the core writes each result where _reduced_into says: in place, the staged arrays (the
+    # tensors themselves when contiguous in the wire dtype); out of place, new result tensors
+    targets = [_reduced_into(t, s, in_place) for t, s in zip(tensors, staged)]
+
     def sub(dt: str) -> Any:
         arrays = [staged[i].array for i in by_dtype[dt]]
+        outs = [targets[i][0] for i in by_dtype[dt]]
         return _start([staged[i] for i in by_dtype[dt]], "grouped_allreduce", names[dt], process_set,
                       lambda nm: _rc.grouped_allreduce_async(arrays, op=op, name=nm, prescale_factor=prescale_factor,
-                                                             postscale_factor=postscale_factor,
-                                                             outs=arrays if in_place else None,
+                                                             postscale_factor=postscale_factor, outs=outs,
                                                              process_set=process_set))
-    subs = [sub(dt) for dt in sorted(by_dtype)]
-    core = Several(subs)
+    core = Several([sub(dt) for dt in sorted(by_dtype)])
 
-    def finish(raw: Any) -> list[torch.Tensor]:
-        if in_place:
-            return [s.write_back(t) for t, s in zip(tensors, staged)]
-        flat = [r for sub in raw for r in sub]
-        by_index = dict(zip(order, flat))
-        outs = []
-        for i, (t, s) in enumerate(zip(tensors, staged)):
-            r = by_index[i]
-            dest = t if in_place else empty_result(t)
-            outs.append(s.write_back(dest, np.asarray(r)))
-        return outs
+    def finish(_raw: Any) -> list[torch.Tensor]:
+        return [result() for _, result in targets]
     return Handle("allreduce", name, core, finish, _release_all(staged), _nbytes(staged))
 
 

@@ -43,6 +43,7 @@ from ringcomm.errors import InvalidTypeError
 from ringcomm.core.ops import SUPPORTED_DTYPES
 
 from .device import DeviceService, cuda_ops, service, service_for
+from .host_memory import empty_host
 
 __all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "check_dtype", "check_stageable",
            "stageable_dtype"]
@@ -213,8 +214,10 @@ class Staged:
         if self.service is not None:
             _copy_to_device(self.service, target, host, pinned=result is None, consumer=self.consumer)
         else:
+            if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
+                host = host.view(torch.bfloat16)  # bits; any other dtype change happens in copy_
             with torch.no_grad():
-                target.copy_(_from_wire(host, target.dtype))
+                target.copy_(host)
         return target
 
     def to_tensor(self, result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
@@ -275,11 +278,21 @@ def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
     wire = wire_dtype(t.dtype, reduce)
     svc = service_for(t)
     if svc is None:
-        host = _to_wire(t, wire)
-        # contiguous and either the same dtype or bfloat16 bits viewed as int16: same memory
-        direct = t.is_contiguous() and (wire is t.dtype or wire is torch.int16 and t.dtype is torch.bfloat16)
-        return Staged(host.numpy(), t.dtype, wire, t.device, direct, None, host)
+        return _stage_host(t, wire)
     return _stage_device(svc, t, wire)
+
+
+def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
+    """A CPU tensor: its own memory when contiguous in the wire dtype (bfloat16 bits viewed as
+    int16 count), else one copy, converted as it goes, into a new host tensor."""
+    src = t.detach()
+    if wire is torch.int16 and src.dtype is torch.bfloat16:
+        src = src.view(torch.int16)  # the bits, whatever the strides
+    if src.dtype is wire and src.is_contiguous():
+        return Staged(src.numpy(), t.dtype, wire, t.device, True, None, src)
+    host = empty_host(src.shape, wire)
+    host.copy_(src)
+    return Staged(host.numpy(), t.dtype, wire, t.device, False, None, host)
 
 
 def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Staged:
@@ -328,5 +341,8 @@ def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
 
 
 def empty_result(like: torch.Tensor) -> torch.Tensor:
-    """A new contiguous tensor with ``like``'s shape, dtype and device (for out-of-place results)."""
+    """A new contiguous tensor with ``like``'s shape, dtype and device (for out-of-place results);
+    on the CPU advised for huge pages (:mod:`.host_memory`): the core writes into it first."""
+    if like.device.type == "cpu":
+        return empty_host(like.shape, like.dtype)
     return torch.empty_like(like, memory_format=torch.contiguous_format)

@@ -46,6 +46,24 @@ def test_collectives_gradients_errors_optimizer_and_broadcast_state(np_):
     assert_all_ranks_ok(run_job(np_, WORKERS / "all_checks.py", timeout=140), np_)
 
 
+def _peak_memory_resettable() -> bool:
+    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_large_single_tensors_values_and_what_they_allocate(np_):
+    """4-40 MiB tensors: Horovod's arithmetic (Average, prescale/postscale, half, bfloat16, integers),
+    broadcast from the last rank, allgather, grouped, a gradient; in-place ops hand back the same
+    storage, and the peak resident memory of an op grows by one result at most
+    (tests/torch_workers/large_tensors_worker.py)."""
+    rss = _peak_memory_resettable()
+    out = run_job(np_, WORKERS / "large_tensors_worker.py", *(["rss"] if rss else []), timeout=140)
+    assert_all_ranks_ok(out, np_)
+    if not rss:
+        pytest.skip("values checked; the peak-memory bound needs a writable /proc/self/clear_refs (Linux)")
+
+
 @pytest.mark.timeout(120)
 def test_digits_example_converges():
     pytest.importorskip("sklearn")
