@@ -48,8 +48,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 { nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, torch.cuda.get_device_name(0))'; } \
     >"$SUMMARY" 2>&1
 
-TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/test_torch_cuda.py tests/test_torch_device_buckets.py
-       tests/test_torch_device_return.py tests/test_torch_device_collectives.py tests/test_torch_device_ipc.py)
+TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/torch/test_cuda.py tests/torch/test_device_buckets.py
+       tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py)
 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
     step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"

@@ -13,8 +13,8 @@ import pytest
 
 from _tools import HERE, PYTHON, env, free_port, module_missing, results, run
 
-LIGHTNING_JOB = str(HERE / "lightning_job.py")
-ACCELERATE_JOB = str(HERE / "accelerate_job.py")
+LIGHTNING_JOB = str(HERE.parent / "workers" / "lightning_job.py")
+ACCELERATE_JOB = str(HERE.parent / "workers" / "accelerate_job.py")
 
 #: Seconds a killed rank may take to end the whole job, counted from the line the rank prints before it dies.
 KILL_BOUND_S = 10.0

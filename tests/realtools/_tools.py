@@ -17,7 +17,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-WORKER = str(HERE / "job_worker.py")
+WORKER = str(HERE.parent / "workers" / "realtools_job_worker.py")
 
 
 def tool_missing(tool: str, package: str, which: Callable[[str], str | None] = shutil.which) -> str | None:

@@ -3,7 +3,7 @@
 Accelerate creates its process group itself and refuses every CPU backend but gloo and mpi
 (``InitProcessGroupKwargs(backend="ringcomm")`` raises), but it adopts a group that exists:
 ``dist.init_process_group("ringcomm")`` before ``Accelerator(cpu=True)``.  Every job
-(tests/realtools/accelerate_job.py) checks ``gather``, ``reduce`` and ``wait_for_everyone`` and
+(tests/workers/accelerate_job.py) checks ``gather``, ``reduce`` and ``wait_for_everyone`` and
 trains the same net from one seed; here its parameters are compared with a gloo job's, under
 ``accelerate launch``, torchrun and ringcomm-run.
 """

@@ -1,6 +1,6 @@
 """PyTorch Lightning on the "ringcomm" backend, with the real package: DDPStrategy(process_group_backend="ringcomm").
 
-Every job (tests/realtools/lightning_job.py) trains the same net from one seed and checks
+Every job (tests/workers/lightning_job.py) trains the same net from one seed and checks
 ``self.log(..., sync_dist=True)``, ``all_gather``, a checkpoint saved, restored in
 ``trainer.test`` and resumed in ``fit``; here its parameters are compared with a gloo job's,
 under ringcomm-run, torchrun and Lightning's own start of the ranks (``devices=N``, no launcher).

@@ -71,7 +71,7 @@ def test_lightning_under_srun_matches_gloo(cluster: SlurmCluster, tmp_path: Path
     for backend in ("ringcomm", "gloo"):
         out = tmp_path / backend
         out.mkdir()
-        proc = run(["srun", "--mpi=none", "-N", "1", "--ntasks-per-node", "2", PYTHON, str(HERE / "lightning_job.py"),
+        proc = run(["srun", "--mpi=none", "-N", "1", "--ntasks-per-node", "2", PYTHON, str(HERE.parent / "workers" / "lightning_job.py"),
                     "--devices", "2", "--backend", backend, "--out", str(out)], timeout=100,
                    env=cluster.env(env(OMP_NUM_THREADS="1")), cwd=tmp_path)
         both = f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{proc.stderr[-5000:]}"

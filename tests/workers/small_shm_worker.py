@@ -1,4 +1,4 @@
-"""Worker for tests/test_small_shm.py: collectives of many sizes and a small training loop, checked exactly.
+"""Worker for tests/jobs/test_small_shm.py: collectives of many sizes and a small training loop, checked exactly.
 
 Usage: ``small_shm_worker.py [--torch] [--no-ring-on-rank R] [--repeat K] [--pause S] BYTES...``
 

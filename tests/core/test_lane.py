@@ -1,0 +1,216 @@
+"""The small-op lane's decisions and arithmetic, in memory (no processes, no shared memory).
+
+What must hold for the lane to be safe: every rank resolves an index the same
+way, whatever it has seen so far (a divert seen early stays a divert once every
+entry is in; fast needs every entry); the key ignores only what may differ
+between ranks; and a fast result is bitwise the same on every rank and the same
+as rank 0's small path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ringcomm.core import lane, ops, wire
+from ringcomm.core.ops import ReduceOp
+from ringcomm.core.service import Service
+
+pytestmark = pytest.mark.pure
+
+
+# -- decide ------------------------------------------------------------------------------
+
+entry = st.builds(lambda fast, key, off: (fast, key, off), st.booleans(), st.integers(0, 2), st.booleans())
+
+
+def seen_all(entries):
+    return [lane.Seen(True, off, fast, key, 0) for fast, key, off in entries]
+
+
+@given(st.lists(entry, min_size=1, max_size=6), st.data())
+def test_every_rank_resolves_an_index_alike_and_early_diverts_stand(entries, data):
+    full = seen_all(entries)
+    # each rank decides with its own key; when all entries are in, they must all agree
+    verdicts = {lane.decide(key, full) for fast, key, off in entries if fast}
+    assert len(verdicts) <= 1
+    if verdicts:
+        (verdict,) = verdicts
+        keys = {key for _, key, _ in entries}
+        assert verdict == (lane.FAST if all(f for f, _, _ in entries) and len(keys) == 1 else lane.DIVERT)
+        # a rank that has seen only some entries (the rest not posted, not off) either waits or
+        # diverts; a divert then must be the final verdict
+        shown = data.draw(st.lists(st.booleans(), min_size=len(entries), max_size=len(entries)))
+        partial = [s if show else lane.Seen(False, False, False, 0, 0) for s, show in zip(full, shown)]
+        mine = next(key for fast, key, _ in entries if fast)
+        early = lane.decide(mine, partial)
+        assert early in (lane.WAIT, verdict) if not all(shown) else early == verdict
+        if early == lane.DIVERT:
+            assert verdict == lane.DIVERT
+
+
+def test_a_rank_that_posts_no_more_makes_the_index_divert_but_its_posted_entries_still_count():
+    mine = lane.Seen(True, False, True, 5, 8)
+    assert lane.decide(5, [mine, lane.Seen(False, True, False, 0, 0)]) == lane.DIVERT
+    assert lane.decide(5, [mine, lane.Seen(False, False, False, 0, 0)]) == lane.WAIT
+    assert lane.decide(5, [mine, lane.Seen(True, True, True, 5, 8)]) == lane.FAST
+
+
+@pytest.mark.parametrize(("count", "index", "expected"), [(5, 4, True), (4, 4, False), (0, 2**32 - 1, True),
+                                                         (2**32 - 1, 2**32 - 1, False), (3, 2**32 + 1, True)])
+def test_post_counters_wrap_at_32_bits(count, index, expected):
+    assert lane.reached(count, index) is expected
+
+
+# -- keys and eligibility ----------------------------------------------------------------
+
+
+def req(**kw):
+    base = dict(name="x", kind=wire.ALLREDUCE, dtype="float32", shapes=((4,),), op=int(ReduceOp.SUM))
+    base.update(kw)
+    return wire.Request(**base)
+
+
+def test_the_key_holds_everything_ranks_must_share_and_an_allgathers_rows_may_differ():
+    k = lane.op_key(req())
+    assert k == lane.op_key(req()) and 0 <= k < 2**63
+    for change in (dict(name="y"), dict(dtype="float64"), dict(shapes=((5,),)), dict(op=int(ReduceOp.MAX)),
+                   dict(prescale=2.0), dict(postscale=0.5), dict(kind=wire.BROADCAST, root=1)):
+        assert lane.op_key(req(**change)) != k, change
+    g = dict(kind=wire.ALLGATHER, op=0)
+    assert lane.op_key(req(shapes=((1, 3),), **g)) == lane.op_key(req(shapes=((7, 3),), **g))
+    assert lane.op_key(req(shapes=((1, 3),), **g)) != lane.op_key(req(shapes=((1, 4),), **g))
+
+
+def test_what_a_rank_asks_to_run_fast():
+    a = [np.zeros(4, np.float32)]
+    assert lane.eligible(req(), a, 0, 16) and not lane.eligible(req(), a, 0, 15)
+    assert not lane.eligible(req(pset=1), a, 0, 1 << 20)
+    assert not lane.eligible(req(op=int(ReduceOp.ADASUM)), a, 0, 1 << 20)
+    assert not lane.eligible(req(refused="rank 1: bad"), a, 0, 1 << 20)
+    assert not lane.eligible(req(kind=wire.ALLTOALL), a, 0, 1 << 20)
+    assert lane.eligible(req(kind=wire.BARRIER, shapes=()), [], 0, 1)
+    # a broadcast posts the root's buffer only, but every rank checks that it fits
+    b = req(kind=wire.BROADCAST, root=1)
+    assert lane.payload_nbytes(b, a, 0) == 0 and lane.payload_nbytes(b, a, 1) == 16
+    assert not lane.eligible(b, a, 0, 15)
+    # rows of zero bytes: the payloads could not say how many rows each rank sent
+    assert not lane.eligible(req(kind=wire.ALLGATHER, shapes=((2, 0),)), [np.zeros((2, 0))], 0, 1 << 20)
+
+
+# -- results -----------------------------------------------------------------------------
+
+FLOATS = ["float16", "float32", "float64"]
+
+
+@given(st.integers(1, 5), st.sampled_from(FLOATS + ["int32", "uint8", "bool"]),
+       st.sampled_from(list(ReduceOp)), st.integers(0, 40), st.sampled_from([1.0, 0.5, 3.0]),
+       st.sampled_from([1.0, 0.25]), st.integers(0, 2**31))
+def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size, dtype, op, n, pre, post, seed):
+    if op is ReduceOp.ADASUM or (dtype == "bool" and op is ReduceOp.AVERAGE):
+        return
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        arrays = [rng.integers(0, 2, n).astype(bool) for _ in range(size)]
+    elif dtype in FLOATS:
+        arrays = [rng.standard_normal(n).astype(dtype) for _ in range(size)]
+    else:
+        arrays = [rng.integers(0, 50, n).astype(dtype) for _ in range(size)]
+    r = req(dtype=dtype, shapes=((n,),), op=int(op), prescale=pre, postscale=post)
+    parts = [a.view(np.uint8).view(lane.dtype_of(r)) for a in arrays]  # as the lane reads them: raw bytes, typed
+    before = [a.tobytes() for a in arrays]
+    results = [lane.finish(r, [arrays[i]], [None], False, parts, size) for i in range(size)]
+    assert [a.tobytes() for a in arrays] == before  # the posted payloads are left as they are
+    for res in results:
+        assert res.dtype == np.dtype(dtype) and res.shape == (n,)
+        assert res.tobytes() == results[0].tobytes()
+    # reduced into the caller's buffer (here in place: the buffer is the rank's input): the same bytes
+    mine = arrays[0].copy()
+    assert lane.finish(r, [mine], [mine], False, parts, size) is mine
+    assert mine.tobytes() == results[0].tobytes()
+    # rank 0's small path through the service, fed the same payloads
+    svc = Service(size, b"s" * 32, 1 << 26, 1 << 20, 0)
+    reference = _service_reduce(svc, r, arrays)
+    assert results[0].tobytes() == reference.tobytes()
+    # and a plain left fold says the same
+    if dtype in FLOATS and op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        acc = None
+        for a in arrays:
+            c = a.copy()
+            ops.scale_inplace(c, pre)
+            acc = c if acc is None else acc + c
+        ops.scale_inplace(acc, ops.postscale(op, size, post))
+        assert acc.tobytes() == results[0].tobytes()
+
+
+def _service_reduce(svc, r, arrays):
+    """What the service's small path computes for these per-rank arrays (its private step, fed directly)."""
+    size = len(arrays)
+    resp = wire.Response(kind=wire.ALLREDUCE, names=(r.name,), dtype=r.dtype, numels=(arrays[0].size,), op=r.op,
+                         prescale=r.prescale, postscale=r.postscale)
+    svc._local[(0, r.name)] = [arrays[0]]  # noqa: SLF001 - rank 0's own contribution, as submit_local keeps it
+    payloads = [{rank: arrays[rank].tobytes() for rank in range(1, size)}]
+    done = svc._reduce(resp, tuple(range(size)), payloads)  # noqa: SLF001
+    return np.frombuffer(done.data, dtype=r.dtype)
+
+
+def test_fast_broadcast_allgather_barrier_and_grouped_results():
+    a = np.arange(6, dtype=np.int64).reshape(2, 3)
+    two_d = req(dtype="int64", shapes=((2, 3),), op=int(ReduceOp.SUM))
+    out2 = np.empty_like(a)  # a 2-D out= is reduced into through a flat view of it
+    flat = a.reshape(-1)
+    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2) is out2 and (out2 == 2 * a).all()
+    zeros = np.zeros_like(a)
+    b = req(kind=wire.BROADCAST, dtype="int64", shapes=((2, 3),), root=1, op=0)
+    parts = [np.zeros(0, np.int64), a.reshape(-1)]
+    assert (lane.finish(b, [zeros], [None], False, parts, 2) == a).all()
+    out = np.empty_like(a)
+    assert lane.finish(b, [zeros], [out], False, parts, 2) is out and (out == a).all()
+    g = req(kind=wire.ALLGATHER, dtype="int64", shapes=((1, 3),), op=0)
+    rows = [a[:1], a[1:], np.zeros((0, 3), np.int64)]
+    got = lane.finish(g, [rows[0]], [None], False, [r.reshape(-1) for r in rows], 3)
+    assert got.shape == (2, 3) and (got == a).all()
+    assert lane.finish(req(kind=wire.BARRIER, shapes=()), [], [], False, [np.zeros(0, np.uint8)] * 2, 2) is None
+    x, y = np.ones(3, np.float32), np.full(2, 2.0, np.float32)
+    grouped = req(shapes=((3,), (2,)))
+    flat = np.concatenate([x, y])
+    res = lane.finish(grouped, [x, y], [None, None], True, [flat] * 2, 2)
+    assert [r.tolist() for r in res] == [[2, 2, 2], [4, 4]]
+
+
+def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
+    from ringcomm.job.config import Settings
+    from ringcomm.errors import InvalidInputError
+
+    s = Settings()
+    assert [s.shm_lane_bytes_for(n) for n in (2, 3, 4, 8, 16, 64, 4096)] == [
+        2 << 20, 1398101, 1 << 20, 512 << 10, 256 << 10, 64 << 10, 64 << 10]
+    for n in range(2, 65):  # 4 entries per rank
+        assert 4 * n * s.shm_lane_bytes_for(n) <= 16 << 20
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "4096"}).shm_lane_bytes_for(64) == 4096
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "0"}).shm_lane_bytes_for(2) == 0
+    with pytest.raises(InvalidInputError, match="by job size"):
+        Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "-2"})
+
+
+def test_the_lane_across_hosts_is_off_by_default_and_by_job_size_when_asked_for() -> None:
+    from ringcomm.job.config import Settings
+    from ringcomm.errors import InvalidInputError
+
+    assert Settings().net_lane_bytes_for(2) == 0
+    sized = Settings.from_env({"RINGCOMM_NET_LANE_BYTES": "-1"})
+    # each rank sends every payload to each of the others: the bound shrinks with the size, off past 8
+    assert [sized.net_lane_bytes_for(n) for n in (1, 2, 4, 8, 9, 64)] == [0, 64 << 10, 32 << 10, 16 << 10, 0, 0]
+    assert Settings.from_env({"RINGCOMM_NET_LANE_BYTES": "4096"}).net_lane_bytes_for(64) == 4096
+    for bad in ("-2", str(4 * 1024 * 1024 + 1)):
+        with pytest.raises(InvalidInputError, match="RINGCOMM_NET_LANE_BYTES must be between 0"):
+            Settings.from_env({"RINGCOMM_NET_LANE_BYTES": bad})
+
+
+def test_still_missing_lists_the_ranks_not_yet_posted_and_gives_up_at_a_mismatch() -> None:
+    assert lane.still_missing([1, 2, 3], [-1, 8, -1]) == [1, 3]
+    assert lane.still_missing([1, 2], [4, 8]) == []
+    assert lane.still_missing([1, 2, 3], [-1, None, -1]) is None
+    assert lane.still_missing([], []) == []

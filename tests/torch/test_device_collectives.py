@@ -1,0 +1,222 @@
+"""The per-tensor collectives' device path (``hvd.allreduce``, ``allgather``, ``broadcast``,
+``alltoall``, ``reducescatter``; sync, async and grouped), run on CPU through the fake device.
+
+Under ``device.override(FakeOps())`` every tensor is a device tensor of one
+:class:`~ringcomm_torch.device.DeviceService`: staged into a pinned buffer of its pool by one
+copy on its side stream after an event of the current stream, handed to the core by the stager
+once the copy's event fired, and copied home on the side stream with the current stream waiting
+for it.  The fake records each call with its thread and, while held, keeps events not ready and
+the copies' destinations NaN.  Runs alone or under the launcher (test_torch_jobs.py, np 2).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ringcomm as rc  # noqa: E402
+import ringcomm_torch as hvd  # noqa: E402
+from ringcomm_torch import device  # noqa: E402
+from ringcomm_torch.device_threads import RETURN_THREADS, STAGER_THREAD, returns  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    yield
+
+
+def mine(n: int = 6, dtype=torch.float32) -> torch.Tensor:
+    """This rank's values: ``arange(n) + rank``."""
+    return (torch.arange(n, dtype=torch.float32) + hvd.rank()).to(dtype)
+
+
+def summed(n: int = 6) -> torch.Tensor:
+    """Every rank's :func:`mine`, summed."""
+    size = hvd.size()
+    return torch.arange(n, dtype=torch.float32) * size + size * (size - 1) / 2
+
+
+def only_queued_here(ops: device.FakeOps, mark: int) -> list[str]:
+    """The calls this thread made since ``mark``."""
+    me = threading.current_thread().name
+    return [c for c, t in ops.calls[mark:] if t == me]
+
+
+def test_every_collective_on_the_device_gives_the_host_results_and_the_caller_never_waits():
+    ops = device.FakeOps()
+    size, r = hvd.size(), hvd.rank()
+    with device.override(ops):
+        mark = len(ops.calls)
+        assert torch.equal(hvd.allreduce(mine(), op=hvd.Sum), summed())
+        assert torch.allclose(hvd.allreduce(mine()), summed() / size)
+        assert torch.allclose(hvd.allreduce(mine(), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+                              summed() * 1.5)
+        t = mine()
+        assert hvd.allreduce_(t, op=hvd.Sum) is t and torch.equal(t, summed())
+        assert torch.equal(hvd.allgather(mine(2).view(1, 2)),
+                           torch.stack([torch.arange(2.0) + k for k in range(size)]))
+        assert torch.equal(hvd.broadcast(mine(), root_rank=size - 1), torch.arange(6.0) + size - 1)
+        b = mine()
+        assert hvd.broadcast_(b, root_rank=0) is b and torch.equal(b, torch.arange(6.0))
+        rows = torch.full((size, 2), float(r))  # row j goes to rank j
+        assert torch.equal(hvd.alltoall(rows), torch.arange(float(size)).repeat_interleave(2).view(size, 2))
+        whole = mine(2 * size).view(size, 2)
+        assert torch.equal(hvd.reducescatter(whole, op=hvd.Sum), summed(2 * size).view(size, 2)[r:r + 1])
+        g = hvd.grouped_allreduce([mine(), mine(3, torch.float64)], op=hvd.Sum)
+        assert torch.equal(g[0], summed()) and g[1].dtype is torch.float64 and torch.equal(g[1].float(), summed(3))
+        bf = hvd.allreduce(mine(4, torch.bfloat16), op=hvd.Sum)  # reduced in float32 on the wire
+        assert bf.dtype is torch.bfloat16 and torch.equal(bf, summed(4).to(torch.bfloat16))
+        ints = hvd.allgather(torch.tensor([[r, -r]], dtype=torch.int64))
+        assert ints.dtype is torch.int64 and ints[:, 0].tolist() == list(range(size))
+    calls = only_queued_here(ops, mark)
+    assert "wait_event" not in calls  # the caller only queues device work
+    assert calls.count("copy") >= 2 * 13 and calls.count("stream_wait") >= 2 * 13
+    assert ops.count("wait_event", STAGER_THREAD) >= 13  # each op's copy waited for there
+
+
+def test_an_async_op_returns_before_its_copy_is_done_and_its_result_stays_poison_until_the_way_home_fires():
+    ops = device.FakeOps()
+    submitted: list = []
+    real = rc.allreduce_async
+
+    def spy(arr, *args, **kwargs):
+        submitted.append(arr.copy())
+        return real(arr, *args, **kwargs)
+
+    with device.override(ops):
+        t = mine()
+        ops.hold()
+        rc.allreduce_async = spy
+        try:
+            started = time.monotonic()
+            h = hvd.allreduce_async_(t, op=hvd.Sum, name="held")
+            assert time.monotonic() - started < 5 and not submitted  # the stager waits for the copy
+            assert not hvd.poll(h)
+            ops.fire()  # the copy to the host lands: the stager hands it to the core
+            deadline = time.monotonic() + 10
+            while not submitted and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert submitted and torch.equal(torch.from_numpy(submitted[0]), mine())  # no poison reached it
+            ops.hold()  # the way home is held
+            mark = len(ops.calls)
+            assert hvd.synchronize(h) is t
+            assert only_queued_here(ops, mark) == ["record", "stream_wait", "copy", "record", "stream_wait",
+                                                   "record"]  # queued home; the buffer goes back after it
+            assert torch.isnan(t).all()  # the current stream has not run the copy home yet
+            ops.fire()
+        finally:
+            rc.allreduce_async = real
+    assert torch.equal(t, summed())
+
+
+def test_grouped_async_ops_of_several_dtypes_copy_each_tensor_once_each_way():
+    ops = device.FakeOps()
+    size = hvd.size()
+    tensors = [mine(5), mine(3, torch.float64), mine(4, torch.bfloat16), mine(2)]
+    with device.override(ops):
+        copies = ops.count("copy")
+        h = hvd.grouped_allreduce_async_(tensors, op=hvd.Sum, name="mixed")
+        assert ops.count("copy") - copies == len(tensors)  # one copy to the host per tensor
+        out = hvd.synchronize(h)
+        assert ops.count("copy") - copies == 2 * len(tensors)  # and one home
+        assert all(o is t for o, t in zip(out, tensors))
+        for t, n in zip(tensors, (5, 3, 4, 2)):
+            assert torch.equal(t.float(), summed(n).to(t.dtype).float())
+        gathered = hvd.synchronize(hvd.grouped_allgather_async([mine(2).view(1, 2), mine(1).view(1, 1)]))
+        assert [tuple(g.shape) for g in gathered] == [(size, 2), (size, 1)]
+        parts = hvd.synchronize(hvd.grouped_reducescatter_async([mine(size).view(size, 1)], op=hvd.Sum))
+        assert torch.equal(parts[0].view(-1), summed(size)[hvd.rank():hvd.rank() + 1])
+
+
+def test_the_pool_reuses_its_pinned_buffers_once_their_copies_home_are_done():
+    ops = device.FakeOps()
+    with device.override(ops):
+        svc = device.service_for(mine())
+        assert svc is not None and svc.pool.allocations == 0
+        for _ in range(3):  # warm: one buffer per size class in flight at once
+            hvd.allreduce(mine(1000))
+            hvd.allgather(mine(1000).view(1, -1))
+        warm = svc.pool.allocations
+        for _ in range(10):
+            hvd.allreduce(mine(1000))
+            hvd.allgather(mine(1000).view(1, -1))
+        assert svc.pool.allocations == warm and ops.pinned_allocations == warm
+        ops.hold()  # a buffer whose last copy has not happened is not handed out again
+        buf = svc.pool.acquire(4000)
+        svc.release(buf)
+        again = svc.pool.acquire(4000)
+        assert again is not buf
+        ops.fire()
+        svc.pool.release(again)
+        assert {id(svc.pool.acquire(4000)), id(svc.pool.acquire(4000))} == {id(buf), id(again)}
+
+
+def test_one_service_per_device_and_the_optimizer_shares_it_with_the_collectives():
+    ops = device.FakeOps()
+    with device.override(ops):
+        a, b = device.service_for(torch.zeros(1)), device.service_for(torch.ones(2, dtype=torch.float64))
+        model = torch.nn.Linear(4, 2)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+    assert a is b and a is not None and a.ops is ops
+    assert all(bucket.service is a for bucket in opt.reducer.device_buckets.values())
+    assert device.service_for(torch.zeros(1)) is None  # outside the override: a host tensor
+
+
+def test_the_return_threads_are_bounded_whatever_the_number_of_ops_in_flight():
+    ops = device.FakeOps()
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
+    with device.override(ops):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), groups=24)
+    assert len(opt.reducer.device_buckets) == 24
+    ops.hold()  # every bucket's op in flight at once, its copy held
+    model(torch.ones(2, 8)).sum().backward()
+    ops.fire()
+    opt.step()
+    names = [t.name for t in threading.enumerate()]
+    assert 1 <= names.count("ringcomm-torch-device-return") <= RETURN_THREADS
+    assert returns.threads <= RETURN_THREADS
+
+
+
+class _Op:
+    """A core handle stand-in: done once ``gate`` is set; ``waiting`` is set when a thread waits on it."""
+
+    def __init__(self, gate: threading.Event, value: int) -> None:
+        self.gate, self.value, self.waiting = gate, value, threading.Event()
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+    def wait(self) -> int:
+        self.waiting.set()
+        self.gate.wait()
+        return self.value
+
+
+def test_a_return_thread_takes_a_finished_op_before_an_older_one_still_in_flight():
+    from ringcomm_torch.device_threads import ReturnPool
+
+    pool = ReturnPool(limit=1)
+    blocker, late, early = (_Op(threading.Event(), v) for v in (0, 1, 2))
+    order: list[int] = []
+    first = pool.submit(blocker, order.append, "blocker")
+    assert blocker.waiting.wait(10)  # the pool's one thread waits on it
+    a = pool.submit(late, order.append, "late")  # queued first
+    b = pool.submit(early, order.append, "early")  # queued second, and done
+    early.gate.set()
+    blocker.gate.set()  # the thread comes free: it takes "early", done, before "late"
+    first.wait()
+    b.wait()
+    assert order == [0, 2] and not a.done() and pool.threads == 1
+    late.gate.set()
+    a.wait()
+    assert order == [0, 2, 1]

@@ -1,0 +1,135 @@
+"""DistributedOptimizer's CUDA buckets reduced on the device among one host's ranks (CUDA IPC), run
+on CPU through the fake device's model of IPC: buffers are shared-memory CPU tensors the peer
+process maps, events are counters in shared memory that stay not happened while the recording
+rank's fake is held, and a stream's wait for a peer's event blocks where it is queued.
+
+Runs alone (one rank: the pinned path, with its reason) or under the launcher at np 2 and 3, also
+with ``RINGCOMM_DEVICE_IPC=0`` (the pinned path) (test_torch_jobs.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ringcomm_torch as hvd  # noqa: E402
+from ringcomm import api as core_api  # noqa: E402
+from ringcomm_torch import device, device_ipc  # noqa: E402
+from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
+from ringcomm_torch.device_ipc_ops import FakeIpcEvent  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    yield
+
+
+def on_device() -> bool:
+    """Whether this job takes the device path (every rank on this host, the setting on)."""
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and hvd.local_size() == hvd.size()
+
+
+def make(ipc: bool, **kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    ops = device.FakeOps(ipc=ipc)
+    with device.override(ops):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), groups=3, **kwargs)
+    return model, opt, ops
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + hvd.rank()))  # differs per rank
+
+
+def test_the_path_is_chosen_alike_on_every_rank():
+    assert device_ipc.choose_path(True, 3, 3, [0, 1, 1], [[True, False, True]] * 3, True, True) == (
+        False, "GPU 0 of rank 0 cannot access GPU 1 of rank 1 (torch.cuda.can_device_access_peer)")
+    assert device_ipc.choose_path(True, 4, 2, [0] * 4, [], True, True)[1] == "the ranks span hosts (2 of 4 on this one)"
+    assert device_ipc.choose_path(True, 2, 2, [0, 0], [[True] * 2] * 2, False, True)[1] == \
+        "the op is neither Sum nor Average"
+    _, opt, _ = make(ipc=True)
+    kinds = {type(b) for b in opt.reducer.device_buckets.values()}
+    assert kinds == ({device_ipc.IpcBucket} if on_device() else {DeviceBucket}), kinds
+    _, fallback, _ = make(ipc=False)  # the fake offers no peer access: every rank keeps the pinned path
+    assert not any(isinstance(b, device_ipc.IpcBucket) for b in fallback.reducer.device_buckets.values())
+
+
+def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rounding():
+    model, opt, ops = make(ipc=True, op=hvd.Average, gradient_predivide_factor=2.0)
+    twin = copy.deepcopy(model)
+    twin_model, twin_opt, _ = make(ipc=False, op=hvd.Average, gradient_predivide_factor=2.0)
+    twin_model.load_state_dict(twin.state_dict())
+    x = batch()
+    for step in range(3):
+        for m, o in ((model, opt), (twin_model, twin_opt)):
+            o.zero_grad(set_to_none=step == 0)
+            m(x).square().mean().backward()
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), twin_model.parameters()):
+            gathered = hvd.allgather(p.grad.detach().reshape(1, -1))
+            assert all(torch.equal(gathered[0], row) for row in gathered), f"{name}.grad differs between ranks"
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), f"{name}.grad differs from the pinned path"
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+    if on_device():
+        assert all(all(b.views()) for b in opt.reducer.device_buckets.values())
+        assert ops.pinned_allocations == 0  # nothing went through host memory
+
+
+def test_no_wait_for_a_peer_in_backward_even_while_a_peers_device_is_held(monkeypatch):
+    if not on_device():
+        pytest.skip("the pinned path (one rank, or RINGCOMM_DEVICE_IPC=0): nothing is shared")
+    model, opt, ops = make(ipc=True)
+    waits: list[str] = []
+    real = FakeIpcEvent.on_stream_wait
+
+    def noted(self):
+        if self.foreign:
+            waits.append(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    x = batch()
+    seen: list[str] = []
+    for _ in range(2):
+        seen += waits
+        waits.clear()
+        opt.zero_grad()
+        held = hvd.rank() == hvd.size() - 1
+        if held:
+            ops.hold()  # its posted events do not happen until it fires
+        started = time.monotonic()
+        model(x).square().mean().backward()
+        backward = time.monotonic() - started
+        me = threading.current_thread().name
+        assert me not in waits, waits  # the hooks queued no wait for a peer (step() may: it synchronizes)
+        if held:
+            time.sleep(0.5)  # the other ranks' return threads wait for this rank meanwhile
+            ops.fire()
+        opt.step()
+        assert backward < 5.0, backward
+    seen += waits
+    assert set(seen) <= {"ringcomm-torch-device-return", threading.current_thread().name}
+    assert "ringcomm-torch-device-return" in seen
+
+
+def test_the_setting_off_keeps_the_pinned_path_and_says_why(caplog):
+    if core_api.current_settings().device_ipc:
+        pytest.skip("RINGCOMM_DEVICE_IPC is on in this job")
+    assert device_ipc.choose_path(False, hvd.size(), hvd.local_size(), [], [], True, True) == (
+        False, "RINGCOMM_DEVICE_IPC=0")
+    _, opt, ops = make(ipc=True)
+    assert not any(isinstance(b, device_ipc.IpcBucket) for b in opt.reducer.device_buckets.values())
+    with caplog.at_level(logging.INFO):
+        device_ipc.log_once(False, "again")  # once per process: nothing more
+    assert "again" not in caplog.text
