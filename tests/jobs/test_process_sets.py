@@ -17,7 +17,7 @@ TORCH_WORKERS = ROOT / "tests" / "workers"
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [3, 4])
 def test_process_sets_in_a_real_job(world: int) -> None:
-    proc = launch(world, [str(WORKERS / "torch_process_sets_worker.py")], timeout=140,
+    proc = launch(world, [str(WORKERS / "process_sets_worker.py")], timeout=140,
                   RINGCOMM_STALL_CHECK_SECONDS="1", RINGCOMM_SEGMENT_BYTES="65536")
     out = proc.stdout
     assert proc.returncode == 0, f"job failed (np={world}):\n{out[-4000:]}\n{proc.stderr[-4000:]}"

@@ -197,7 +197,8 @@ def test_config_file_sets_what_the_flags_set(tmp_path):
         "RINGCOMM_FUSION_THRESHOLD": str(16 << 20), "RINGCOMM_CYCLE_TIME": "3.0", "RINGCOMM_CACHE_CAPACITY": "256",
         "RINGCOMM_HIERARCHICAL_ALLREDUCE": "1", "RINGCOMM_TIMELINE": "tl.json", "RINGCOMM_TIMELINE_MARK_CYCLES": "1",
         "RINGCOMM_STALL_CHECK_SECONDS": "20.0", "RINGCOMM_STALL_SHUTDOWN_SECONDS": "40.0",
-        "RINGCOMM_PEER_TIMEOUT": "50.0", "RINGCOMM_LOG_LEVEL": "INFO"}
+        "RINGCOMM_PEER_TIMEOUT": "50.0", "RINGCOMM_LOG_LEVEL": "INFO",
+        "RINGCOMM_CONTROLLER": "gloo", "RINGCOMM_CPU_OPERATIONS": "gloo"}
 
 
 @pytest.mark.parametrize("before", [True, False])
