@@ -41,7 +41,7 @@ from .job.config import Settings
 from .job.cores import available_cores
 from .core.coordinator import SHUTDOWN_NAME, set_label
 from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
-from .collectives.executor import DATA_KINDS, Executor
+from .collectives.executor import Executor
 from .core.service import Service
 from .core.session import Session
 from .handles import Entry, Handle
@@ -541,7 +541,7 @@ class Engine:
                 e.handle.set_error(step.error)
             return
         phases: list[tuple[str, float, float]] = []
-        if resp.kind in DATA_KINDS:
+        if resp.kind in routing.DATA_KINDS:
             try:
                 results, phases = self._exec.execute(resp, entries, step.seq, step.members, timed=tl is not None,
                                                      reduced_at=reduced_at)

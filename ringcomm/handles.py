@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from .errors import HorovodInternalError
 from .core.wire import Request
+
+
+@runtime_checkable
+class OpHandle(Protocol):
+    """What every handle of an op in flight offers, in the core and in the torch layer alike.
+
+    ``done()`` never blocks; ``wait()`` blocks until the op finished, then returns its result or
+    raises its error (the same on every call).  The core's :class:`Handle`, :class:`GroupHandle`
+    and :class:`MappedHandle`, the lane's handle, the torch layer's handles, its device staging and
+    return handles and the "ringcomm" backend's work objects all satisfy it (tests/core/test_handles.py,
+    checked by mypy too).
+    """
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> Any: ...
 
 
 class Handle:
@@ -75,20 +91,35 @@ class Handle:
 
 
 class GroupHandle:
-    """Several handles completed as one (``grouped_allgather`` and friends); waits return a list."""
+    """Several handles completed as one (``grouped_allgather`` and friends, the torch layer's grouped
+    and sparse ops); ``wait()`` returns their results in order.
 
-    def __init__(self, name: str, handles: list[Handle]) -> None:
+    It waits for every handle before it raises the first error, so no buffer of the group is still
+    in use when the caller sees the error.  ``name`` is None where the group has no name of its own
+    (the first handle's name stands for it).
+    """
+
+    def __init__(self, name: str | None, handles: Sequence[OpHandle]) -> None:
         self.name = name
-        self._handles = handles
+        self.handles = list(handles)
 
     def __repr__(self) -> str:
-        return f"<ringcomm.GroupHandle {self.name!r} of {len(self._handles)}>"
+        return f"<ringcomm.GroupHandle {self.name!r} of {len(self.handles)}>"
 
     def done(self) -> bool:
-        return all(h.done() for h in self._handles)
+        return all(h.done() for h in self.handles)
 
     def wait(self, timeout: float | None = None) -> list[Any]:
-        return [h.wait(timeout) for h in self._handles]
+        results: list[Any] = []
+        error: BaseException | None = None
+        for h in self.handles:
+            try:
+                results.append(h.wait() if timeout is None else h.wait(timeout))  # type: ignore[call-arg]
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
 
 class MappedHandle:

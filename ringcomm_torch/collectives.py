@@ -28,6 +28,7 @@ import torch
 import ringcomm as _rc
 from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
 from ringcomm.core.ops import ReduceOp
+from ringcomm.handles import GroupHandle
 
 from .basics import check_process_set, global_process_set, rank
 from .handles import Handle, completed, poll, synchronize
@@ -119,27 +120,6 @@ def grouped_allreduce_names(tensors: Sequence[Any], name: str | None) -> list[st
     base = core_name("allreduce", name)
     dtypes = sorted({dt for t in tensors if (dt := stageable_dtype(t, True)) is not None})
     return _group_names(base, dtypes) or ([base] if tensors else [])
-
-
-class Several:
-    """Several core handles finished as one; ``wait()`` returns their results in order."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self.handles = handles
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def wait(self) -> list[Any]:
-        results, error = [], None
-        for h in self.handles:  # wait for all, so no buffer is still in use when this raises
-            try:
-                results.append(h.wait())
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
 
 
 def _start(staged: Sequence[Staged], core_kind: str, core_name: str | None, process_set: Any,
@@ -262,7 +242,7 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
                       lambda nm: _rc.grouped_allreduce_async(arrays, op=op, name=nm, prescale_factor=prescale_factor,
                                                              postscale_factor=postscale_factor, outs=outs,
                                                              process_set=process_set))
-    core = Several([sub(dt) for dt in sorted(by_dtype)])
+    core = GroupHandle(None, [sub(dt) for dt in sorted(by_dtype)])
 
     def finish(_raw: Any) -> list[torch.Tensor]:
         return [result() for _, result in targets]

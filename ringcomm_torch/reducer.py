@@ -22,10 +22,11 @@ import torch
 
 from ringcomm import api as _core_api
 from ringcomm.errors import RingcommError
+from ringcomm.handles import GroupHandle
 
 from .basics import global_process_set, local_size, rank, size
 from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
-from .collectives import Adasum, Average, Several, Sum, allreduce_async_, grouped_allreduce_async_, synchronize
+from .collectives import Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_, synchronize
 from .device import ops_for, service
 from .device_ipc import IpcBucket, choose_path, log_once, share_buckets
 from .handles import Handle
@@ -214,7 +215,7 @@ class Reducer:
         if any(self._sparse(p) for p in group):
             # a sparse gradient cannot share a fused buffer: each member is reduced on its own
             parts = [self.submit(p) for p in group]
-            handle = Handle("allreduce", self.names[group[0]], Several([h for h, _ in parts]), lambda raw: raw)
+            handle = Handle("allreduce", self.names[group[0]], GroupHandle(None, [h for h, _ in parts]), lambda raw: raw)
             return handle, [c for _, c in parts]
         # a sparse gradient reduced as dense (sparse_as_dense) is a copy: it is written back below
         all_dense = not any(p.grad is not None and p.grad.is_sparse for p in group)

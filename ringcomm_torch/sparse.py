@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from ringcomm.errors import InvalidTypeError
+from ringcomm.handles import GroupHandle
 
 from .basics import global_process_set, size
-from .collectives import Average, Sum, Several, allgather_async, core_name, refusing
+from .collectives import Average, Sum, allgather_async, core_name, refusing
 from .handles import Handle
 from .tensors import check_stageable
 
@@ -65,4 +66,4 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: An
             all_values = all_values / members
         return torch.sparse_coo_tensor(all_indices.transpose(0, 1), all_values, tensor.size(), check_invariants=False)
 
-    return SparseHandle("sparse_allreduce", name, Several([vh, ih]), finish)
+    return SparseHandle("sparse_allreduce", name, GroupHandle(None, [vh, ih]), finish)

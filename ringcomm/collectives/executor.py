@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ringcomm.collectives.executor")
 
 #: Kinds that move data; the others (barrier, join, shutdown, set management) complete on their response.
-DATA_KINDS = routing.DATA_KINDS
 #: How the DEBUG log names an allreduce's path.
 _PATH_TEXT = {routing.Path.RANK0: "reduced at rank 0 (small)", routing.Path.SHM: "shared memory",
               routing.Path.HIERARCHICAL: "hierarchical (host, then across hosts)",
@@ -87,7 +86,7 @@ class Executor:
 
     def execute(self, resp: Response, entries: list[Entry], seq: int, members: tuple[int, ...],
                 timed: bool = False, reduced_at: float | None = None) -> Outcome:
-        """Move the data of ``resp`` (a kind of :data:`DATA_KINDS`) for this rank's ``entries``.
+        """Move the data of ``resp`` (a kind of :data:`ringcomm.core.routing.DATA_KINDS`) for this rank's ``entries``.
 
         ``members`` are the global ranks of the op's set; ``seq`` numbers its data-plane
         messages.  ``timed``: measure the phases; ``reduced_at``: when rank 0 began the

@@ -62,6 +62,11 @@ class RingcommWork(dist._Work):
     def is_completed(self) -> bool:
         return bool(self._future.done())
 
+    def done(self) -> bool:
+        """:meth:`is_completed` under the name every ringcomm handle answers to
+        (:class:`ringcomm.handles.OpHandle`)."""
+        return self.is_completed()
+
     def is_success(self) -> bool:
         if not self._future.done():
             return False
