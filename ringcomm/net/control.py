@@ -28,7 +28,7 @@ import zmq
 from ..core.service import Service
 from ..core.wire import Response
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ringcomm.net.control")
 
 
 @dataclass
