@@ -38,6 +38,8 @@ from types import FrameType
 _PR_SET_PDEATHSIG = 1
 #: Seconds a worker gets, after the launcher died and it got SIGTERM, before SIGKILL.
 GRACE = 3.0
+#: Seconds the watcher waits for the worker's last thread to exit before it removes the dead's files.
+EXIT_WAIT = 10.0
 #: What the kernel sends the watcher when the worker (its parent) dies.
 _WORKER_GONE = signal.SIGUSR1
 #: The module with the lock rule (standard library only), beside this file's folder.
@@ -68,6 +70,20 @@ def _parent_of(pid: int) -> int:
         return -1
 
 
+def _exited(pid: int) -> bool:
+    """Whether every thread of process ``pid`` has finished exiting (it is gone, or a zombie with no
+    thread left), so the kernel has closed its files and dropped its locks.  The kernel signals a
+    child when its parent *thread* exits; a process with more threads (numpy's, torch's) may still
+    hold its files then."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return threads == [str(pid)] and state in (b"Z", b"X")
+
+
 def _reclaimer(pattern: str | None) -> Callable[[int], object]:
     """What removes the files matching ``pattern`` whose creators died, once ``worker`` has (nothing
     without a pattern, or where :mod:`ringcomm.shm.reclaim` cannot be loaded)."""
@@ -86,8 +102,11 @@ def _watch(worker: int, launcher: int, reclaim: str | None) -> None:
     """In a forked child: once ``launcher`` is no longer ``worker``'s parent, SIGTERM, grace, SIGKILL;
     once ``worker`` is gone, remove the dead's files matching ``reclaim``, and end."""
 
+    over: list[bool] = []  # once set, the kernel's signal (sent at each reparenting) raises no more
+
     def gone(signum: int, frame: FrameType | None) -> None:
-        if os.getppid() != worker:
+        if not over and os.getppid() != worker:
+            over.append(True)
             raise _WorkerGone
 
     cleanup = _reclaimer(reclaim)
@@ -111,15 +130,19 @@ def _watch(worker: int, launcher: int, reclaim: str | None) -> None:
             try:
                 os.kill(worker, signal.SIGTERM)
                 deadline = time.monotonic() + GRACE
-                while time.monotonic() < deadline and _parent_of(worker) != -1:
+                while time.monotonic() < deadline and not _exited(worker):
                     time.sleep(0.1)
                 os.kill(worker, signal.SIGKILL)
             except OSError:
                 pass
         while os.getppid() == worker:  # it is dying: the kernel's signal is on its way
             time.sleep(0.1)
+        over.append(True)
     except _WorkerGone:
         pass
+    deadline = time.monotonic() + EXIT_WAIT
+    while not _exited(worker) and time.monotonic() < deadline:
+        time.sleep(0.02)
     try:
         cleanup(worker)
     except OSError:  # best effort: what is left, the launcher or the next job's init() removes

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -282,6 +284,43 @@ def test_the_guard_removes_what_its_rank_left_when_it_dies(tmp_path, killed: str
                 os.kill(rank, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+_MAIN_THREAD_EXITS = """
+import ctypes, os, platform, sys, threading, time
+from ringcomm.shm import slots as shm
+f = shm.MappedFile(sys.argv[1], 65536, create=True, reserve=True)
+threading.Thread(target=lambda: (time.sleep(float(sys.argv[2])), os._exit(0))).start()
+print("made", flush=True)
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)  # exit(2): this thread only
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
+                    reason="the guard's watcher needs Linux (prctl); the test ends one thread by its syscall number")
+@pytest.mark.timeout(60)
+def test_the_guard_waits_for_a_ranks_last_thread_before_it_judges_its_files() -> None:
+    """The kernel tells the watcher when the rank's first thread exits; a thread still running holds the
+    rank's files (and their locks) until it ends.  The watcher neither removes a file too early nor gives
+    up on it: it waits for the last thread, then removes it."""
+    from ringcomm.launch import guard
+
+    with tempfile.TemporaryDirectory(dir=names.SHM_DIR if os.path.isdir(names.SHM_DIR) else None) as folder:
+        path = os.path.join(folder, "ringcomm-job-0-lane")
+        rank = subprocess.Popen([sys.executable, "-I", os.path.abspath(guard.__file__), str(os.getpid()), "--reclaim",
+                                 os.path.join(folder, "ringcomm-job-*"), "--", sys.executable, "-c",
+                                 _MAIN_THREAD_EXITS, path, "3"], stdout=subprocess.PIPE, text=True, env=job_env(),
+                                cwd=ROOT)
+        try:
+            assert rank.stdout is not None and rank.stdout.readline().strip() == "made"
+            time.sleep(1.0)
+            assert not guard._exited(rank.pid)  # its main thread is gone, another one lives
+            assert os.path.exists(path)  # held by the live thread: not the watcher's to remove
+            assert _gone_within(path, 15), f"{path} outlived its creator's last thread"
+        finally:
+            rank.kill()
+            rank.wait(10)
+        assert guard._exited(rank.pid)
 
 
 _KILL_DRIVER = """
