@@ -290,7 +290,7 @@ def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
         src = src.view(torch.int16)  # the bits, whatever the strides
     if src.dtype is wire and src.is_contiguous():
         return Staged(src.numpy(), t.dtype, wire, t.device, True, None, src)
-    host = empty_host(src.shape, wire)
+    host = empty_host(src.shape, wire, _core_api.current_settings().host_cache_bytes)
     host.copy_(src)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, None, host)
 
@@ -344,5 +344,5 @@ def empty_result(like: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor with ``like``'s shape, dtype and device (for out-of-place results);
     on the CPU advised for huge pages (:mod:`.host_memory`): the core writes into it first."""
     if like.device.type == "cpu":
-        return empty_host(like.shape, like.dtype)
+        return empty_host(like.shape, like.dtype, _core_api.current_settings().host_cache_bytes)
     return torch.empty_like(like, memory_format=torch.contiguous_format)

@@ -75,6 +75,11 @@ class Settings:
     #: every rank's bucket (``ringcomm_torch/device_ipc.py``); 0: always through pinned host memory.
     #: Off by default until the path has been measured on GPUs (the fake device checks its logic).
     device_ipc: bool = False
+    #: The torch layer's new CPU tensors of 4 MiB and more (out-of-place results, converting copies)
+    #: come from blocks it reuses once their tensors are gone, as torch's CUDA allocator does: a
+    #: fresh block's pages are mapped at first write (a 1 GiB result took 1.6x the allreduce itself).
+    #: This many bytes of unused blocks are kept at most, each for at most a minute (0: none kept).
+    host_cache_bytes: int = 1 << 30
     #: Milliseconds the coordinator waits to batch more ready ops into one fused response (0: none).
     cycle_time: float = 0.0
     #: Bytes per pipelined segment on the ring (and per shared-memory slot): fewer, larger segments
@@ -262,6 +267,9 @@ class Settings:
         """Raise :class:`InvalidInputError` for values that cannot work."""
         if self.fusion_threshold < 0:
             raise InvalidInputError(f"RINGCOMM_FUSION_THRESHOLD must be >= 0, got {self.fusion_threshold}")
+        if self.host_cache_bytes < 0:
+            raise InvalidInputError(f"RINGCOMM_HOST_CACHE_BYTES must be >= 0 (0: keep no blocks), got "
+                                    f"{self.host_cache_bytes}")
         if self.segment_bytes < 1024:
             raise InvalidInputError(f"RINGCOMM_SEGMENT_BYTES must be >= 1024, got {self.segment_bytes}")
         if self.shm_allreduce_min_bytes < 0 or self.shm_allreduce_piece_bytes < 1024:

@@ -113,3 +113,139 @@ def test_out_of_place_results_of_the_collectives_are_new_advised_memory(huge_pag
         assert hvd.allreduce_(y) is y and hvd.broadcast_(y, 0) is y and torch.equal(y, x)
     finally:
         hvd.shutdown()
+
+
+# --------------------------------------------------------------------------- reused large blocks
+
+MiB = 1 << 20
+
+
+@pytest.mark.pure
+@given(st.integers(0, 64), st.lists(st.tuples(st.booleans(), st.sampled_from([2, 4, 8, 16]), st.floats(0, 100)),
+                                    max_size=60))
+def test_the_plan_keeps_at_most_its_limit_and_hands_each_unused_block_out_once(limit_mib, steps):
+    plan = host_memory.BlockPlan(limit_mib * MiB, idle=30.0)
+    unused: dict[int, int] = {}  # key -> size, as the plan should see it
+    in_use: dict[int, int] = {}
+    keys = iter(range(10**6))
+    now = 0.0
+    for give, size_mib, dt in steps:
+        now += dt
+        size = size_mib * MiB
+        if give and in_use:
+            key = next(iter(in_use))
+            unused[key] = in_use.pop(key)
+            for gone in plan.give(key, unused[key], now):
+                assert gone in unused
+                del unused[gone]
+        else:
+            key = plan.take(size, now)
+            if key is None:
+                key = next(keys)
+            else:
+                assert unused.pop(key) == size  # only an unused block, of exactly that size
+            in_use[key] = size
+        assert plan.unused_bytes == sum(unused.values()) <= plan.limit
+    assert plan.expire(now + 31.0) == list(unused)  # idle long enough: every one goes
+    assert plan.unused_bytes == 0
+
+
+@pytest.mark.pure
+def test_the_plan_drops_the_oldest_first_and_what_idled_too_long():
+    plan = host_memory.BlockPlan(8 * MiB, idle=60.0)
+    assert plan.give(1, 4 * MiB, now=0) == [] and plan.give(2, 4 * MiB, now=1) == []
+    assert plan.give(3, 4 * MiB, now=2) == [1]  # over 8 MiB: the oldest goes
+    assert plan.give(4, 16 * MiB, now=3) == [2, 3, 4]  # larger than the limit by itself
+    assert plan.give(5, 2 * MiB, now=10) == [] and plan.expire(69.9) == [] and plan.expire(70.0) == [5]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_gone_tensors_block_serves_the_next_request_and_a_live_ones_never_does():
+    cache = host_memory.HostCache()
+    a = cache.empty((BIG // 4,), torch.float32, 1 << 30)
+    b = cache.empty((BIG // 4,), torch.float32, 1 << 30)
+    a_ptr = a.data_ptr()
+    a.fill_(1.0)
+    b.fill_(2.0)
+    view = a[10:20]  # shares a's memory: the block stays in use while it lives
+    del a
+    c = cache.empty((BIG // 4,), torch.float32, 1 << 30)
+    assert c.data_ptr() not in (a_ptr, b.data_ptr()) and (cache.made, cache.reused) == (3, 0)
+    assert torch.equal(view, torch.ones(10))
+    del view
+    d = cache.empty((2, BIG // 8), torch.int32, 1 << 30)  # the same bytes, another shape and dtype
+    assert d.data_ptr() == a_ptr and d.shape == (2, BIG // 8) and d.dtype == torch.int32 and d.is_contiguous()
+    assert cache.reused == 1 and torch.equal(b, torch.full((BIG // 4,), 2.0))
+    e = cache.empty((BIG // 2,), torch.bfloat16, 1 << 30)  # bfloat16, which NumPy has no dtype for
+    assert e.dtype == torch.bfloat16 and e.numel() == BIG // 2
+
+
+def test_the_limit_and_the_idle_time_free_unused_blocks():
+    clock = FakeClock()
+    cache = host_memory.HostCache(clock)
+    small = cache.empty((1000,), torch.float32, 1 << 30)  # below the size worth keeping: torch's own
+    assert cache.made == 0 and small.numel() == 1000
+    t = cache.empty((BIG,), torch.uint8, 1 << 30)
+    del t
+    cache.trim(1 << 30)
+    assert cache.unused_bytes == BIG
+    clock.now = host_memory.IDLE_SECONDS + 1
+    cache.trim(1 << 30)
+    assert cache.unused_bytes == 0  # idle for a minute: freed
+    t = cache.empty((BIG,), torch.uint8, 1 << 30)
+    del t
+    cache.trim(0)  # RINGCOMM_HOST_CACHE_BYTES=0: nothing kept
+    assert cache.unused_bytes == 0
+    made = cache.made
+    over = cache.empty((BIG,), torch.uint8, BIG // 2)  # larger than the limit: not from the cache
+    assert cache.made == made and over.numel() == BIG
+
+
+def test_a_block_given_back_in_another_thread_is_reused():
+    import threading
+
+    cache = host_memory.HostCache()
+    t = cache.empty((BIG,), torch.uint8, 1 << 30)
+    ptr = t.data_ptr()
+    box = [t]
+    del t
+    worker = threading.Thread(target=box.clear)  # the last reference dies in another thread
+    worker.start()
+    worker.join()
+    assert cache.empty((BIG,), torch.uint8, 1 << 30).data_ptr() == ptr
+
+
+def test_repeated_out_of_place_results_reuse_one_block_and_the_setting_turns_it_off(monkeypatch):
+    import ringcomm_torch as hvd
+
+    hvd.init()
+    try:
+        x = torch.arange(BIG // 4, dtype=torch.float32)
+        ptrs = []
+        for _ in range(3):
+            out = hvd.allreduce(x, op=hvd.Sum)
+            assert torch.equal(out, x)
+            ptrs.append(out.data_ptr())
+            del out
+        assert len(set(ptrs)) == 1  # each step's result in the block the last one left
+        b = hvd.broadcast(x, 0)
+        assert torch.equal(b, x) and b.data_ptr() == ptrs[0]
+    finally:
+        hvd.shutdown()
+    monkeypatch.setenv("RINGCOMM_HOST_CACHE_BYTES", "0")
+    host_memory.CACHE.trim(0)
+    hvd.init()
+    try:
+        made = host_memory.CACHE.made
+        for _ in range(2):
+            assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x)
+        assert host_memory.CACHE.made == made
+    finally:
+        hvd.shutdown()
