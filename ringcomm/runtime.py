@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from .job import config, horovod_env, logsetup, topology
 from .lane.driver import LaneHandle
 from .core import wire
+from .core.naming import OpNames
 from .elastic import worker as elastic_worker
 from .engine import Engine
 from .errors import (
@@ -80,46 +81,26 @@ class Runtime:
                                           self.settings.stall_shutdown_seconds)
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
-        self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
-        self._joins = 0
+        self._naming = OpNames()  # the names of unnamed ops (under the lock)
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
-        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
+        """``name``, or the next ``kind.noname.N`` of this process set (see :class:`~ringcomm.core.naming.OpNames`).
 
-        Every completed ``join()`` starts the count again, as ``kind.noname.J.N`` after the J-th
-        join: ranks that joined early skipped the unnamed ops the others ran (and failed) meanwhile,
-        so their counts differ; after the join they agree again, on every rank.
+        Before an unnamed op is numbered, the ops rank 0 failed as stalled that this rank skipped
+        are counted, so that its number pairs with the others'.
 
         Also notes the op as the one being checked on this thread: if its arguments are then
         refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
         """
         if name is not None:
-            if not isinstance(name, str) or not name:
-                raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
+            name = self._naming.name(kind, name, pset)
         else:
+            skipped = self.engine.skipped_ops
             with self._lock:
-                self._catch_up()
-                n = self._counters[(pset, kind)]
-                self._counters[(pset, kind)] += 1
-                joins = self._joins
-            name = f"{kind}.noname.{n}" if not joins else f"{kind}.noname.{joins}.{n}"
+                self._naming.caught_up(_drained(skipped))
+                name = self._naming.name(kind, None, pset)
         checking.op = (self, name, pset)
         return name
-
-    def _catch_up(self) -> None:
-        """Count the unnamed ops rank 0 failed as stalled that this rank never submitted (it had
-        diverged from the others and skipped them), so its next unnamed op pairs with theirs."""
-        skipped = self.engine.skipped_ops
-        while skipped:
-            pset, name = skipped.popleft()
-            kind, sep, rest = name.partition(".noname.")
-            parts = rest.split(".")
-            if not sep or (self._joins and parts[0] != str(self._joins)):
-                continue  # named, or numbered before the last join
-            number = parts[1] if self._joins and len(parts) > 1 else parts[0]
-            if number.isdigit():
-                key = (pset, kind)
-                self._counters[key] = max(self._counters[key], int(number) + 1)
 
     def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
         """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
@@ -201,9 +182,7 @@ class Runtime:
         it), and a rank that skipped the barrier would leave the others waiting in it.
         """
         with self._lock:
-            self._joins += 1
-            self._counters.clear()
-            name = f"ringcomm.lane.rejoin.{self._joins}"
+            name = f"ringcomm.lane.rejoin.{self._naming.joined()}"
 
         def barrier() -> None:
             self.submit(wire.Request(name, wire.BARRIER), []).wait()
@@ -213,6 +192,12 @@ class Runtime:
         timeout = 0.0 if _dying.is_set() else 10.0
         self.lane_owner.close(timeout)  # the others divert what this rank will not post
         self.engine.shutdown(timeout=timeout)
+
+
+def _drained(queue: collections.deque[tuple[int, str]]) -> Iterator[tuple[int, str]]:
+    """The items of ``queue``, each taken off it, until it is empty (the engine's thread appends)."""
+    while queue:
+        yield queue.popleft()
 
 
 _runtime: Runtime | None = None
