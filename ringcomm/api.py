@@ -18,12 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
-
-try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use it when installed
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - depends on the environment
-    _pickler = pickle
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,7 +27,9 @@ from .core import adasum, ops, wire
 from .core.coordinator import JOIN_NAME
 from .core.ops import Average, ReduceOp
 from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
+from .arguments import as_array as as_array, check_out, check_set_root, scale
 from .handles import GroupHandle, Handle, MappedHandle
+from .objects import allgather_object as allgather_object, broadcast_object as broadcast_object
 from .core.process_sets import ProcessSet, global_process_set
 from .runtime import (  # re-exported: the public API is ringcomm.api's names
     Runtime,
@@ -93,71 +89,6 @@ def _refusable(kind: str) -> Callable[[F], F]:
 
 
 # ---------------------------------------------------------------------------
-# validation
-
-
-_FAST_DTYPES = frozenset(np.dtype(n) for n in ops.SUPPORTED_DTYPES)
-
-
-def as_array(x: Any, what: str) -> np.ndarray:
-    """A C-contiguous ndarray view of ``x`` (no copy), or a clear error."""
-    if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype in _FAST_DTYPES:
-        return x  # the hot path: nothing to convert or check
-    if isinstance(x, np.ndarray):
-        arr = x
-    elif isinstance(x, (bytes, bytearray)):
-        arr = np.frombuffer(x, dtype=np.uint8)
-    elif isinstance(x, memoryview) or hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
-        try:
-            arr = np.asarray(x)
-        except Exception as exc:
-            raise InvalidTypeError(f"{what}: cannot view {type(x).__name__} as an array: {exc}") from None
-    else:
-        raise InvalidTypeError(
-            f"{what}: expected a NumPy array or a buffer with a dtype, got {type(x).__name__}; "
-            "wrap Python values with np.asarray(...)"
-        )
-    if arr.dtype == object:
-        raise InvalidTypeError(f"{what}: object arrays cannot be sent; use broadcast_object/allgather_object")
-    ops.check_dtype(arr.dtype, what)
-    if not arr.flags.c_contiguous:
-        raise InvalidInputError(
-            f"{what}: the array is not C-contiguous (shape {arr.shape}, strides {arr.strides}); "
-            "pass np.ascontiguousarray(x)"
-        )
-    return arr
-
-
-def _check_root(root_rank: Any, what: str, size_: int) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
-        raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
-    if not 0 <= int(root_rank) < size_:
-        raise InvalidInputError(
-            f"{what}: root_rank={root_rank} is out of range for a job of size {size_}; use 0..{size_ - 1}"
-        )
-    return int(root_rank)
-
-
-def _check_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray | None:
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype or not out.flags.c_contiguous:
-        raise InvalidInputError(f"{what}: out= must be a C-contiguous array of shape {arr.shape} and dtype {arr.dtype}")
-    if not out.flags.writeable:
-        raise InvalidInputError(f"{what}: out= is read-only")
-    return out
-
-
-def _scale(value: Any, label: str, what: str) -> float:
-    if type(value) is float:
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise InvalidTypeError(f"{what}: {label} must be a number, got {value!r}") from None
-
-
-# ---------------------------------------------------------------------------
 # collectives
 
 
@@ -179,12 +110,12 @@ def allreduce_async(
     a = as_array(arr, what)
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
-    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
+    pre, post = scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what)
     if rop is ReduceOp.ADASUM:
-        return _adasum_async(rt, pset, len(members), name, [a], pre, post, [_check_out(out, a, what)], what,
+        return _adasum_async(rt, pset, len(members), name, [a], pre, post, [check_out(out, a, what)], what,
                              grouped=False)
     req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1, pre, post, pset=pset)
-    return rt.submit(req, [a], [_check_out(out, a, what)])
+    return rt.submit(req, [a], [check_out(out, a, what)])
 
 
 def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescale_factor: float = 1.0,
@@ -220,10 +151,10 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
         raise InvalidTypeError(f"{what}: all arrays of a group must share a dtype, got {sorted(dtypes)}")
     dt = ops.check_dtype(arrays[0].dtype, what)
     rop = ops.check_op(op, dt, what)
-    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
+    pre, post = scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what)
     if outs is not None and len(outs) != len(arrays):
         raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
-    checked = [_check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
+    checked = [check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
     if rop is ReduceOp.ADASUM:
         return _adasum_async(rt, pset, len(members), name, arrays, pre, post, checked, what, grouped=True)
     req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1, pre, post, pset=pset)
@@ -306,19 +237,6 @@ def grouped_allgather(arrs: Sequence[Any], name: str | None = None,
     return grouped_allgather_async(arrs, name, process_set).wait()
 
 
-def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int) -> int:
-    """``root_rank`` is a global rank; it must be a member of the set."""
-    if not pset:
-        return _check_root(root_rank, what, len(ranks))
-    root = _check_root(root_rank, what, max(ranks) + 1)
-    if root not in ranks:
-        raise InvalidInputError(
-            f"{what}: root_rank={root} is not in process set {pset} (ranks {list(ranks)}); "
-            "root_rank is a global rank and must be one of them"
-        )
-    return root
-
-
 @_refusable(wire.BROADCAST)
 def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
@@ -328,10 +246,10 @@ def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
     name = rt.auto_name("broadcast", name, pset)
     what = f"broadcast {name!r}"
     a = as_array(arr, what)
-    root = _check_set_root(root_rank, what, ranks, pset)
+    root = check_set_root(root_rank, what, ranks, pset)
     dt = ops.check_dtype(a.dtype, what)
     return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a],
-                     [_check_out(out, a, what)])
+                     [check_out(out, a, what)])
 
 
 def broadcast(arr: Any, root_rank: int, name: str | None = None,
@@ -421,7 +339,7 @@ def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = Non
     dt = ops.check_dtype(a.dtype, what)
     rop = ops.check_op(op, dt, what)
     req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
+                       scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what),
                        pset=pset)
     return rt.submit(req, [a])
 
@@ -481,64 +399,6 @@ def poll(handle: AnyHandle) -> bool:
 def synchronize(handle: AnyHandle) -> Any:
     """Wait for the op behind ``handle`` and return its result (or raise its error)."""
     return handle.wait()
-
-
-def _refuse_object(rt: Runtime, kind: str, name: str, pset: int, obj: Any, exc: BaseException) -> Exception:
-    """This rank cannot take part in object op ``name`` (a bad root, an object that does not pickle):
-    the op the other ranks wait on (``name.len``) fails there too; returns this rank's error."""
-    what = f"{'broadcast' if kind == wire.BROADCAST else 'allgather'}_object {name!r}"
-    if isinstance(exc, (InvalidInputError, InvalidTypeError)):
-        err: Exception = exc
-    else:
-        err = InvalidInputError(f"{what}: cannot pickle the {type(obj).__name__} object: {exc}; "
-                                "send something picklable (install cloudpickle for lambdas and local classes)")
-    rt.refuse(kind, f"{name}.len", pset, str(err))
-    return err
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Every rank (of ``process_set``) gets the root's Python object (pickled; only from ranks of this job).
-
-    ``root_rank`` is a global rank that belongs to the set.
-    """
-    rt = current("broadcast_object")
-    pset, ranks = rt.resolve_set(process_set, "broadcast_object")
-    name = rt.auto_name("broadcast_object", name, pset)
-    try:
-        _check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
-    except Exception as exc:
-        err = _refuse_object(rt, wire.BROADCAST, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
-    length = np.array([0 if payload is None else payload.size], dtype=np.int64)
-    length = broadcast(length, root_rank, f"{name}.len", process_set)
-    data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
-    data = broadcast(data, root_rank, f"{name}.data", process_set)
-    return pickle.loads(data.tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
-    """A list with the Python object of every rank (of ``process_set``), in rank order."""
-    rt = current("allgather_object")
-    pset, _ = rt.resolve_set(process_set, "allgather_object")
-    name = rt.auto_name("allgather_object", name, pset)
-    try:
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
-    except Exception as exc:
-        err = _refuse_object(rt, wire.ALLGATHER, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
-    data = allgather(payload, f"{name}.data", process_set)
-    out, pos = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(data[pos:pos + n].tobytes()))
-        pos += n
-    return out
 
 
 # ---------------------------------------------------------------------------
