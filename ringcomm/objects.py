@@ -30,19 +30,6 @@ from .errors import InvalidInputError, InvalidTypeError
 from .runtime import Runtime, current
 
 
-def _refuse_object(rt: Runtime, kind: str, name: str, pset: int, obj: Any, exc: BaseException) -> Exception:
-    """This rank cannot take part in object op ``name`` (a bad root, an object that does not pickle):
-    the op the other ranks wait on (``name.len``) fails there too; returns this rank's error."""
-    what = f"{'broadcast' if kind == wire.BROADCAST else 'allgather'}_object {name!r}"
-    if isinstance(exc, (InvalidInputError, InvalidTypeError)):
-        err: Exception = exc
-    else:
-        err = InvalidInputError(f"{what}: cannot pickle the {type(obj).__name__} object: {exc}; "
-                                "send something picklable (install cloudpickle for lambdas and local classes)")
-    rt.refuse(kind, f"{name}.len", pset, str(err))
-    return err
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Every rank (of ``process_set``) gets the root's Python object (pickled; only from ranks of this job).
@@ -51,15 +38,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """
     rt = current("broadcast_object")
     pset, ranks = rt.resolve_set(process_set, "broadcast_object")
-    name = rt.auto_name("broadcast_object", name, pset)
-    try:
+    call = rt.name_op("broadcast_object", name, pset)
+    name = call.name
+    with rt.refusing(call.part("len")):  # the op the others wait on first
         root = check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
-    except Exception as exc:
-        err = _refuse_object(rt, wire.BROADCAST, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
+        payload = _pickled(obj, f"broadcast_object {name!r}") if rt.topo.rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
     length = _broadcast(rt, length, root, f"{name}.len", pset)
     data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
@@ -71,14 +54,10 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """A list with the Python object of every rank (of ``process_set``), in rank order."""
     rt = current("allgather_object")
     pset, _ = rt.resolve_set(process_set, "allgather_object")
-    name = rt.auto_name("allgather_object", name, pset)
-    try:
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
-    except Exception as exc:
-        err = _refuse_object(rt, wire.ALLGATHER, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
+    call = rt.name_op("allgather_object", name, pset)
+    name = call.name
+    with rt.refusing(call.part("len")):  # the op the others wait on first
+        payload = _pickled(obj, f"allgather_object {name!r}")
     sizes = _allgather(rt, np.array([payload.size], dtype=np.int64), f"{name}.len", pset)
     data = _allgather(rt, payload, f"{name}.data", pset)
     out, pos = [], 0
@@ -86,6 +65,17 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(pickle.loads(data[pos:pos + n].tobytes()))
         pos += n
     return out
+
+
+def _pickled(obj: Any, what: str) -> np.ndarray:
+    """``obj``'s pickled bytes, or an InvalidInputError that says why it does not pickle (so that it is refused)."""
+    try:
+        return np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
+    except (InvalidInputError, InvalidTypeError):
+        raise
+    except Exception as exc:
+        raise InvalidInputError(f"{what}: cannot pickle the {type(obj).__name__} object: {exc}; "
+                                "send something picklable (install cloudpickle for lambdas and local classes)") from exc
 
 
 def _broadcast(rt: Runtime, arr: np.ndarray, root: int, name: str, pset: int) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 from .job import config, horovod_env, logsetup, topology
 from .lane.driver import LaneHandle
 from .core import wire
-from .core.naming import OpNames
+from .core.naming import WIRE_KINDS, OpCall, OpNames
 from .elastic import worker as elastic_worker
 from .engine import Engine
 from .errors import (
@@ -42,9 +42,6 @@ log = logging.getLogger("ringcomm.runtime")
 #: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
 #: (the others have submitted the op by then in a program in step; no longer than that)
 _REFUSAL_ANSWER_SECONDS = 2.0
-#: ``.op``: (runtime, name, set) of the op whose arguments are being checked on this thread (see
-#: :meth:`Runtime.auto_name`); ``ringcomm.api`` reports a refused call with it.
-checking = threading.local()
 
 
 class Runtime:
@@ -88,9 +85,6 @@ class Runtime:
 
         Before an unnamed op is numbered, the ops rank 0 failed as stalled that this rank skipped
         are counted, so that its number pairs with the others'.
-
-        Also notes the op as the one being checked on this thread: if its arguments are then
-        refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
         """
         if name is not None:
             name = self._naming.name(kind, name, pset)
@@ -99,14 +93,28 @@ class Runtime:
             with self._lock:
                 self._naming.caught_up(_drained(skipped))
                 name = self._naming.name(kind, None, pset)
-        checking.op = (self, name, pset)
         return name
 
-    def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
-        """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
-        reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
-        req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
-        lane = self.lane if pset == 0 else None
+    def name_op(self, kind: str, name: str | None, pset: int = 0) -> OpCall:
+        """Name a call of kind ``kind`` (as :meth:`auto_name`), before its arguments are checked: the
+        :class:`~ringcomm.core.naming.OpCall` to refuse if they are (:meth:`refusing`)."""
+        return OpCall(self.topo.rank, WIRE_KINDS[kind], self.auto_name(kind, name, pset), pset)
+
+    def refusing(self, call: OpCall) -> Refusing:
+        """Within the block, the checks of ``call``'s arguments and its submission: an
+        InvalidInputError or InvalidTypeError raised there is refused on every member of the op
+        (:meth:`refuse`), then propagates (a DuplicateNameError is not: the name is taken here,
+        and the op in flight under it is the others' to pair with)."""
+        return Refusing(self, call)
+
+    def refuse(self, call: OpCall, reason: str) -> None:
+        """Tell rank 0 this rank will not run the op of ``call``, and why: it fails on every member with
+        the reason, so the others do not wait for this rank (nothing waits for this rank's own handle).
+
+        The one way a call is refused: the core API's checks through :meth:`refusing`, layers above
+        the core through ``ringcomm.api.refuse_call``."""
+        req, name = call.refusal(reason), call.name
+        lane = self.lane if call.pset == 0 else None
         handle = Handle(name) if lane is None else LaneHandle(name)
         try:
             entry = Entry(req, [], handle)
@@ -192,6 +200,24 @@ class Runtime:
         timeout = 0.0 if _dying.is_set() else 10.0
         self.lane_owner.close(timeout)  # the others divert what this rank will not post
         self.engine.shutdown(timeout=timeout)
+
+
+class Refusing:
+    """The block of :meth:`Runtime.refusing`: refuses ``call`` on the errors raised in it that a
+    refusal covers, then lets them propagate.  A class rather than a ``@contextmanager``: it runs once
+    per op."""
+
+    __slots__ = ("call", "runtime")
+
+    def __init__(self, runtime: Runtime, call: OpCall) -> None:
+        self.runtime, self.call = runtime, call
+
+    def __enter__(self) -> OpCall:
+        return self.call
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, (InvalidInputError, InvalidTypeError)) and not isinstance(exc, DuplicateNameError):
+            self.runtime.refuse(self.call, str(exc))
 
 
 def _drained(queue: collections.deque[tuple[int, str]]) -> Iterator[tuple[int, str]]:
@@ -435,21 +461,21 @@ use_rank_source(rank)
 # process sets
 
 
-def register(rt: Runtime, ps: ProcessSet, what: str, name: str | None = None) -> ProcessSet:
+def register(rt: Runtime, ps: ProcessSet, what: str, call: OpCall | None = None) -> ProcessSet:
     """Register ``ps`` on every rank (a collective of the global set); sets its id.
 
-    ``name``: the op's name, taken before the arguments were checked: when this rank refuses them,
-    rank 0 hears of it and the call fails on every rank instead of leaving the others waiting.
+    ``call``: the op, named before the arguments were checked: when this rank refuses them, rank 0
+    hears of it and the call fails on every rank instead of leaving the others waiting.
     """
-    try:
+    if call is None:
         done = _check_new_set(rt, ps, what)
-    except (InvalidInputError, InvalidTypeError) as exc:
-        if name is not None:
-            rt.refuse(wire.ADD_PSET, name, 0, str(exc))
-        raise
+    else:
+        with rt.refusing(call):
+            done = _check_new_set(rt, ps, what)
     if done is not None:
         return done
-    req = wire.Request(name or rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks or ()))
+    name = call.name if call is not None else rt.auto_name(wire.ADD_PSET, None)
+    req = wire.Request(name, wire.ADD_PSET, set_ranks=tuple(ps.ranks or ()))
     ps.process_set_id = int(rt.submit(req, []).wait())
     ps.registered_round = rt.round
     return ps
@@ -490,16 +516,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
             "or pass them to init(process_sets=[...])"
         )
-    name = rt.auto_name(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
-    try:
+    call = rt.name_op(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
+    with rt.refusing(call):
         ps = as_process_set(process_set, "add_process_set")
         if (ps.process_set_id is not None and ps.registered_round == rt.round
                 and rt.engine.set_ranks(ps.process_set_id)):
             raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
-    except (InvalidInputError, InvalidTypeError) as exc:
-        rt.refuse(wire.ADD_PSET, name, 0, str(exc))
-        raise
-    return register(rt, ps, "add_process_set", name)
+    return register(rt, ps, "add_process_set", call)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

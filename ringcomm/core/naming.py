@@ -26,11 +26,45 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from ..errors import InvalidInputError
+from . import wire
 
 #: What an unnamed op's name holds between its kind and its number
 NONAME = ".noname."
+
+#: The wire kind of the op (or, split, the ops) each kind of call submits; the call's kind is the one
+#: its unnamed ops are counted under
+WIRE_KINDS = {
+    "allreduce": wire.ALLREDUCE, "grouped_allreduce": wire.ALLREDUCE, "allgather": wire.ALLGATHER,
+    "grouped_allgather": wire.ALLGATHER, "broadcast": wire.BROADCAST, "alltoall": wire.ALLTOALL,
+    "reducescatter": wire.REDUCESCATTER, "grouped_reducescatter": wire.REDUCESCATTER,
+    "broadcast_object": wire.BROADCAST, "allgather_object": wire.ALLGATHER, "barrier": wire.BARRIER,
+    wire.ADD_PSET: wire.ADD_PSET, wire.REMOVE_PSET: wire.REMOVE_PSET,
+}
+
+
+class OpCall(NamedTuple):
+    """One call of a collective on one rank, named: made when the op is named, before its arguments
+    are checked, and what the rank tells rank 0 if it refuses them (:meth:`refusal`).
+
+    ``kind`` is the wire kind of the op the call submits; ``pset`` the id of its process set.
+    Every rank that makes the call names it alike, so a refusal fails the op the others submitted.
+    """
+
+    rank: int
+    kind: str
+    name: str
+    pset: int
+
+    def refusal(self, reason: str) -> wire.Request:
+        """The request that refuses this op: it fails on every member with ``rank R: reason``."""
+        return wire.Request(self.name, self.kind, pset=self.pset, refused=f"rank {self.rank}: {reason}")
+
+    def part(self, suffix: str) -> OpCall:
+        """The op ``name.suffix`` the call submits as a part of itself (an object's ``len``, a grouped op's ``0``...)."""
+        return self._replace(name=f"{self.name}.{suffix}")
 
 
 class OpNames:

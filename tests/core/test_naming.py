@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm.core.naming import OpNames
+from ringcomm.core import wire
+from ringcomm.core.naming import WIRE_KINDS, OpCall, OpNames
 from ringcomm.errors import InvalidInputError
 
 pytestmark = pytest.mark.pure
@@ -101,3 +102,18 @@ def test_the_count_only_moves_forward() -> None:
 def test_a_name_that_is_not_a_non_empty_string_is_refused_with_the_kind_and_the_value(bad) -> None:
     with pytest.raises(InvalidInputError, match=rf"broadcast: name must be a non-empty string, got {bad!r}"):
         OpNames().name("broadcast", bad, 0)
+
+
+def test_a_refused_call_names_its_op_kind_set_rank_and_reason_on_the_wire() -> None:
+    call = OpCall(rank=2, kind=wire.BROADCAST, name="broadcast_object.noname.3", pset=1)
+    req = call.refusal("broadcast_object 'x': root_rank=9 is out of range for a job of size 4; use 0..3")
+    assert (req.name, req.kind, req.pset) == ("broadcast_object.noname.3", wire.BROADCAST, 1)
+    assert req.refused == "rank 2: broadcast_object 'x': root_rank=9 is out of range for a job of size 4; use 0..3"
+    assert wire.request_from_wire(list(req)) == req
+    assert call.part("len") == OpCall(2, wire.BROADCAST, "broadcast_object.noname.3.len", 1)
+
+
+def test_every_kind_of_call_submits_a_kind_of_the_wire() -> None:
+    assert set(WIRE_KINDS.values()) <= set(wire.KINDS)
+    assert {"allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
+            "reducescatter", "grouped_reducescatter", "broadcast_object", "allgather_object"} <= set(WIRE_KINDS)
