@@ -14,7 +14,7 @@ from ringcomm.core import wire
 from ringcomm.core.coordinator import Coordinator
 from ringcomm.core.naming import OpCall
 from ringcomm.errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError
-from ringcomm.runtime import Refusing
+from ringcomm.process_runtime import Refusing
 
 
 def test_a_refusal_fails_the_op_on_every_rank_with_its_reason() -> None:
