@@ -338,7 +338,6 @@ def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, nam
     rt = current("grouped_reducescatter")
     pset, _ = rt.resolve_set(process_set, "grouped_reducescatter")
     name = rt.auto_name("grouped_reducescatter", name, pset)
-    name = rt.auto_name("grouped_reducescatter", name, pset)
     return GroupHandle(name, [reducescatter_async(a, op, f"{name}.{i}", prescale_factor, postscale_factor, process_set)
                               for i, a in enumerate(arrs)])
 
