@@ -16,30 +16,24 @@ Example, on every rank of ``ringcomm-run -np 2``::
 
 from __future__ import annotations
 
-import functools
 import logging
-import pickle
-
-try:  # Horovod pickles objects with cloudpickle (lambdas, local classes); use it when installed
-    import cloudpickle as _pickler
-except ImportError:  # pragma: no cover - depends on the environment
-    _pickler = pickle
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .core import adasum, ops, wire
 from .core.coordinator import JOIN_NAME
 from .core.ops import Average, ReduceOp
-from .errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
+from .errors import InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
+from .arguments import as_array as as_array, check_out, check_set_root, scale
 from .handles import GroupHandle, Handle, MappedHandle
+from .objects import allgather_object as allgather_object, broadcast_object as broadcast_object
 from .core.process_sets import ProcessSet, global_process_set
 from .runtime import (  # re-exported: the public API is ringcomm.api's names
     Runtime,
     add_process_set as add_process_set,
     active,
-    checking,
     cross_rank as cross_rank,
     cross_size as cross_size,
     current,
@@ -62,106 +56,12 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
 
 AnyHandle = Handle | GroupHandle | MappedHandle
 log = logging.getLogger("ringcomm.api")
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _refusable(kind: str) -> Callable[[F], F]:
-    """Make a collective's argument errors collective too.
-
-    Arguments are checked on each rank before its op is submitted.  When this rank's are
-    refused (a non-contiguous array, a root out of range, bad splits...), the other ranks would
-    wait for it forever; instead rank 0 hears of the refusal and fails the op on every member
-    with its reason (``MismatchError: rank 1 refused the call: ...``), and this rank raises its
-    own error.  The next collective works on every rank.
-    """
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            checking.op = None
-            try:
-                return fn(*args, **kwargs)
-            except (InvalidInputError, InvalidTypeError) as exc:
-                op = getattr(checking, "op", None)
-                if op is not None and not isinstance(exc, DuplicateNameError):
-                    rt, name, pset = op
-                    rt.refuse(kind, name, pset, str(exc))
-                raise
-            finally:
-                checking.op = None
-        return checked  # type: ignore[return-value]
-    return wrap
-
-
-# ---------------------------------------------------------------------------
-# validation
-
-
-_FAST_DTYPES = frozenset(np.dtype(n) for n in ops.SUPPORTED_DTYPES)
-
-
-def as_array(x: Any, what: str) -> np.ndarray:
-    """A C-contiguous ndarray view of ``x`` (no copy), or a clear error."""
-    if type(x) is np.ndarray and x.flags.c_contiguous and x.dtype in _FAST_DTYPES:
-        return x  # the hot path: nothing to convert or check
-    if isinstance(x, np.ndarray):
-        arr = x
-    elif isinstance(x, (bytes, bytearray)):
-        arr = np.frombuffer(x, dtype=np.uint8)
-    elif isinstance(x, memoryview) or hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
-        try:
-            arr = np.asarray(x)
-        except Exception as exc:
-            raise InvalidTypeError(f"{what}: cannot view {type(x).__name__} as an array: {exc}") from None
-    else:
-        raise InvalidTypeError(
-            f"{what}: expected a NumPy array or a buffer with a dtype, got {type(x).__name__}; "
-            "wrap Python values with np.asarray(...)"
-        )
-    if arr.dtype == object:
-        raise InvalidTypeError(f"{what}: object arrays cannot be sent; use broadcast_object/allgather_object")
-    ops.check_dtype(arr.dtype, what)
-    if not arr.flags.c_contiguous:
-        raise InvalidInputError(
-            f"{what}: the array is not C-contiguous (shape {arr.shape}, strides {arr.strides}); "
-            "pass np.ascontiguousarray(x)"
-        )
-    return arr
-
-
-def _check_root(root_rank: Any, what: str, size_: int) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
-        raise InvalidTypeError(f"{what}: root_rank must be an int, got {type(root_rank).__name__}")
-    if not 0 <= int(root_rank) < size_:
-        raise InvalidInputError(
-            f"{what}: root_rank={root_rank} is out of range for a job of size {size_}; use 0..{size_ - 1}"
-        )
-    return int(root_rank)
-
-
-def _check_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray | None:
-    if out is None:
-        return None
-    if not isinstance(out, np.ndarray) or out.shape != arr.shape or out.dtype != arr.dtype or not out.flags.c_contiguous:
-        raise InvalidInputError(f"{what}: out= must be a C-contiguous array of shape {arr.shape} and dtype {arr.dtype}")
-    if not out.flags.writeable:
-        raise InvalidInputError(f"{what}: out= is read-only")
-    return out
-
-
-def _scale(value: Any, label: str, what: str) -> float:
-    if type(value) is float:
-        return value
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise InvalidTypeError(f"{what}: {label} must be a number, got {value!r}") from None
 
 
 # ---------------------------------------------------------------------------
 # collectives
 
 
-@_refusable(wire.ALLREDUCE)
 def allreduce_async(
     arr: Any,
     op: ReduceOp = Average,
@@ -174,17 +74,19 @@ def allreduce_async(
     """Start an allreduce; ``synchronize(handle)`` returns the reduced array (``out`` if given)."""
     rt = current("allreduce")
     pset, members = rt.resolve_set(process_set, "allreduce")
-    name = rt.auto_name("allreduce", name, pset)
-    what = f"allreduce {name!r}"
-    a = as_array(arr, what)
-    dt = ops.check_dtype(a.dtype, what)
-    rop = ops.check_op(op, dt, what)
-    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
-    if rop is ReduceOp.ADASUM:
-        return _adasum_async(rt, pset, len(members), name, [a], pre, post, [_check_out(out, a, what)], what,
-                             grouped=False)
-    req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1, pre, post, pset=pset)
-    return rt.submit(req, [a], [_check_out(out, a, what)])
+    call = rt.name_op("allreduce", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"allreduce {name!r}"
+        a = as_array(arr, what)
+        dt = ops.check_dtype(a.dtype, what)
+        rop = ops.check_op(op, dt, what)
+        pre, post = scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what)
+        if rop is ReduceOp.ADASUM:
+            return _adasum_async(rt, pset, len(members), name, [a], pre, post, [check_out(out, a, what)], what,
+                                 grouped=False)
+        req = wire.Request(name, wire.ALLREDUCE, dt, (a.shape,), int(rop), -1, pre, post, pset=pset)
+        return rt.submit(req, [a], [check_out(out, a, what)])
 
 
 def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescale_factor: float = 1.0,
@@ -202,7 +104,6 @@ def allreduce(arr: Any, op: ReduceOp = Average, name: str | None = None, prescal
     return allreduce_async(arr, op, name, prescale_factor, postscale_factor, out, process_set).wait()
 
 
-@_refusable(wire.ALLREDUCE)
 def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             outs: Sequence[np.ndarray | None] | None = None,
@@ -210,24 +111,26 @@ def grouped_allreduce_async(arrs: Sequence[Any], op: ReduceOp = Average, name: s
     """Reduce a list of arrays (one dtype) as one fused op; the result is a list (``outs`` if given)."""
     rt = current("grouped_allreduce")
     pset, members = rt.resolve_set(process_set, "grouped_allreduce")
-    name = rt.auto_name("grouped_allreduce", name, pset)
-    what = f"grouped_allreduce {name!r}"
-    if isinstance(arrs, np.ndarray) or not isinstance(arrs, Sequence) or len(arrs) == 0:
-        raise InvalidTypeError(f"{what}: expected a non-empty list of arrays")
-    arrays = [as_array(a, f"{what}[{i}]") for i, a in enumerate(arrs)]
-    dtypes = {a.dtype.name for a in arrays}
-    if len(dtypes) > 1:
-        raise InvalidTypeError(f"{what}: all arrays of a group must share a dtype, got {sorted(dtypes)}")
-    dt = ops.check_dtype(arrays[0].dtype, what)
-    rop = ops.check_op(op, dt, what)
-    pre, post = _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what)
-    if outs is not None and len(outs) != len(arrays):
-        raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
-    checked = [_check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
-    if rop is ReduceOp.ADASUM:
-        return _adasum_async(rt, pset, len(members), name, arrays, pre, post, checked, what, grouped=True)
-    req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1, pre, post, pset=pset)
-    return rt.submit(req, arrays, checked, grouped=True)
+    call = rt.name_op("grouped_allreduce", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"grouped_allreduce {name!r}"
+        if isinstance(arrs, np.ndarray) or not isinstance(arrs, Sequence) or len(arrs) == 0:
+            raise InvalidTypeError(f"{what}: expected a non-empty list of arrays")
+        arrays = [as_array(a, f"{what}[{i}]") for i, a in enumerate(arrs)]
+        dtypes = {a.dtype.name for a in arrays}
+        if len(dtypes) > 1:
+            raise InvalidTypeError(f"{what}: all arrays of a group must share a dtype, got {sorted(dtypes)}")
+        dt = ops.check_dtype(arrays[0].dtype, what)
+        rop = ops.check_op(op, dt, what)
+        pre, post = scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what)
+        if outs is not None and len(outs) != len(arrays):
+            raise InvalidInputError(f"{what}: outs= has {len(outs)} arrays for {len(arrays)} inputs")
+        checked = [check_out(o, a, f"{what}[{i}]") for i, (o, a) in enumerate(zip(outs or [None] * len(arrays), arrays))]
+        if rop is ReduceOp.ADASUM:
+            return _adasum_async(rt, pset, len(members), name, arrays, pre, post, checked, what, grouped=True)
+        req = wire.Request(name, wire.ALLREDUCE, dt, tuple(a.shape for a in arrays), int(rop), -1, pre, post, pset=pset)
+        return rt.submit(req, arrays, checked, grouped=True)
 
 
 def _adasum_async(rt: Runtime, pset: int, members: int, name: str, arrays: list[np.ndarray], pre: float, post: float,
@@ -271,18 +174,19 @@ def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | N
     return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
-@_refusable(wire.ALLGATHER)
 def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
     rt = current("allgather")
     pset, _ = rt.resolve_set(process_set, "allgather")
-    name = rt.auto_name("allgather", name, pset)
-    what = f"allgather {name!r}"
-    a = as_array(arr, what)
-    if a.ndim == 0:
-        a = a.reshape(1)
-    dt = ops.check_dtype(a.dtype, what)
-    return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,), pset=pset), [a])
+    call = rt.name_op("allgather", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"allgather {name!r}"
+        a = as_array(arr, what)
+        if a.ndim == 0:
+            a = a.reshape(1)
+        dt = ops.check_dtype(a.dtype, what)
+        return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,), pset=pset), [a])
 
 
 def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
@@ -306,32 +210,20 @@ def grouped_allgather(arrs: Sequence[Any], name: str | None = None,
     return grouped_allgather_async(arrs, name, process_set).wait()
 
 
-def _check_set_root(root_rank: Any, what: str, ranks: tuple[int, ...], pset: int) -> int:
-    """``root_rank`` is a global rank; it must be a member of the set."""
-    if not pset:
-        return _check_root(root_rank, what, len(ranks))
-    root = _check_root(root_rank, what, max(ranks) + 1)
-    if root not in ranks:
-        raise InvalidInputError(
-            f"{what}: root_rank={root} is not in process set {pset} (ranks {list(ranks)}); "
-            "root_rank is a global rank and must be one of them"
-        )
-    return root
-
-
-@_refusable(wire.BROADCAST)
 def broadcast_async(arr: Any, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
     """Start a broadcast; ``synchronize(handle)`` returns the root's values (in ``out`` if given)."""
     rt = current("broadcast")
     pset, ranks = rt.resolve_set(process_set, "broadcast")
-    name = rt.auto_name("broadcast", name, pset)
-    what = f"broadcast {name!r}"
-    a = as_array(arr, what)
-    root = _check_set_root(root_rank, what, ranks, pset)
-    dt = ops.check_dtype(a.dtype, what)
-    return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a],
-                     [_check_out(out, a, what)])
+    call = rt.name_op("broadcast", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"broadcast {name!r}"
+        a = as_array(arr, what)
+        root = check_set_root(root_rank, what, ranks, pset)
+        dt = ops.check_dtype(a.dtype, what)
+        return rt.submit(wire.Request(name, wire.BROADCAST, dt, (a.shape,), 0, root, pset=pset), [a],
+                         [check_out(out, a, what)])
 
 
 def broadcast(arr: Any, root_rank: int, name: str | None = None,
@@ -347,45 +239,46 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
     return broadcast_async(arr, root_rank, name, process_set, out).wait()
 
 
-@_refusable(wire.ALLTOALL)
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     rt = current("alltoall")
     pset, ranks = rt.resolve_set(process_set, "alltoall")
-    name = rt.auto_name("alltoall", name, pset)
-    what = f"alltoall {name!r}"
-    a = as_array(arr, what)
-    n = len(ranks)
-    if a.ndim == 0:
-        raise InvalidInputError(
-            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
-        )
-    if splits is None:
-        if a.shape[0] % n:
+    call = rt.name_op("alltoall", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"alltoall {name!r}"
+        a = as_array(arr, what)
+        n = len(ranks)
+        if a.ndim == 0:
             raise InvalidInputError(
-                f"{what}: dim 0 ({a.shape[0]}) is not divisible by the job size ({n}); pass splits=[rows for each rank]"
+                f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
             )
-        split_list = [a.shape[0] // n] * n
-    else:
-        s = np.asarray(splits)
-        if s.dtype.kind not in "iu":
-            raise InvalidSplitsError(
-                f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
-            )
-        if s.ndim != 1 or s.size != n:
-            raise InvalidInputError(
-                f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
-            )
-        if (s < 0).any():
-            raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
-        if int(s.sum()) != a.shape[0]:
-            raise InvalidInputError(
-                f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
-            )
-        split_list = [int(v) for v in s]
-    dt = ops.check_dtype(a.dtype, what)
-    req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset)
-    return rt.submit(req, [a])
+        if splits is None:
+            if a.shape[0] % n:
+                raise InvalidInputError(
+                    f"{what}: dim 0 ({a.shape[0]}) is not divisible by the job size ({n}); pass splits=[rows for each rank]"
+                )
+            split_list = [a.shape[0] // n] * n
+        else:
+            s = np.asarray(splits)
+            if s.dtype.kind not in "iu":
+                raise InvalidSplitsError(
+                    f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
+                )
+            if s.ndim != 1 or s.size != n:
+                raise InvalidInputError(
+                    f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
+                )
+            if (s < 0).any():
+                raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
+            if int(s.sum()) != a.shape[0]:
+                raise InvalidInputError(
+                    f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
+                )
+            split_list = [int(v) for v in s]
+        dt = ops.check_dtype(a.dtype, what)
+        req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset)
+        return rt.submit(req, [a])
 
 
 def alltoall(arr: Any, splits: Any = None, name: str | None = None,
@@ -400,30 +293,31 @@ def alltoall(arr: Any, splits: Any = None, name: str | None = None,
     return alltoall_async(arr, splits, name, process_set).wait()
 
 
-@_refusable(wire.REDUCESCATTER)
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set: ProcessSet = global_process_set) -> Handle:
     rt = current("reducescatter")
     pset, _ = rt.resolve_set(process_set, "reducescatter")
-    name = rt.auto_name("reducescatter", name, pset)
-    what = f"reducescatter {name!r}"
-    a = as_array(arr, what)
-    if a.ndim == 0:
-        raise InvalidInputError(
-            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
-        )
-    if ops.is_adasum(op):
-        raise UnsupportedError(
-            f"{what} on rank {rt.topo.rank}: op=Adasum is not defined for reducescatter (Adasum combines "
-            "whole tensors, not the blocks a rank keeps); use op=Sum or Average, or allreduce(op=Adasum)"
-        )
-    dt = ops.check_dtype(a.dtype, what)
-    rop = ops.check_op(op, dt, what)
-    req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,
-                       _scale(prescale_factor, "prescale_factor", what), _scale(postscale_factor, "postscale_factor", what),
-                       pset=pset)
-    return rt.submit(req, [a])
+    call = rt.name_op("reducescatter", name, pset)
+    with rt.refusing(call):  # an argument refused here fails the op on every member
+        name = call.name
+        what = f"reducescatter {name!r}"
+        a = as_array(arr, what)
+        if a.ndim == 0:
+            raise InvalidInputError(
+                f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+            )
+        if ops.is_adasum(op):
+            raise UnsupportedError(
+                f"{what} on rank {rt.topo.rank}: op=Adasum is not defined for reducescatter (Adasum combines "
+                "whole tensors, not the blocks a rank keeps); use op=Sum or Average, or allreduce(op=Adasum)"
+            )
+        dt = ops.check_dtype(a.dtype, what)
+        rop = ops.check_op(op, dt, what)
+        req = wire.Request(name, wire.REDUCESCATTER, dt, (a.shape,), int(rop), -1,
+                           scale(prescale_factor, "prescale_factor", what), scale(postscale_factor, "postscale_factor", what),
+                           pset=pset)
+        return rt.submit(req, [a])
 
 
 def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
@@ -438,7 +332,6 @@ def reducescatter(arr: Any, op: ReduceOp = Average, name: str | None = None,
     return reducescatter_async(arr, op, name, prescale_factor, postscale_factor, process_set).wait()
 
 
-@_refusable(wire.REDUCESCATTER)
 def grouped_reducescatter_async(arrs: Sequence[Any], op: ReduceOp = Average, name: str | None = None,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set: ProcessSet = global_process_set) -> GroupHandle:
@@ -483,64 +376,6 @@ def synchronize(handle: AnyHandle) -> Any:
     return handle.wait()
 
 
-def _refuse_object(rt: Runtime, kind: str, name: str, pset: int, obj: Any, exc: BaseException) -> Exception:
-    """This rank cannot take part in object op ``name`` (a bad root, an object that does not pickle):
-    the op the other ranks wait on (``name.len``) fails there too; returns this rank's error."""
-    what = f"{'broadcast' if kind == wire.BROADCAST else 'allgather'}_object {name!r}"
-    if isinstance(exc, (InvalidInputError, InvalidTypeError)):
-        err: Exception = exc
-    else:
-        err = InvalidInputError(f"{what}: cannot pickle the {type(obj).__name__} object: {exc}; "
-                                "send something picklable (install cloudpickle for lambdas and local classes)")
-    rt.refuse(kind, f"{name}.len", pset, str(err))
-    return err
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """Every rank (of ``process_set``) gets the root's Python object (pickled; only from ranks of this job).
-
-    ``root_rank`` is a global rank that belongs to the set.
-    """
-    rt = current("broadcast_object")
-    pset, ranks = rt.resolve_set(process_set, "broadcast_object")
-    name = rt.auto_name("broadcast_object", name, pset)
-    try:
-        _check_set_root(root_rank, f"broadcast_object {name!r}", ranks, pset)
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8) if rt.topo.rank == root_rank else None
-    except Exception as exc:
-        err = _refuse_object(rt, wire.BROADCAST, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
-    length = np.array([0 if payload is None else payload.size], dtype=np.int64)
-    length = broadcast(length, root_rank, f"{name}.len", process_set)
-    data = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
-    data = broadcast(data, root_rank, f"{name}.data", process_set)
-    return pickle.loads(data.tobytes())
-
-
-def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
-    """A list with the Python object of every rank (of ``process_set``), in rank order."""
-    rt = current("allgather_object")
-    pset, _ = rt.resolve_set(process_set, "allgather_object")
-    name = rt.auto_name("allgather_object", name, pset)
-    try:
-        payload = np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
-    except Exception as exc:
-        err = _refuse_object(rt, wire.ALLGATHER, name, pset, obj, exc)
-        if err is exc:
-            raise
-        raise err from exc
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
-    data = allgather(payload, f"{name}.data", process_set)
-    out, pos = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(data[pos:pos + n].tobytes()))
-        pos += n
-    return out
-
-
 # ---------------------------------------------------------------------------
 # for layers above the core (ringcomm_torch)
 
@@ -554,16 +389,7 @@ def reserve_name(kind: str, process_set: Any) -> str:
     """
     rt = current(kind)
     pset, _ = rt.resolve_set(process_set, kind)
-    try:
-        return rt.auto_name(kind, None, pset)
-    finally:
-        checking.op = None
-
-
-#: The wire kind of the op each core API kind (the one ``auto_name`` numbers) submits
-_WIRE_KINDS = {"allreduce": wire.ALLREDUCE, "grouped_allreduce": wire.ALLREDUCE, "allgather": wire.ALLGATHER,
-               "grouped_allgather": wire.ALLGATHER, "broadcast": wire.BROADCAST, "alltoall": wire.ALLTOALL,
-               "reducescatter": wire.REDUCESCATTER, "grouped_reducescatter": wire.REDUCESCATTER}
+    return rt.auto_name(kind, None, pset)
 
 
 def refuse_call(kind: str, name: str | None, process_set: Any, reason: str, parts: int = 1) -> None:
@@ -576,11 +402,10 @@ def refuse_call(kind: str, name: str | None, process_set: Any, reason: str, part
     if rt is None or rt.topo.size == 1:
         return
     try:
-        wire_kind, (pset, _) = _WIRE_KINDS[kind], current(kind).resolve_set(process_set, kind)
-        name = rt.auto_name(kind, name, pset)
-        checking.op = None  # refused here: nothing for ringcomm.api to report
+        pset, _ = current(kind).resolve_set(process_set, kind)
+        call = rt.name_op(kind, name, pset)
         split = kind in ("grouped_allgather", "grouped_reducescatter")  # the core submits name.i per array
-        for op_name in [f"{name}.{i}" for i in range(parts)] if split else [name]:
-            rt.refuse(wire_kind, op_name, pset, reason)
+        for part in [call.part(str(i)) for i in range(parts)] if split else [call]:
+            rt.refuse(part, reason)
     except Exception as exc:  # the caller's own error says what went wrong
         log.debug("rank %d: could not refuse the %s op %r: %r", rt.topo.rank, kind, name, exc)

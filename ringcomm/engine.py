@@ -24,68 +24,30 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any
 
-import numpy as np
 import zmq
 
-from .net import auth
-from .job import config
-from .collectives import hierarchical, shm_allreduce
+from . import bootstrap
+from .collectives import hierarchical
 from .lane.owner import LaneOwner
 from .core import routing, wire
 from .job.config import Settings
-from .job.cores import available_cores
 from .core.coordinator import SHUTDOWN_NAME, set_label
-from .errors import HorovodInternalError, InvalidInputError, PeerLostError, ShutdownError, StallError
+from .errors import HorovodInternalError, PeerLostError, ShutdownError, StallError
 from .collectives.executor import Executor
 from .core.service import Service
 from .core.session import Session
 from .handles import Entry, Handle
 from .timeline import Timeline, negotiate_phase
 from .job.topology import Topology
-from .job.names import ipc_base, ipc_file, remove_files
-from .shm import slots as shm_files
 from .net.transport import DataPlane
 from .net.control import Rank0Control
 from .core.wire import Request, Response
 
 log = logging.getLogger("ringcomm.engine")
-
-
-
-
-class _NullLink:
-    """The link of a single-process job: never sends."""
-
-    rank = 0
-    size = 1
-
-    def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:  # pragma: no cover
-        raise AssertionError("single-process job has no peers")
-
-    def recv(self, src: int, seq: int, tag: int) -> object:  # pragma: no cover
-        raise AssertionError("single-process job has no peers")
-
-    def flush(self) -> None:
-        pass
-
-
-def _check_same_security(table: list[dict], rank: int) -> None:
-    """Raise when ranks disagree on ``RINGCOMM_ENCRYPT``: their handshakes would fail for ever."""
-    flags = {int(peer["rank"]): bool(peer.get("encrypt", False)) for peer in table}
-    if len(set(flags.values())) > 1:
-        on = [r for r, f in sorted(flags.items()) if f]
-        off = [r for r, f in sorted(flags.items()) if not f]
-        raise InvalidInputError(
-            f"rank {rank}: ranks {on} run with RINGCOMM_ENCRYPT=1 and ranks {off} without; encrypted and "
-            f"plain sockets cannot connect. Set RINGCOMM_ENCRYPT to the same value on every rank."
-        )
-
-
 
 
 #: When a peer is lost while ops are pending, how long a rank other than 0 waits for rank 0's answer
@@ -95,15 +57,6 @@ _LATE_ANSWER_MS = 200
 _REPORT_LOST_SECONDS = 1.0
 #: How long rank 0's control socket keeps unsent answers when it closes (to ranks still connected)
 _FINAL_ANSWERS_LINGER_MS = 500
-
-
-def _reclaim_left_by_dead(rank: int) -> None:
-    """Remove the shared-memory files that jobs killed on this host before they could remove them
-    left (a job started without ``ringcomm-run``, which cleans up after its own, has nobody else to)."""
-    removed = shm_files.reclaim_left_by_dead()
-    if removed:
-        log.info("rank %d: removed %d shared-memory file(s), %.1f MiB, that jobs killed on this host had left: %s",
-                 rank, len(removed), sum(n for _, n in removed) / 2**20, ", ".join(p for p, _ in removed))
 
 
 class Engine:
@@ -127,7 +80,7 @@ class Engine:
                                 lim.small_gather_bytes, hierarchical.PHASES, records=self.rank != 0)
         self._service = Service(self.size, topo.secret, settings.fusion_threshold, lim.small_bytes, settings.cache_capacity,
                                 settings.cycle_time, clock=time.perf_counter) if self.rank == 0 else None
-        # rank 0: its control socket (bound in _connect) and its service
+        # rank 0: its control socket (bound by bootstrap.connect) and its service
         self._control = Rank0Control(self._service, self.size, settings.stall_check_seconds,
                                      settings.stall_shutdown_seconds) if self._service is not None else None
         #: ``(set, name)`` of ops rank 0 failed as stalled that this rank never submitted: it skipped
@@ -138,135 +91,23 @@ class Engine:
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank, settings.timeline_mark_cycles)
             self._note_timeline()
-        self._server: Any = None  # a rendezvous.RendezvousServer on the rank that hosts it
-        self._ipc_paths: list[str] = []
-        self._ctx: zmq.Context | None = None
-        self._zap: auth.ZapThread | None = None
-        self._ctrl: zmq.Socket | None = None
-        self._link: Any = _NullLink()
-        self._shm_ar: shm_allreduce.ShmAllreduce | None = None  # all ranks on one host: large allreduces
         #: The small-op lane's lifecycle: a shared region when all ranks share one host, else TCP
         #: between ranks; the engine makes it at the rendezvous and releases it when it closes.
         self.lane_owner = LaneOwner(self.rank, self.size)
-        self.peer_table: list[dict] = [{"rank": 0, "host": topo.hostname, "pid": os.getpid()}]
+        # the sockets, the rendezvous table and what else the wiring opened (nothing in a job of one)
+        self._wiring = bootstrap.alone(topo.hostname)
         if self.size > 1:
             try:
-                self._connect(round_)
+                self._wiring = bootstrap.connect(topo, settings, round_, lim, self.lane_owner, self._control)
             except BaseException:
-                self._close()  # a failed init() leaves no socket, context or file behind
+                self._close()  # connect closed what it opened; the lane's offer, the timeline, the pipe remain
                 raise
+        self.peer_table: list[dict] = self._wiring.peer_table
+        self._ctrl: zmq.Socket | None = self._wiring.ctrl
+        self._link: Any = self._wiring.link
+        self._shm_ar = self._wiring.shm_ar  # all ranks on one host: large allreduces
         self._exec = Executor(self.rank, self.size, settings, self._link, shm_ar=self._shm_ar,
                               hosts=[str(p["host"]) for p in self.peer_table], limits=lim)
-
-    # -- setup ---------------------------------------------------------------
-
-    def _connect(self, round_: int) -> None:
-        from .net import rendezvous
-
-        topo, st = self.topo, self.settings
-        # every connection to this process proves it holds the job secret before it is attached
-        creds = auth.Credentials.derive(topo.secret, "job", encrypt=st.encrypt)
-        ctx = self._ctx = zmq.Context(io_threads=st.io_threads)
-        self._zap = auth.ZapThread(ctx, creds, f"rank {self.rank}")  # before the first bind
-        link = DataPlane(
-            ctx, self.rank, self.size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
-            shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-            job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
-            seq_stride=hierarchical.PHASES,
-        )
-        self._link = link  # from here on, _close() closes it
-        base = ipc_base(topo.job_id, os.getpid(), round_)
-        data_eps = link.bind(base + "-data", topo.addr)
-        if topo.local_rank == 0 and shm_files.available():
-            _reclaim_left_by_dead(self.rank)
-        lane_offers = self.lane_owner.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(self.size),
-                                            st.net_lane_bytes_for(self.size), st.encrypt)
-        info: dict[str, Any] = {
-            "rank": self.rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
-            "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
-            "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
-            # "lane": rank 0: the small-op lane's path; the others: whether they can map one;
-            # "net_lane": where this rank listens for the lane across hosts, or False
-            **lane_offers,
-        }
-        if self.rank == 0:
-            ctrl = self._ctrl = ctx.socket(zmq.ROUTER)
-            ctrl.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
-            ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            creds.apply_server(ctrl)
-            ctrl.bind(base + "-ctrl")
-            ipc_ep = ctrl.getsockopt_string(zmq.LAST_ENDPOINT)
-            path = ipc_file(ipc_ep)
-            if path is not None:
-                self._ipc_paths.append(path)
-            ctrl.bind(f"tcp://{topo.addr}:0")
-            info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
-            if topo.host_rendezvous:
-                port = int(topo.rendezvous.rpartition(":")[2])
-                self._server = rendezvous.RendezvousServer(
-                    self.size, topo.secret, host=topo.rendezvous_bind, port=port
-                )
-        else:
-            ctrl = self._ctrl = ctx.socket(zmq.DEALER)
-            ctrl.setsockopt(zmq.LINGER, 0)
-            ctrl.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES + wire.TAG_BYTES)
-            ctrl.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
-            creds.apply_client(ctrl)
-        self._ctrl = ctrl
-        if self._control is not None:
-            self._control.socket = ctrl
-            link.serve_while_waiting(self._control)
-        table = rendezvous.register(
-            topo.rendezvous, topo.secret, self.rank, self.size, info, st.start_timeout, round=round_,
-            progress=_print_waiting if self.rank == 0 else None,
-        )
-        self.peer_table = table
-        _check_same_security(table, self.rank)
-        config.check_agreed(table, self.rank)
-        for peer in table:
-            r = int(peer["rank"])
-            same_host = peer["host"] == topo.hostname
-            if r != self.rank:
-                link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
-        if shm_allreduce.usable(self.size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
-                                st.shm_allreduce_min_ranks):
-            self._shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
-                                                       st.peer_timeout, threads=st.shm_allreduce_threads_for(
-                                                           self.size, available_cores()))
-        self.lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
-        if self.rank != 0:
-            root = table[0]
-            ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
-        if log.isEnabledFor(logging.DEBUG):
-            self._log_setup(table, info)
-
-    def _log_setup(self, table: list[dict], info: dict[str, Any]) -> None:
-        """DEBUG: the transports this rank chose for each peer and the thresholds that pick an op's path."""
-        st, host = self.settings, self.topo.hostname
-        local = [int(p["rank"]) for p in table if p["host"] == host and int(p["rank"]) != self.rank]
-        remote = [int(p["rank"]) for p in table if p["host"] != host]
-        shm = (f"shared-memory slots ({st.shm_slots} x {st.segment_bytes} B) for payloads from {st.shm_min_bytes} B"
-               if st.shm_slots > 0 and local else "no shared-memory slots")
-        log.debug("rank %d: data plane: same-host peers %s over ipc sockets with %s; other-host peers %s over tcp "
-                  "(%s); zero-copy sends from %d B; %s", self.rank, local, shm, remote, self.topo.addr,
-                  st.zero_copy_min_bytes, "CURVE-encrypted" if st.encrypt else "authenticated, not encrypted")
-        if self.rank == 0:
-            log.debug("rank 0: control plane: serving the other ranks on %s", info.get("ctrl"))
-        else:
-            via = "ipc" if table[0]["host"] == host else "tcp"
-            log.debug("rank %d: control plane: connected to rank 0 over %s", self.rank, via)
-        lim = self.limits  # the same numbers core/routing.py decides with
-        hier = {1: "whenever the hosts allow it", 0: "off", -1: f"from {lim.hierarchical_min_bytes} B when the hosts allow it"}
-        log.debug("rank %d: paths: allreduces up to %d B go through rank 0 in one round trip (allgather parts up "
-                  "to %d B); larger ones up to %d B by recursive doubling, the rest by the ring in %d B segments%s; "
-                  "hierarchical allreduce %s (%d host(s)); ops fused up to %d B, cycle time %g ms", self.rank,
-                  lim.small_bytes, lim.small_gather_bytes, lim.doubling_bytes, st.segment_bytes,
-                  f", or one shared-memory region from {lim.shm_min_bytes} B (all ranks on this host; "
-                  f"{self._shm_ar.threads} thread(s) per rank)"
-                  if self._shm_ar is not None else "; no shared-memory allreduce (not every rank on one host, "
-                  "or switched off)", hier.get(lim.hierarchical, str(lim.hierarchical)),
-                  len({p["host"] for p in table}), st.fusion_threshold, st.cycle_time)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"ringcomm-engine-{self.rank}", daemon=True)
@@ -312,23 +153,11 @@ class Engine:
                 entry.handle.set_error(err)
         self._session.drop_all()
         self._queue.clear()
-        if self._shm_ar is not None:
-            self._shm_ar.close()
         self.lane_owner.release()
-        if isinstance(self._link, DataPlane):
-            self._link.close()
-        if self._ctrl is not None:
-            # rank 0's last answers (an error that ends the program) still reach the other ranks
-            self._ctrl.close(_FINAL_ANSWERS_LINGER_MS if self.rank == 0 else 0)
-        remove_files(self._ipc_paths)
-        if self._server is not None:
-            self._server.close()
+        # rank 0's last answers (an error that ends the program) still reach the other ranks
+        self._wiring.close(_FINAL_ANSWERS_LINGER_MS if self.rank == 0 else 0)
         if self.timeline is not None:
             self.timeline.close()
-        if self._zap is not None:
-            self._zap.stop()
-        if self._ctx is not None:
-            self._ctx.term()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -586,7 +415,3 @@ class Engine:
     def set_ids(self) -> list[int]:
         return self._session.set_ids()
 
-
-def _print_waiting(line: str) -> None:
-    """Rank 0's report of the ranks still missing at the rendezvous: on stderr, whatever the logging setup."""
-    print(f"ringcomm: rank 0: {line}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """The runtime of one process: ``init()``, ``shutdown()``, the job's layout and its process sets.
 
-:func:`init` builds one :class:`Runtime` (settings, topology, the engine and its
-thread); every call that needs it asks :func:`current` (refused in a process
+:func:`init` builds one :class:`~ringcomm.process_runtime.Runtime` (settings, topology, the
+engine and its thread, the names of ops; :mod:`ringcomm.process_runtime`); every call that needs it asks :func:`current` (refused in a process
 forked after ``init()``) or :func:`layout` (rank and size: answered there too).
 The collectives themselves are in :mod:`ringcomm.api`.
 """
@@ -9,9 +9,6 @@ The collectives themselves are in :mod:`ringcomm.api`.
 from __future__ import annotations
 
 import atexit
-import collections
-import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -19,223 +16,31 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from .job import config, horovod_env, logsetup, topology
-from .lane.driver import LaneHandle
+from .job import config
 from .core import wire
-from .elastic import worker as elastic_worker
-from .engine import Engine
+from .core.naming import OpCall
 from .errors import (
-    DuplicateNameError,
     ForkedProcessError,
     InvalidInputError,
     InvalidTypeError,
     NotInitializedError,
     RendezvousAbortedError,
 )
-from .handles import Entry, Handle
 from .core.process_sets import ProcessSet, as_process_set, global_process_set, use_rank_source
+from .process_runtime import Runtime as Runtime  # re-exported: the runtime init() makes
 
 log = logging.getLogger("ringcomm.runtime")
-#: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
-#: (the others have submitted the op by then in a program in step; no longer than that)
-_REFUSAL_ANSWER_SECONDS = 2.0
-#: ``.op``: (runtime, name, set) of the op whose arguments are being checked on this thread (see
-#: :meth:`Runtime.auto_name`); ``ringcomm.api`` reports a refused call with it.
-checking = threading.local()
-
-
-class Runtime:
-    """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
-
-    def __init__(self, round_: int, dynamic_sets: bool = False, settings: config.Settings | None = None) -> None:
-        self.settings = settings if settings is not None else config.Settings.from_env()
-        logsetup.apply_level(self.settings.log_level)  # only when RINGCOMM_LOG_LEVEL is given
-        for name in horovod_env.without_meaning(os.environ):
-            log.warning(
-                "%s is set but has no meaning in ringcomm (ignored); see the environment variables page "
-                "for the HOROVOD_* settings ringcomm reads", name)
-        if log.isEnabledFor(logging.DEBUG):
-            changed = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)
-                       if getattr(self.settings, f.name) != f.default}
-            log.debug("init(): settings other than the defaults: %s", changed or "none")
-        self.topo = elastic_worker.topology_from_env()  # the environment's, or the elastic driver's
-        _log_topology(self.topo)
-        self.round = round_
-        self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
-        self.dynamic_sets = dynamic_sets
-        self.all_ranks = tuple(range(self.topo.size))
-        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
-        # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
-        self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
-        log.debug("rank %d: placement: local rank %d of %d, cross rank %d of %d (%d host(s) in the job)",
-                  self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
-                  self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
-        self.engine.start()
-        # small ops of the global set skip the engine: the lane's owner starts its driver (None: no
-        # lane in this job), which hands the engine what it cannot take
-        self.lane_owner = self.engine.lane_owner
-        self.lane = self.lane_owner.start(self.engine, self.settings.stall_check_seconds,
-                                          self.settings.stall_shutdown_seconds)
-        self._lock = threading.Lock()
-        self._names: set[tuple[int, str]] = set()
-        self._counters: collections.Counter[tuple[int, str]] = collections.Counter()
-        self._joins = 0
-
-    def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
-        """``name``, or the next ``kind.noname.N`` of this process set (counted per set and kind).
-
-        Every completed ``join()`` starts the count again, as ``kind.noname.J.N`` after the J-th
-        join: ranks that joined early skipped the unnamed ops the others ran (and failed) meanwhile,
-        so their counts differ; after the join they agree again, on every rank.
-
-        Also notes the op as the one being checked on this thread: if its arguments are then
-        refused, ``ringcomm.api`` tells the other ranks (see :meth:`refuse`).
-        """
-        if name is not None:
-            if not isinstance(name, str) or not name:
-                raise InvalidInputError(f"{kind}: name must be a non-empty string, got {name!r}")
-        else:
-            with self._lock:
-                self._catch_up()
-                n = self._counters[(pset, kind)]
-                self._counters[(pset, kind)] += 1
-                joins = self._joins
-            name = f"{kind}.noname.{n}" if not joins else f"{kind}.noname.{joins}.{n}"
-        checking.op = (self, name, pset)
-        return name
-
-    def _catch_up(self) -> None:
-        """Count the unnamed ops rank 0 failed as stalled that this rank never submitted (it had
-        diverged from the others and skipped them), so its next unnamed op pairs with theirs."""
-        skipped = self.engine.skipped_ops
-        while skipped:
-            pset, name = skipped.popleft()
-            kind, sep, rest = name.partition(".noname.")
-            parts = rest.split(".")
-            if not sep or (self._joins and parts[0] != str(self._joins)):
-                continue  # named, or numbered before the last join
-            number = parts[1] if self._joins and len(parts) > 1 else parts[0]
-            if number.isdigit():
-                key = (pset, kind)
-                self._counters[key] = max(self._counters[key], int(number) + 1)
-
-    def refuse(self, kind: str, name: str, pset: int, reason: str) -> None:
-        """Tell rank 0 this rank will not run op ``name``, and why: it fails on every member with the
-        reason, so the others do not wait for this rank (nothing waits for this rank's own handle)."""
-        req = wire.Request(name, kind, pset=pset, refused=f"rank {self.topo.rank}: {reason}")
-        lane = self.lane if pset == 0 else None
-        handle = Handle(name) if lane is None else LaneHandle(name)
-        try:
-            entry = Entry(req, [], handle)
-            # in the lane, a refused op is never fast, so the others divert theirs too; the lane hands
-            # it to the engine itself if it had to queue it (False: posted now, the engine's to take)
-            if lane is None or not lane.submit(entry, others=0):
-                self.engine.submit(entry)
-        except Exception as exc:  # the engine is gone: the caller's own error says enough
-            log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
-            return
-        # Wait (briefly) until rank 0 has answered the refusal on every rank: a program that ends on
-        # this rank's error must not leave before that answer, or the others would see only a lost
-        # peer (and an elastic job would re-form instead of ending with the error).
-        try:
-            handle.wait(_REFUSAL_ANSWER_SECONDS)
-        except Exception as exc:  # the answer is the refusal's own error (expected), or none came in time
-            log.debug("rank %d: the refused op %r: %s", self.topo.rank, name, exc)
-
-    def resolve_set(self, process_set: Any, what: str) -> tuple[int, tuple[int, ...]]:
-        """``(set id, global ranks)`` of ``process_set``; raises unless it is registered and has this rank."""
-        if process_set is None or process_set is global_process_set:
-            return 0, self.all_ranks
-        if not isinstance(process_set, ProcessSet):
-            raise InvalidTypeError(f"{what}: process_set must be a ProcessSet, got {type(process_set).__name__}")
-        pid = process_set.process_set_id
-        if pid == 0:
-            return 0, self.all_ranks
-        ranks = self.engine.set_ranks(pid) if pid is not None and process_set.registered_round == self.round else None
-        if pid is None or ranks is None or process_set.ranks is None or tuple(process_set.ranks) != ranks:
-            raise InvalidInputError(
-                f"{what}: {process_set!r} is not a registered process set of this job; pass it to "
-                "init(process_sets=[...]) or add_process_set() (on every rank) first"
-            )
-        if self.topo.rank not in ranks:
-            raise InvalidInputError(
-                f"{what}: rank {self.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
-                "only its members may run collectives on it (check ps.included() first)"
-            )
-        return pid, ranks
-
-    def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
-               grouped: bool = False) -> Handle:
-        name = req.name
-        key = (req.pset, name)
-        with self._lock:
-            if key in self._names:
-                raise DuplicateNameError(
-                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
-                    f"{' in process set %d' % req.pset if req.pset else ''}; "
-                    "wait for it (synchronize) or use another name"
-                )
-            self._names.add(key)
-        # the name is free again once the op finishes: one set operation, atomic on its own (only
-        # the check and the add above must happen together)
-        release = functools.partial(self._names.discard, key)
-        lane = self.lane if req.pset == 0 else None
-        handle = Handle(name, release) if lane is None else LaneHandle(name, release)
-        try:
-            entry = Entry(req, arrays, handle, outs or [], grouped)
-            if lane is None or not lane.submit(entry, others=len(self._names) - 1):  # the other names in flight
-                self.engine.submit(entry)
-        except BaseException:
-            release()
-            raise
-        return handle
-
-    def after_join(self) -> None:
-        """Every rank has joined: unnamed ops are numbered from 0 again (see :meth:`auto_name`) and
-        the small-op lane, off since this rank joined, starts again.
-
-        Every rank runs the lane's barrier, a rank without a lane too (the lane's owner sees to it):
-        ranks may disagree on having one (a rank that could not map rank 0's region runs without
-        it), and a rank that skipped the barrier would leave the others waiting in it.
-        """
-        with self._lock:
-            self._joins += 1
-            self._counters.clear()
-            name = f"ringcomm.lane.rejoin.{self._joins}"
-
-        def barrier() -> None:
-            self.submit(wire.Request(name, wire.BARRIER), []).wait()
-        self.lane_owner.reopen_after_join(barrier)
-
-    def shutdown(self) -> None:
-        timeout = 0.0 if _dying.is_set() else 10.0
-        self.lane_owner.close(timeout)  # the others divert what this rank will not post
-        self.engine.shutdown(timeout=timeout)
-
 
 _runtime: Runtime | None = None
 _rounds = 0
 _init_lock = threading.Lock()
 _atexit_registered = False
-
-
-def _log_topology(topo: topology.Topology) -> None:
-    """DEBUG: where this rank's place in the job came from, and where it will meet the others."""
-    if not log.isEnabledFor(logging.DEBUG):
-        return
-    if topo.size == 1:
-        log.debug("rank 0 of 1 (topology: %s): a single process; no sockets, no rendezvous", topo.source)
-        return
-    derived = f"; {', '.join(topo.derive)} worked out at the rendezvous" if topo.derive else ""
-    hosting = f", hosted by this rank on {topo.rendezvous_bind}" if topo.host_rendezvous else ""
-    log.debug("rank %d of %d (topology: %s%s), host %s, job %s: binds and advertises %s; rendezvous %s%s",
-              topo.rank, topo.size, topo.source, derived, topo.hostname, topo.job_id, topo.addr,
-              topo.rendezvous, hosting)
-
-
 _dying = threading.Event()  # the main thread died of an uncaught exception
+
+
+def _leave_timeout() -> float:
+    """How long ``shutdown()`` waits for the other ranks: not at all once the main thread died."""
+    return 0.0 if _dying.is_set() else 10.0
 
 
 def _install_excepthook() -> None:
@@ -317,7 +122,7 @@ def init(process_sets: Sequence[ProcessSet] | str | None = None, *, settings: co
             for ps in static:
                 register(rt, ps, "init(process_sets=...)")
         except BaseException:
-            rt.shutdown()
+            rt.shutdown(_leave_timeout())
             raise
         _runtime = rt
         if not _atexit_registered:
@@ -332,7 +137,7 @@ def shutdown() -> None:
     with _init_lock:
         rt, _runtime = _runtime, None
     if rt is not None and rt.pid == os.getpid():
-        rt.shutdown()
+        rt.shutdown(_leave_timeout())
     # in a child forked after init() the engine's sockets belong to the parent: leave them alone
 
 
@@ -450,21 +255,21 @@ use_rank_source(rank)
 # process sets
 
 
-def register(rt: Runtime, ps: ProcessSet, what: str, name: str | None = None) -> ProcessSet:
+def register(rt: Runtime, ps: ProcessSet, what: str, call: OpCall | None = None) -> ProcessSet:
     """Register ``ps`` on every rank (a collective of the global set); sets its id.
 
-    ``name``: the op's name, taken before the arguments were checked: when this rank refuses them,
-    rank 0 hears of it and the call fails on every rank instead of leaving the others waiting.
+    ``call``: the op, named before the arguments were checked: when this rank refuses them, rank 0
+    hears of it and the call fails on every rank instead of leaving the others waiting.
     """
-    try:
+    if call is None:
         done = _check_new_set(rt, ps, what)
-    except (InvalidInputError, InvalidTypeError) as exc:
-        if name is not None:
-            rt.refuse(wire.ADD_PSET, name, 0, str(exc))
-        raise
+    else:
+        with rt.refusing(call):
+            done = _check_new_set(rt, ps, what)
     if done is not None:
         return done
-    req = wire.Request(name or rt.auto_name(wire.ADD_PSET, None), wire.ADD_PSET, set_ranks=tuple(ps.ranks or ()))
+    name = call.name if call is not None else rt.auto_name(wire.ADD_PSET, None)
+    req = wire.Request(name, wire.ADD_PSET, set_ranks=tuple(ps.ranks or ()))
     ps.process_set_id = int(rt.submit(req, []).wait())
     ps.registered_round = rt.round
     return ps
@@ -505,16 +310,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "add_process_set: process sets can be added at run time only after init(process_sets='dynamic'); "
             "or pass them to init(process_sets=[...])"
         )
-    name = rt.auto_name(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
-    try:
+    call = rt.name_op(wire.ADD_PSET, None)  # on every rank, before any check: a refusal names this op
+    with rt.refusing(call):
         ps = as_process_set(process_set, "add_process_set")
         if (ps.process_set_id is not None and ps.registered_round == rt.round
                 and rt.engine.set_ranks(ps.process_set_id)):
             raise InvalidInputError(f"add_process_set: {ps!r} is already registered")
-    except (InvalidInputError, InvalidTypeError) as exc:
-        rt.refuse(wire.ADD_PSET, name, 0, str(exc))
-        raise
-    return register(rt, ps, "add_process_set", name)
+    return register(rt, ps, "add_process_set", call)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

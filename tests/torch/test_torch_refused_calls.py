@@ -29,7 +29,6 @@ def test_refuse_call_does_nothing_before_init_or_with_one_rank(monkeypatch: pyte
         # the unnamed numbering was left alone: the next unnamed op is still the first
         assert runtime.current("test").auto_name("allreduce", None) == "allreduce.noname.0"
     finally:
-        runtime.checking.op = None
         rc.shutdown()
 
 
