@@ -114,13 +114,19 @@ def test_the_sender_decides_the_ring_and_a_receiver_without_slots_of_its_own_rea
         for r, p in enumerate(planes):
             p.connect(1 - r, tables[1 - r], same_host=True, description=f"rank {1 - r}")
         payload = np.arange(4096, dtype=np.float64)  # 32 KiB: between the bounds, into a slot
-        for seq in range(3):  # more sends than slots: the acks come back
+        rounds = 4
+        for seq in range(rounds):  # more sends than slots: the acks come back
             planes[0].send(1, seq, 0, payload + seq)
             planes[1].send(0, seq, 0, payload - seq)
             assert np.array_equal(np.frombuffer(planes[1].recv(0, seq, 0), np.float64), payload + seq)
             assert np.array_equal(np.frombuffer(planes[0].recv(1, seq, 0), np.float64), payload - seq)
-        assert planes[0].stats["shm"] == 3 and planes[0].stats["inline"] == 0
-        assert planes[1].stats["shm"] == 0 and planes[1].stats["inline"] == 3
+        # The receiver acks a slot when it next reads (the view it returned is in use until then), and the
+        # sender never waits for an ack: a send that finds both slots taken goes inline.  Whether the ack of
+        # round 1 is in by round 2 is up to the scheduler; by round 3 it is (the sender read past it in
+        # round 2), so at least three of four sends use the ring, and every other one is a counted fallback.
+        sent = planes[0].stats
+        assert sent["shm"] >= 3 and sent["shm"] + sent["shm_full"] == rounds and sent["inline"] == sent["shm_full"]
+        assert planes[1].stats["shm"] == 0 and planes[1].stats["inline"] == rounds
         assert planes[1].stats["dropped"] == 0
     finally:
         for p in planes:
