@@ -202,11 +202,60 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     data = json.loads(out.read_text())["crosshost"]
     assert data["skipped"] is None
     assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
-        ("1gbit", 65536, ["gloo", "raw", "ringcomm"]), ("1gbit", 1 << 20, ["gloo", "raw", "ringcomm"])]
+        ("1gbit", 65536, ["exchange", "gloo", "raw", "ringcomm"]), ("1gbit", 1 << 20, ["exchange", "gloo", "raw", "ringcomm"])]
     for row in data["summary"]:  # the raw TCP round trip: the link's floor, timed in the same round
         raw = row["systems"]["raw"]
         assert 0 < raw["median_s"] <= raw["p99_s"] and row["ringcomm_over_raw"] > 0
-    assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout
+        # the plain-socket exchange: each system's share of it (2 hosts: the ceiling is the exchange's time)
+        assert row["ceiling_s"] == row["systems"]["exchange"]["median_s"]
+        assert row["ringcomm_share"] == pytest.approx(row["ceiling_s"] / row["systems"]["ringcomm"]["median_s"])
+        assert row["gloo_share"] > 0
+    # 1 MiB at 1 Gbit/s: the wire's 8.4 ms less what the shaper's burst lets through; far below a second
+    exchange = data["summary"][1]["systems"]["exchange"]["median_s"]
+    assert 0.001 < exchange < 1.0
+    assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout and "plain-socket exchange" in proc.stdout
+
+
+def test_cluster_hosts_and_the_ceiling_shares() -> None:
+    from ringcomm.bench import cluster
+
+    assert cluster.host_slots("a:2,b:2") == [("a", 2), ("b", 2)]
+    assert cluster.host_slots("node1,10.0.0.2:4") == [("node1", 1), ("10.0.0.2", 4)]
+    for bad in ("a:0", "a:x", ":2"):
+        with pytest.raises(ValueError, match="NAME:SLOTS"):
+            cluster.host_slots(bad)
+    # 4 hosts: an allreduce moves 2(H-1)/H = 1.5 x S out of each host, so the ceiling is 1.5 x the exchange
+    row = {"systems": {"exchange": {"median_s": 0.1}, "ringcomm": {"median_s": 0.2}, "gloo": {"median_s": 0.3}}}
+    cluster.ceiling_shares(row, 4, ("ringcomm", "gloo"))
+    assert row["ceiling_s"] == pytest.approx(0.15)
+    assert row["ringcomm_share"] == pytest.approx(0.75) and row["gloo_share"] == pytest.approx(0.5)
+    alone = {"systems": {"ringcomm": {"median_s": 0.2}}}
+    cluster.ceiling_shares(alone, 2, ("ringcomm",))  # no exchange timed: no ceiling, no share
+    assert "ceiling_s" not in alone and cluster.share_text(alone, "ringcomm") == "n/a"
+    argv = cluster.job_argv(cluster.ClusterConfig(hosts="a:2,b:2", ssh_port=2222, network_interface="eth1",
+                                                  python="/opt/py"), "gloo", "1024:3", "/tmp/o.json")
+    assert argv[:6] == ["/opt/py", "-m", "ringcomm.launch.launcher", "-np", "4", "-H"]
+    assert argv[argv.index("--ssh-port") + 1] == "2222" and argv[argv.index("--network-interface") + 1] == "eth1"
+    assert argv[argv.index("--system") + 1] == "gloo" and "--ssh-command" not in argv
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_cluster_bench_runs_on_two_hosts_as_a_user_runs_it(hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``bench cluster -H`` started on host a, reaching host b over (look-alike) ssh, as on a user's cluster."""
+    out = tmp_path / "cluster.json"
+    argv = [sys.executable, "-m", "ringcomm.bench", "cluster", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1",
+            "--ssh-command", str(hosts.ssh), "--network-interface", hosts.interface, "--sizes", "1M",
+            "--iters", "3", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path)]
+    proc = subprocess.run(hosts.exec_argv("a", argv), capture_output=True, text=True, timeout=220, env=_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())["cluster"]
+    assert [r["system"] for r in data["runs"]] == ["exchange", "ringcomm", "gloo"] and all(r["ok"] for r in data["runs"])
+    (row,) = data["summary"]
+    assert sorted(row["systems"]) == ["exchange", "gloo", "ringcomm"]
+    assert row["ringcomm_share"] > 0 and row["gloo_share"] > 0 and row["gloo_over_ringcomm"] > 0
+    assert "plain-socket exchange" in proc.stdout and "ringcomm's share" in proc.stdout
 
 
 @pytest.mark.timeout(60)

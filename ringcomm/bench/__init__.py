@@ -9,6 +9,14 @@ Subcommands (see ``python -m ringcomm.bench --help``):
     and the ratios ringcomm/gloo.  A Horovod column appears only when
     ``import horovod.torch`` works.  ``--encrypt`` adds ringcomm with
     ``RINGCOMM_ENCRYPT=1`` (CURVE) and an encrypted/plain latency column.
+``cluster``
+    Allreduce on the user's own hosts (``-H node1:P,node2:P``, started over
+    ssh as the launcher does): ringcomm and gloo alternated, against a
+    plain-socket exchange of the same bytes between the hosts, the practical
+    ceiling; the report gives each system's share of it.
+``crosshost``
+    The same on two network namespaces of this machine joined by a shaped
+    veth link (root only): ``--rates 1gbit 10gbit``.
 ``ceiling``
     Throughput of one ZeroMQ PUSH->PULL stream (16 MiB messages, zero-copy
     send, ipc and tcp loopback) and of a NumPy 64 MiB copy.

@@ -7,6 +7,7 @@ Examples::
     python -m ringcomm.bench broadcast --np 4
     python -m ringcomm.bench latency --np 2 4
     python -m ringcomm.bench crosshost --rates 1gbit 10gbit --sizes 1M 16M 64M
+    python -m ringcomm.bench cluster -H node1:1,node2:1 --sizes 16M 64M
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, collectives, coordination, crosshost, ddp, frameworks, latency, report, resources, training
+from . import _launch, _util, ceiling, cluster, collectives, coordination, crosshost, ddp, frameworks, latency, report, resources, training
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -115,6 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=["ringcomm", "gloo"],
                     help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off; ringcomm-lane: the small-op lane across hosts on)")
 
+    cl = sub.add_parser("cluster", parents=[output],
+                        help="allreduce on your own hosts (-H, over ssh): ringcomm vs gloo vs a plain-socket exchange")
+    cl.add_argument("-H", "--hosts", required=True, metavar="HOST:SLOTS,...",
+                    help="the hosts and ranks on each, as the launcher's -H (e.g. node1:1,node2:1)")
+    cl.add_argument("--sizes", type=_size, nargs="+", default=[16 << 20, 64 << 20], metavar="SIZE",
+                    help="allreduce sizes (default: 16M 64M)")
+    cl.add_argument("--iters", type=_positive, default=10, help="timed ops per size and job (default: 10)")
+    cl.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
+    cl.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
+    cl.add_argument("--systems", nargs="+", choices=cluster.SYSTEMS, default=list(cluster.SYSTEMS),
+                    help="systems to alternate with the exchange (default: ringcomm gloo)")
+    cl.add_argument("--ssh-command", help="the launcher's --ssh-command (default: ssh)")
+    cl.add_argument("--ssh-port", type=_positive, help="the launcher's --ssh-port")
+    cl.add_argument("--network-interface", help="the interface every rank binds (the launcher's --network-interface)")
+    cl.add_argument("--python", default=sys.executable,
+                    help="the Python every host runs, with ringcomm and torch installed (default: this one's path)")
+    cl.add_argument("--loop", action="store_true", help="time ops back to back after one barrier")
+
     ceil = sub.add_parser("ceiling", parents=[output], help="ZeroMQ PUSH->PULL stream and NumPy copy throughput")
     ceil.add_argument("--repeats", type=_positive, default=3, help="runs per transport (default: 3)")
     ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
@@ -201,6 +220,16 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
             rates=args.rates, sizes=args.sizes, ranks_per_host=args.ranks_per_host, iters=args.iters,
             warmup=args.warmup, repeats=args.repeats, systems=args.systems, job_timeout=max(args.job_timeout, 600.0),
             loop=args.loop))
+    elif args.command == "cluster":
+        try:
+            cluster.host_slots(args.hosts)
+        except ValueError as exc:
+            raise SystemExit(f"python -m ringcomm.bench cluster: {exc}") from None
+        results["cluster"] = cluster.run(cluster.ClusterConfig(
+            hosts=args.hosts, sizes=args.sizes, iters=args.iters, warmup=args.warmup, repeats=args.repeats,
+            systems=args.systems, ssh_command=args.ssh_command, ssh_port=args.ssh_port,
+            network_interface=args.network_interface, python=args.python, job_timeout=max(args.job_timeout, 600.0),
+            loop=args.loop))
     elif args.command == "ceiling":
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(message_bytes=args.message_size, count=args.count,
                                                                repeats=args.repeats, job_timeout=args.job_timeout))
@@ -237,7 +266,7 @@ def _failures(results: dict[str, Any]) -> int:
     runs = [r for s in results.get("collectives", {}).values() for r in s["runs"]]
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
     runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
-    runs += results.get("crosshost", {}).get("runs", []) + results.get("ddp", {}).get("runs", [])
+    runs += results.get("crosshost", {}).get("runs", []) + results.get("cluster", {}).get("runs", []) + results.get("ddp", {}).get("runs", [])
     runs += results.get("frameworks", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 

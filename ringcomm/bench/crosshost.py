@@ -9,7 +9,10 @@ meeting at host a's address.  Rounds alternate (ringcomm, gloo, ringcomm,
 ...) so the machine's drift hits both; each system's per-op times (slowest
 rank) are pooled over rounds.  Each round also times a raw TCP round trip of
 each size between the two hosts (``raw``: one connection, no collective,
-:mod:`ringcomm.bench._tcp_rtt`), the link's floor for a small allreduce.
+:mod:`ringcomm.bench._tcp_rtt`), the link's floor for a small allreduce, and a
+plain-socket exchange of each size (``exchange``: each host sends S bytes
+while it receives S, :mod:`ringcomm.bench.cluster`), the practical ceiling
+for a large one: the report gives ringcomm's and gloo's share of it.
 
 Link bounds, for 2 hosts and an allreduce of S bytes on a full-duplex link
 of rate R: a flat ring of N ranks pushes 2(N-1)/N x S across the link in
@@ -30,11 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _netns, _procs, _util
+from . import _netns, _procs, _util, cluster
 
 SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
+#: a plain-socket exchange of each size between the hosts (:mod:`ringcomm.bench.cluster`), also in every round
+EXCHANGE = cluster.EXCHANGE
 #: ringcomm with the hierarchical allreduce off (RINGCOMM_HIERARCHICAL_ALLREDUCE=0): one ring over every rank
 FLAT = "ringcomm-flat"
 #: ringcomm's hierarchical allreduce in one piece (RINGCOMM_HIERARCHICAL_PIECE_BYTES=0): its phases one after another
@@ -106,6 +111,15 @@ def _raw(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _
     return _procs.run_job(commands, _util.worker_env(False), cfg.job_timeout)
 
 
+def _exchange(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
+    p = cfg.ranks_per_host
+    job = cluster.ClusterConfig(hosts=f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", warmup=cfg.warmup,
+                                ssh_command=str(hosts.ssh), network_interface=hosts.interface,
+                                job_timeout=cfg.job_timeout, loop=cfg.loop)
+    argv = cluster.job_argv(job, cluster.EXCHANGE, plan, out)
+    return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True), cfg.job_timeout)
+
+
 def run(cfg: CrossHostConfig) -> dict[str, Any]:
     """Measure; returns the JSON-ready section (or one with ``skipped`` saying why nothing ran)."""
     why = _netns.shaping_unavailable_reason()
@@ -116,7 +130,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
         _util.log(f"crosshost skipped: {why}")
         return section
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
-    runners = {RAW: _raw, "ringcomm": _ringcomm, "gloo": _gloo,
+    runners = {RAW: _raw, EXCHANGE: _exchange, "ringcomm": _ringcomm, "gloo": _gloo,
                FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
                ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}),
                RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}),
@@ -127,7 +141,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
             for rate in cfg.rates:
                 hosts.shape(rate)
                 for repeat in range(cfg.repeats):
-                    for system in (RAW, *cfg.systems):
+                    for system in (RAW, EXCHANGE, *cfg.systems):
                         _util.log(f"crosshost {rate} {system} (round {repeat + 1}/{cfg.repeats}) ...")
                         out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
                         result = runners[system](hosts, cfg, plan, out)
@@ -156,7 +170,7 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
         for size in cfg.sizes:
             row: dict[str, Any] = {"rate": rate, "bytes": size, "systems": {},
                                    **link_bounds(size, ranks, 2, _netns.tc_rate_bits(rate))}
-            for system in (RAW, *cfg.systems):
+            for system in (RAW, EXCHANGE, *cfg.systems):
                 times = [t for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system
                          for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
                 per_round = [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
@@ -169,6 +183,7 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
                 row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
             if "ringcomm" in have and RAW in have:
                 row["ringcomm_over_raw"] = have["ringcomm"]["median_s"] / have[RAW]["median_s"]
+            cluster.ceiling_shares(row, 2, ("ringcomm", "gloo"))
             rows.append(row)
     return rows
 
@@ -192,8 +207,8 @@ def markdown(section: dict[str, Any]) -> str:
     lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, {timing}, "
              f"{section['repeats']} alternating rounds)", "",
              "| link | size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | raw TCP round trip | ringcomm/raw | "
-             "ringcomm vs flat-ring bound | ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
-             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+             "plain-socket exchange | ringcomm's share | gloo's share | ringcomm vs flat-ring bound | ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for row in section["summary"]:
         have = row["systems"]
         rc_ = have.get("ringcomm", {}).get("median_s")
@@ -202,11 +217,14 @@ def markdown(section: dict[str, Any]) -> str:
         flat = f"{row['flat_ring_s'] / rc_:.0%}" if rc_ else "n/a"
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
         cells = [row["rate"], _util.format_size(row["bytes"]), _with_p99(have, "ringcomm"), _with_p99(have, "gloo"), ratio,
-                 _ms(have.get(RAW, {}).get("median_s")), over_raw, flat, hier]
+                 _ms(have.get(RAW, {}).get("median_s")), over_raw, _ms(have.get(EXCHANGE, {}).get("median_s")),
+                 cluster.share_text(row, "ringcomm"), cluster.share_text(row, "gloo"), flat, hier]
         for name in extra:
             cells.append(_ms(have.get(name, {}).get("median_s")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
               "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time.  raw: one TCP round "
-              "trip of the size between the hosts (no collective), the floor for a small allreduce."]
+              "trip of the size between the hosts (no collective), the floor for a small allreduce.  exchange: each host "
+              "sends S bytes while it receives S, plain TCP from Python, the ceiling for a large one (2(H-1)/H x S per "
+              "host); a share is the exchange's time / the system's time."]
     return "\n".join(lines) + "\n"

@@ -166,6 +166,10 @@ def markdown(results: dict[str, Any]) -> str:
         from .crosshost import markdown as crosshost_markdown
 
         parts.append(crosshost_markdown(results["crosshost"]))
+    if "cluster" in results:
+        from .cluster import markdown as cluster_markdown
+
+        parts.append(cluster_markdown(results["cluster"]))
     if "coordination" in results:
         from .coordination import format_table
 

@@ -1,0 +1,201 @@
+"""Allreduce on a user's own hosts: ringcomm vs gloo, against a plain-socket exchange of the same bytes.
+
+Every job is started the way a user starts ringcomm across hosts: the
+launcher with ``-H host1:P,host2:P`` (ssh to the other hosts), one worker
+per rank (:mod:`ringcomm.bench._cluster_worker`).  Rounds alternate the
+systems (exchange, ringcomm, gloo, exchange, ...) so a busy moment on the
+cluster hits them all.
+
+The exchange is the practical ceiling: the first rank of each host sends S
+bytes to the next host's while receiving S bytes from the previous one, on
+one TCP connection each way, from Python, with nothing else to do.  An
+allreduce of S bytes over H hosts moves at least 2(H-1)/H x S bytes out of
+each host, so no allreduce can take less than 2(H-1)/H times the exchange's
+time on these links; the report gives each system's share of that bound.
+
+    python -m ringcomm.bench cluster -H node1:1,node2:1 --sizes 16M 64M
+    python -m ringcomm.bench cluster -H node1:4,node2:4 --network-interface eth0 --repeats 5
+
+The workers run ``--python`` (default: this interpreter's path) on every
+host: ringcomm, numpy and torch must be installed there at that path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _procs, _util
+
+SYSTEMS = ("ringcomm", "gloo")
+#: the plain-socket exchange, timed in every round beside the systems asked for
+EXCHANGE = "exchange"
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    #: the launcher's ``-H``: ``host1:slots,host2:slots``
+    hosts: str
+    sizes: Sequence[int] = (16 << 20, 64 << 20)
+    iters: int = 10
+    warmup: int = 2
+    repeats: int = 3
+    systems: Sequence[str] = SYSTEMS
+    ssh_command: str | None = None
+    ssh_port: int | None = None
+    network_interface: str | None = None
+    python: str = sys.executable
+    job_timeout: float = 600.0
+    #: time ops back to back after one barrier (as a training loop runs them), not each after its own
+    loop: bool = False
+
+
+def host_slots(hosts: str) -> list[tuple[str, int]]:
+    """``"a:2,b:2"`` -> ``[("a", 2), ("b", 2)]`` (a host without ``:slots`` has one)."""
+    out = []
+    for item in hosts.split(","):
+        name, _, slots = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "1")
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"-H {hosts!r}: each host is NAME or NAME:SLOTS with SLOTS >= 1, got {item!r}")
+        out.append((name, int(slots)))
+    return out
+
+
+def job_argv(cfg: ClusterConfig, system: str, plan: str, out: str) -> list[str]:
+    """The launcher's command line that times ``system`` on every slot of ``cfg.hosts``."""
+    ranks = sum(slots for _, slots in host_slots(cfg.hosts))
+    argv = [cfg.python, "-m", "ringcomm.launch.launcher", "-np", str(ranks), "-H", cfg.hosts]
+    if cfg.ssh_command:
+        argv += ["--ssh-command", cfg.ssh_command]
+    if cfg.ssh_port:
+        argv += ["--ssh-port", str(cfg.ssh_port)]
+    if cfg.network_interface:
+        argv += ["--network-interface", cfg.network_interface]
+    return argv + [cfg.python, "-m", "ringcomm.bench._cluster_worker", "--system", system, "--op", "allreduce",
+                   "--plan", plan, "--warmup", str(cfg.warmup), "--out", out,
+                   "--deadline", str(cfg.job_timeout + 30), *(["--loop"] if cfg.loop else [])]
+
+
+def cluster_env() -> dict[str, str]:
+    """The workers' environment: as on one host, except that gloo is not pinned to loopback (each gloo
+    rank then uses the interface of its ringcomm address), unless the user set GLOO_SOCKET_IFNAME."""
+    env = _util.worker_env(True)
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        env.pop("GLOO_SOCKET_IFNAME", None)
+    return env
+
+
+def ceiling_shares(row: dict[str, Any], hosts: int, systems: Sequence[str]) -> None:
+    """Add the allreduce ceiling (``ceiling_s``: 2(H-1)/H x the exchange's median) and each system's
+    share of it (``<system>_share``: ceiling / the system's median) to a summary ``row``."""
+    have = row["systems"]
+    if EXCHANGE not in have or hosts < 2:
+        return
+    row["ceiling_s"] = 2 * (hosts - 1) / hosts * have[EXCHANGE]["median_s"]
+    for system in systems:
+        if system in have and have[system]["median_s"] > 0:
+            row[f"{system}_share"] = row["ceiling_s"] / have[system]["median_s"]
+
+
+def pooled(runs: Sequence[dict[str, Any]], system: str, size: int,
+           keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> dict[str, Any] | None:
+    """One system's per-op times of one size, pooled over the rounds that ``keep``: median, p99, round medians."""
+    chosen = [r for r in runs if r["ok"] and r["system"] == system and keep(r)]
+    times = [t for r in chosen for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
+    if not times:
+        return None
+    return {"median_s": _util.median(times), "p99_s": _util.percentile(times, 99),
+            "round_median_s": [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
+                               for r in chosen]}
+
+
+def run_rounds(cfg: ClusterConfig, tmp: str, wrap: Callable[[list[str]], list[str]] = lambda argv: argv,
+               env: dict[str, str] | None = None, label: str = "") -> list[dict[str, Any]]:
+    """Every round's jobs (exchange first, then the systems), each started through ``wrap`` (e.g. inside a
+    network namespace); returns one record per job."""
+    plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
+    runs = []
+    for repeat in range(cfg.repeats):
+        for system in (EXCHANGE, *cfg.systems):
+            _util.log(f"cluster {label}{system} (round {repeat + 1}/{cfg.repeats}) ...")
+            out = os.path.join(tmp, f"{system}-{label.strip()}-{repeat}.json")
+            result = _procs.run_job([wrap(job_argv(cfg, system, plan, out))],
+                                    env if env is not None else cluster_env(), cfg.job_timeout)
+            record: dict[str, Any] = {"system": system, "repeat": repeat, "ok": result.ok, "error": None,
+                                      "results": []}
+            if result.ok:
+                try:
+                    with open(out, encoding="utf-8") as f:
+                        record["results"] = json.load(f)["results"]
+                except (OSError, ValueError, KeyError) as exc:
+                    record.update(ok=False, error=f"no results from rank 0: {exc}")
+            else:
+                record["error"] = result.describe()
+                _util.log(f"  FAILED: {record['error']}")
+            runs.append(record)
+    return runs
+
+
+def run(cfg: ClusterConfig) -> dict[str, Any]:
+    """Measure on the hosts of ``cfg``; returns the JSON-ready section."""
+    slots = host_slots(cfg.hosts)
+    section: dict[str, Any] = {"hosts": [h for h, _ in slots], "slots": [s for _, s in slots],
+                               "sizes": list(cfg.sizes), "iters": cfg.iters, "repeats": cfg.repeats,
+                               "systems": list(cfg.systems), "loop": cfg.loop, "runs": [], "summary": []}
+    with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
+        section["runs"] = run_rounds(cfg, tmp)
+    section["summary"] = summarize(section["runs"], cfg.sizes, len(slots), cfg.systems)
+    return section
+
+
+def summarize(runs: Sequence[dict[str, Any]], sizes: Sequence[int], hosts: int,
+              systems: Sequence[str]) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        row: dict[str, Any] = {"bytes": size, "systems": {}}
+        for system in (EXCHANGE, *systems):
+            stats = pooled(runs, system, size)
+            if stats is not None:
+                row["systems"][system] = stats
+        have = row["systems"]
+        if "ringcomm" in have and "gloo" in have:
+            row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
+        ceiling_shares(row, hosts, systems)
+        rows.append(row)
+    return rows
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if not seconds else f"{seconds * 1e3:.3g} ms"
+
+
+def share_text(row: dict[str, Any], system: str) -> str:
+    value = row.get(f"{system}_share")
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def markdown(section: dict[str, Any]) -> str:
+    hosts = ", ".join(f"{h} x {s}" for h, s in zip(section["hosts"], section["slots"]))
+    timing = "ops back to back" if section.get("loop") else "a barrier before each op"
+    lines = [f"### Allreduce on {hosts} (median per op, {timing}, {section['repeats']} alternating rounds)", "",
+             "| size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | plain-socket exchange | ceiling | "
+             "ringcomm's share | gloo's share |", "|---|---|---|---|---|---|---|---|"]
+    for row in section["summary"]:
+        have = row["systems"]
+        cells = [_util.format_size(row["bytes"])]
+        for system in ("ringcomm", "gloo"):
+            st = have.get(system)
+            cells.append("n/a" if not st else f"{_ms(st['median_s'])} ({_ms(st['p99_s'])})")
+        cells.append(f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a")
+        cells += [_ms(have.get(EXCHANGE, {}).get("median_s")), _ms(row.get("ceiling_s")),
+                  share_text(row, "ringcomm"), share_text(row, "gloo")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "
+              "previous one, plain TCP from Python.  ceiling: 2(H-1)/H x the exchange, the least time an allreduce "
+              "of S can take on these links; a share is ceiling / the system's time."]
+    return "\n".join(lines) + "\n"
