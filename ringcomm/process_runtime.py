@@ -29,7 +29,7 @@ from .engine import Engine
 from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError
 from .handles import Entry, Handle
 from .job import config, horovod_env, logsetup, topology
-from .lane.driver import LaneHandle
+from .lane.handle import LaneHandle
 
 log = logging.getLogger("ringcomm.runtime")  # init()'s story is told under the runtime's name
 #: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
