@@ -17,6 +17,7 @@ from ringcomm.job.config import Settings
 from ringcomm.core import ops, wire
 from ringcomm.engine import Engine
 from ringcomm.handles import Entry, Handle
+from ringcomm.lane.owner import LaneOwner
 from ringcomm.net.rendezvous import RendezvousServer
 from ringcomm.job.topology import Topology
 
@@ -43,7 +44,7 @@ def _result(entry: Entry) -> np.ndarray:
 @pytest.mark.timeout(60)
 def test_one_engine_alone_runs_ops_and_shuts_down() -> None:
     topo = Topology(hostname="here", job_id=secrets.token_hex(4), secret=secrets.token_bytes(16))
-    engine = Engine(topo, Settings())
+    engine = Engine(topo, Settings(), LaneOwner(topo.rank, topo.size))
     engine.start()
     try:
         a = np.arange(10, dtype=np.float32)
@@ -67,7 +68,7 @@ def test_two_engines_in_threads_agree_on_every_result() -> None:
         topos = [Topology(rank=r, size=size, local_rank=r, local_size=size, rendezvous=server.address, secret=secret,
                           job_id=job, hostname="here") for r in range(size)]
         # each constructor blocks in the rendezvous until both ranks arrived: build them side by side
-        engines = list(pool.map(lambda t: Engine(t, settings), topos))
+        engines = list(pool.map(lambda t: Engine(t, settings, LaneOwner(t.rank, t.size)), topos))
         try:
             for e in engines:
                 e.start()
