@@ -156,7 +156,7 @@ class Runtime:
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
-        try:  # the lane or the engine (the other names in flight: the lane's agreement)
+        try:  # with the count of this rank's other ops in flight
             return self.dispatcher.submit(req, arrays, outs or [], grouped, release, len(self._names) - 1)
         except BaseException:
             release()
