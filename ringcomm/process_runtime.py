@@ -4,8 +4,8 @@ A :class:`Runtime` holds the settings, the topology, the dispatcher (the engine 
 lane: :class:`~ringcomm.dispatch.Dispatcher`), the names of the ops in flight and the naming of
 unnamed ones (:class:`~ringcomm.core.naming.OpNames`).  Each collective names its call
 (:meth:`Runtime.name_op`), checks its arguments inside :meth:`Runtime.refusing` and submits
-(:meth:`Runtime.submit`), which takes the name and hands the op to the dispatcher.  :mod:`ringcomm.runtime` makes the one runtime of the process and
-answers the calls that need it.
+(:meth:`Runtime.submit`), which takes the name and hands the op to the dispatcher.
+:mod:`ringcomm.runtime` makes the one runtime of the process and answers the calls that need it.
 """
 
 from __future__ import annotations
