@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -27,13 +27,27 @@ from .job.config import Settings
 from .job.cores import available_cores
 from .job.names import ipc_base, ipc_file, remove_files
 from .job.topology import Topology
-from .lane.owner import LaneOwner
 from .net import auth
 from .net.control import Rank0Control
 from .net.transport import DataPlane
 from .shm import slots as shm_files
 
 log = logging.getLogger("ringcomm.engine")  # the engine's set-up: logged where its loop logs
+
+
+class LaneMeeting(Protocol):
+    """What the wiring asks of the small-op lane at the rendezvous (the lane's owner,
+    :class:`ringcomm.lane.owner.LaneOwner`, handed to the engine from above)."""
+
+    def offer(self, job_id: str, round_: int, addr: str, shm_bytes: int, net_bytes: int,
+              encrypt: bool) -> dict[str, Any]:
+        """Before the ranks meet: this rank's entries of the rendezvous table for the lane."""
+        ...
+
+    def accept(self, table: list[dict[str, Any]], secret: bytes, job_id: str, round_: int, start_timeout: float,
+               peer_timeout: float) -> None:
+        """Once every rank's offer is in ``table``: make the lane (or none)."""
+        ...
 
 
 class NullLink:
@@ -93,25 +107,25 @@ def alone(hostname: str) -> Wiring:
     return Wiring(peer_table=[{"rank": 0, "host": hostname, "pid": os.getpid()}])
 
 
-def connect(topo: Topology, settings: Settings, round_: int, limits: routing.RouteLimits, lane_owner: LaneOwner,
+def connect(topo: Topology, settings: Settings, round_: int, limits: routing.RouteLimits, lane: LaneMeeting,
             control: Rank0Control | None) -> Wiring:
     """Bind this rank's sockets, meet the other ranks at the rendezvous and connect to them.
 
-    ``lane_owner`` offers and accepts the small-op lane at the rendezvous; ``control`` (rank 0's)
+    ``lane`` offers and accepts the small-op lane at the rendezvous; ``control`` (rank 0's)
     gets the bound control socket, and the data plane runs its step while a receive waits.  On an
     error everything opened so far is closed before it propagates: a failed ``init()`` leaves no
     socket, context or file behind.
     """
     w = Wiring(peer_table=[])
     try:
-        _connect(w, topo, settings, round_, limits, lane_owner, control)
+        _connect(w, topo, settings, round_, limits, lane, control)
     except BaseException:
         w.close()
         raise
     return w
 
 
-def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routing.RouteLimits, lane_owner: LaneOwner,
+def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routing.RouteLimits, lane: LaneMeeting,
              control: Rank0Control | None) -> None:
     """:func:`connect`'s steps, each filling ``w`` as soon as it opens something (so that it closes)."""
     from .net import rendezvous
@@ -132,8 +146,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     data_eps = link.bind(base + "-data", topo.addr)
     if topo.local_rank == 0 and shm_files.available():
         _reclaim_left_by_dead(rank)
-    lane_offers = lane_owner.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(size),
-                                   st.net_lane_bytes_for(size), st.encrypt)
+    lane_offers = lane.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(size),
+                             st.net_lane_bytes_for(size), st.encrypt)
     info: dict[str, Any] = {
         "rank": rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
@@ -184,7 +198,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         w.shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,
                                               st.peer_timeout, threads=st.shm_allreduce_threads_for(
                                                   size, available_cores()))
-    lane_owner.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
+    lane.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
     if rank != 0:
         root = table[0]
         ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])

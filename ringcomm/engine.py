@@ -26,13 +26,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from . import bootstrap
 from .collectives import hierarchical
-from .lane.owner import LaneOwner
 from .core import routing, wire
 from .job.config import Settings
 from .core.coordinator import SHUTDOWN_NAME, set_label
@@ -59,10 +58,27 @@ _REPORT_LOST_SECONDS = 1.0
 _FINAL_ANSWERS_LINGER_MS = 500
 
 
-class Engine:
-    """Owns the sockets of one rank and executes collectives in rank 0's order."""
+class LaneControl(bootstrap.LaneMeeting, Protocol):
+    """What the engine asks of the small-op lane's owner (:class:`ringcomm.lane.owner.LaneOwner`),
+    which the dispatcher hands it: meet at the rendezvous (:class:`~ringcomm.bootstrap.LaneMeeting`,
+    through the wiring), stop posting when rank 0 says so, release the region once the engine closed."""
 
-    def __init__(self, topo: Topology, settings: Settings, round_: int = 0) -> None:
+    def stop_posting(self) -> None:
+        """Rank 0 answered LANE_OFF (an op stalled in the lane): this rank posts no more until a join."""
+        ...
+
+    def release(self) -> None:
+        """The engine is closed: nothing reads the lane's region any more."""
+        ...
+
+
+class Engine:
+    """Owns the sockets of one rank and executes collectives in rank 0's order.
+
+    ``lane`` is the small-op lane's owner, made above the engine (by the dispatcher) and used here
+    only through :class:`LaneControl`: at the rendezvous, on rank 0's LANE_OFF, and when it closes."""
+
+    def __init__(self, topo: Topology, settings: Settings, lane: LaneControl, round_: int = 0) -> None:
         self.topo = topo
         self.settings = settings
         self.rank, self.size = topo.rank, topo.size
@@ -91,14 +107,14 @@ class Engine:
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, self.rank, settings.timeline_mark_cycles)
             self._note_timeline()
-        #: The small-op lane's lifecycle: a shared region when all ranks share one host, else TCP
-        #: between ranks; the engine makes it at the rendezvous and releases it when it closes.
-        self.lane_owner = LaneOwner(self.rank, self.size)
+        #: The small-op lane's owner: a shared region when all ranks share one host, else TCP between
+        #: ranks; offered and accepted at the rendezvous, stopped on LANE_OFF, released when closed.
+        self._lane = lane
         # the sockets, the rendezvous table and what else the wiring opened (nothing in a job of one)
         self._wiring = bootstrap.alone(topo.hostname)
         if self.size > 1:
             try:
-                self._wiring = bootstrap.connect(topo, settings, round_, lim, self.lane_owner, self._control)
+                self._wiring = bootstrap.connect(topo, settings, round_, lim, lane, self._control)
             except BaseException:
                 self._close()  # connect closed what it opened; the lane's offer, the timeline, the pipe remain
                 raise
@@ -153,7 +169,7 @@ class Engine:
                 entry.handle.set_error(err)
         self._session.drop_all()
         self._queue.clear()
-        self.lane_owner.release()
+        self._lane.release()
         # rank 0's last answers (an error that ends the program) still reach the other ranks
         self._wiring.close(_FINAL_ANSWERS_LINGER_MS if self.rank == 0 else 0)
         if self.timeline is not None:
@@ -349,7 +365,7 @@ class Engine:
 
     def _execute(self, resp: Response) -> None:
         if resp.kind == wire.LANE_OFF:  # rank 0 says: every rank stops posting to the small-op lane
-            self.lane_owner.stop_posting()
+            self._lane.stop_posting()
             return
         step = self._session.begin(resp)
         entries = step.entries

@@ -1,11 +1,11 @@
 """The runtime object of one process: what ``init()`` builds, and what it does for every op.
 
-A :class:`Runtime` holds the settings, the topology, the engine and its thread, the small-op
-lane, the names of the ops in flight and the naming of unnamed ones
-(:class:`~ringcomm.core.naming.OpNames`).  Each collective names its call
+A :class:`Runtime` holds the settings, the topology, the dispatcher (the engine and the small-op
+lane: :class:`~ringcomm.dispatch.Dispatcher`), the names of the ops in flight and the naming of
+unnamed ones (:class:`~ringcomm.core.naming.OpNames`).  Each collective names its call
 (:meth:`Runtime.name_op`), checks its arguments inside :meth:`Runtime.refusing` and submits
-(:meth:`Runtime.submit`).  :mod:`ringcomm.runtime` makes the one runtime of the process and
-answers the calls that need it.
+(:meth:`Runtime.submit`), which takes the name and hands the op to the dispatcher.
+:mod:`ringcomm.runtime` makes the one runtime of the process and answers the calls that need it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from .core import wire
 from .core.naming import WIRE_KINDS, OpCall, OpNames
 from .core.process_sets import ProcessSet, global_process_set
 from .elastic import worker as elastic_worker
-from .engine import Engine
+from .dispatch import Dispatcher
 from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError
-from .handles import Entry, Handle
+from .handles import Handle
 from .job import config, horovod_env, logsetup, topology
-from .lane.driver import LaneHandle
 
 log = logging.getLogger("ringcomm.runtime")  # init()'s story is told under the runtime's name
 #: How long a rank that refused a call waits for rank 0 to answer the refusal on every rank
@@ -38,7 +37,8 @@ _REFUSAL_ANSWER_SECONDS = 2.0
 
 
 class Runtime:
-    """Everything ``init()`` creates: topology, settings, engine, process sets and the in-flight names."""
+    """Everything ``init()`` creates: topology, settings, the dispatcher and its engine, process sets and
+    the in-flight names."""
 
     def __init__(self, round_: int, dynamic_sets: bool = False, settings: config.Settings | None = None) -> None:
         self.settings = settings if settings is not None else config.Settings.from_env()
@@ -57,18 +57,17 @@ class Runtime:
         self.pid = os.getpid()  # a child forked after init() shares none of the engine's threads or sockets
         self.dynamic_sets = dynamic_sets
         self.all_ranks = tuple(range(self.topo.size))
-        self.engine = Engine(self.topo, self.settings, round_ if self.topo.round is None else self.topo.round)
+        # the small-op lane's owner and the engine (which meets the other ranks and makes the lane)
+        self.dispatcher = Dispatcher.connect(self.topo, self.settings,
+                                             round_ if self.topo.round is None else self.topo.round)
+        self.engine = self.dispatcher.engine
         # what the launcher did not say (e.g. Open MPI's host index) follows from every rank's host
         self.topo = topology.with_placement(self.topo, [str(p["host"]) for p in self.engine.peer_table])
         log.debug("rank %d: placement: local rank %d of %d, cross rank %d of %d (%d host(s) in the job)",
                   self.topo.rank, self.topo.local_rank, self.topo.local_size, self.topo.cross_rank,
                   self.topo.cross_size, len({str(p["host"]) for p in self.engine.peer_table}))
-        self.engine.start()
-        # small ops of the global set skip the engine: the lane's owner starts its driver (None: no
-        # lane in this job), which hands the engine what it cannot take
-        self.lane_owner = self.engine.lane_owner
-        self.lane = self.lane_owner.start(self.engine, self.settings.stall_check_seconds,
-                                          self.settings.stall_shutdown_seconds)
+        # the engine's thread, then the lane's driver: small ops of the global set skip the engine
+        self.dispatcher.start()
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
         self._naming = OpNames()  # the names of unnamed ops (under the lock)
@@ -106,15 +105,9 @@ class Runtime:
 
         The one way a call is refused: the core API's checks through :meth:`refusing`, layers above
         the core through ``ringcomm.api.refuse_call``."""
-        req, name = call.refusal(reason), call.name
-        lane = self.lane if call.pset == 0 else None
-        handle = Handle(name) if lane is None else LaneHandle(name)
+        name = call.name
         try:
-            entry = Entry(req, [], handle)
-            # in the lane, a refused op is never fast, so the others divert theirs too; the lane hands
-            # it to the engine itself if it had to queue it (False: posted now, the engine's to take)
-            if lane is None or not lane.submit(entry, others=0):
-                self.engine.submit(entry)
+            handle = self.dispatcher.refuse(call.refusal(reason))
         except Exception as exc:  # the engine is gone: the caller's own error says enough
             log.debug("rank %d: could not report the refused op %r: %s", self.topo.rank, name, exc)
             return
@@ -163,16 +156,11 @@ class Runtime:
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)
-        lane = self.lane if req.pset == 0 else None
-        handle = Handle(name, release) if lane is None else LaneHandle(name, release)
-        try:
-            entry = Entry(req, arrays, handle, outs or [], grouped)
-            if lane is None or not lane.submit(entry, others=len(self._names) - 1):  # the other names in flight
-                self.engine.submit(entry)
+        try:  # with the count of this rank's other ops in flight
+            return self.dispatcher.submit(req, arrays, outs or [], grouped, release, len(self._names) - 1)
         except BaseException:
             release()
             raise
-        return handle
 
     def after_join(self) -> None:
         """Every rank has joined: unnamed ops are numbered from 0 again (see :meth:`auto_name`) and
@@ -187,12 +175,11 @@ class Runtime:
 
         def barrier() -> None:
             self.submit(wire.Request(name, wire.BARRIER), []).wait()
-        self.lane_owner.reopen_after_join(barrier)
+        self.dispatcher.reopen_after_join(barrier)
 
     def shutdown(self, timeout: float) -> None:
         """Leave the job, waiting up to ``timeout`` for the other ranks (0: not at all)."""
-        self.lane_owner.close(timeout)  # the others divert what this rank will not post
-        self.engine.shutdown(timeout=timeout)
+        self.dispatcher.shutdown(timeout)  # the lane, then the engine
 
 
 class Refusing:

@@ -5,8 +5,9 @@ Every op of the global process set takes the next index of this rank's lane, a r
 :mod:`ringcomm.lane.net_lane` across hosts); what each index becomes is decided from the ranks'
 slots alone (:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is
 posted *fast*: its payload goes into this rank's slot, and the thread that waits for its handle
-reads the others' slots, computes the result and returns: no thread hop, no message, no round
-trip through rank 0.
+(a :class:`~ringcomm.lane.handle.LaneHandle`, which calls :meth:`LaneDriver.drive`) reads the
+others' slots, computes the result and returns: no thread hop, no message, no round trip through
+rank 0.
 Anything else (a large op, an alltoall, a refused call, a timeline being written) is posted as
 *engine*: the ranks divert that index, each hands its op to the engine, and rank 0 negotiates it as
 always.
@@ -31,13 +32,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 from ..shm import futex
 from ..core import lane, wire
 from ..core.coordinator import Stall
 from ..errors import ShutdownError
 from ..handles import Entry, Handle
+from .handle import LaneHandle
 from .records import EngineSide, Pending, Queued, State, naming, reacquire, spin_allowed
 
 log = logging.getLogger("ringcomm.lane.driver")
@@ -63,34 +64,12 @@ OPEN_PRUNE = 32
 PLANS = 4096
 
 
-class LaneHandle(Handle):
-    """A handle whose op may be resolved by the waiting thread itself (see :class:`LaneDriver`).
-
-    ``done()`` does not resolve it (an async op stays pending until waited for, or swept
-    after :data:`SWEEP_SECONDS`, as Horovod's ``poll()`` is False right after the submit)."""
-
-    __slots__ = ("_lane", "index")
-
-    def __init__(self, name: str, on_done: Callable[[], None] | None = None) -> None:
-        super().__init__(name, on_done)
-        self._lane: LaneDriver | None = None
-        self.index = -1
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self._done and self._lane is not None:
-            self._lane.drive(self, None if timeout is None else time.monotonic() + timeout, block=True)
-        if self._done:  # the usual case: resolved by this thread just now
-            if self._error is not None:
-                raise self._error
-            return self._result
-        return super().wait(timeout)
-
-
 class LaneDriver:
     """This rank's side of the lane: posts every global op, resolves fast ones, diverts the rest.
 
     ``region`` holds every rank's slots; ``engine`` is where diverted ops go and what says the
-    engine has failed or times ops (:class:`~ringcomm.lane.records.EngineSide`).  The lane's
+    engine has failed or times ops (:class:`~ringcomm.lane.records.EngineSide`).  It satisfies
+    :class:`~ringcomm.lane.handle.Drives`, what a waiting handle asks of it.  The lane's
     lifecycle (making the region, closing it) is :class:`~ringcomm.lane.owner.LaneOwner`'s.
 
     One lock guards the driver's state; the calls that may block while holding it each say so.
@@ -181,7 +160,7 @@ class LaneDriver:
         """``entry`` stays queued (lock held): its waiter or the sweeper posts it later."""
         handle = entry.handle
         assert isinstance(handle, LaneHandle)
-        handle._lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
+        handle.lane, handle.index = self, -1  # queued: wait() posts it if the sweeper has not
         self._sweeper_idle = False
         self._cond.notify()
 
@@ -222,13 +201,13 @@ class LaneDriver:
                 self._prune_open()
             self._engine_open[k] = (q.key, weakref.ref(handle))
             self._publish_read()
-            handle._lane = None  # an ordinary handle: the engine finishes it (the caller's, if ``own``)
+            handle.lane = None  # an ordinary handle: the engine finishes it (the caller's, if ``own``)
             if not own:
                 self._divert_entry(entry)
             return
         now = time.monotonic()
         self._pending[k] = Pending(entry, q.key, now, q.nbytes)
-        handle._lane, handle.index, self._last_fast = self, k, now
+        handle.lane, handle.index, self._last_fast = self, k, now
         if self._sweeper_idle:
             self._sweeper_idle = False
             self._cond.notify()
@@ -258,7 +237,7 @@ class LaneDriver:
             q.posted = True
             handle = q.entry.handle
             assert isinstance(handle, LaneHandle)
-            handle._lane = None
+            handle.lane = None
             if err is not None:
                 handle.set_error(err)
             else:
@@ -466,7 +445,7 @@ class LaneDriver:
         self._publish_read()
         handle = p.entry.handle
         assert isinstance(handle, LaneHandle)
-        handle._lane = None  # from here on an ordinary handle: the engine finishes it
+        handle.lane = None  # from here on an ordinary handle: the engine finishes it
         p.entry.waited = time.monotonic() - p.posted_at  # rank 0 counts a stall from the post
         self._divert_entry(p.entry)
 

@@ -1,18 +1,21 @@
 """The lane's lifecycle in one owner: the region offered and accepted at the rendezvous, the driver, its restart, its end.
 
-The engine and the runtime call :class:`LaneOwner` and nothing else of the lane's lifecycle::
+The dispatcher (:class:`ringcomm.dispatch.Dispatcher`) makes the owner and hands it to the engine;
+the two call :class:`LaneOwner` and nothing else of the lane's lifecycle::
 
-    engine   offer()    before the ranks meet: what this rank publishes in the rendezvous table
-             accept()   once every rank's offer is in: a shared region (one host), TCP (across
-                        hosts), or no lane
-    runtime  start()    the driver over the region, given the engine as the one narrow
-                        interface it diverts ops to (:class:`~ringcomm.lane.records.EngineSide`)
-             close()    this rank posts no more (a shutdown)
-             reopen_after_join()   every rank joined: the lane starts again from index 0
-    engine   stop_posting()   rank 0 has every rank stop posting (a stall)
-             release()  the engine is closed: unlink and unmap the region, close a listener
+    engine      offer()    before the ranks meet: what this rank publishes in the rendezvous table
+                accept()   once every rank's offer is in: a shared region (one host), TCP (across
+                           hosts), or no lane  (both through the wiring: bootstrap.LaneMeeting)
+    dispatcher  start()    the driver over the region, given the engine as the one narrow
+                           interface it diverts ops to (:class:`~ringcomm.lane.records.EngineSide`)
+                close()    this rank posts no more (a shutdown), before the engine shuts down
+                reopen_after_join()   every rank joined: the lane starts again from index 0
+    engine      stop_posting()   rank 0 has every rank stop posting (a stall)
+                release()  the engine is closed: unlink and unmap the region, close a listener
+                           (both through engine.LaneControl)
 
-The runtime submits ops to :attr:`LaneOwner.driver` itself (the hot path goes through no owner).
+The dispatcher submits ops to the driver :meth:`LaneOwner.start` returned (the hot path goes
+through no owner).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class LaneOwner:
         """The engine's failure, for a post across hosts that waits for a peer's room (none before start())."""
         return None if self._engine is None else self._engine.failure
 
-    # -- running it (the runtime) --------------------------------------------------------
+    # -- running it (the dispatcher) --------------------------------------------------------
 
     def start(self, engine: EngineSide, stall_check: float, stall_shutdown: float) -> LaneDriver | None:
         """The driver over the region (None without one): ops it cannot take go to ``engine``.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import secrets
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from ringcomm.job.config import Settings
 from ringcomm.core import ops, wire
 from ringcomm.engine import Engine
 from ringcomm.handles import Entry, Handle
+from ringcomm.lane.owner import LaneOwner
 from ringcomm.net.rendezvous import RendezvousServer
 from ringcomm.job.topology import Topology
 
@@ -43,7 +45,7 @@ def _result(entry: Entry) -> np.ndarray:
 @pytest.mark.timeout(60)
 def test_one_engine_alone_runs_ops_and_shuts_down() -> None:
     topo = Topology(hostname="here", job_id=secrets.token_hex(4), secret=secrets.token_bytes(16))
-    engine = Engine(topo, Settings())
+    engine = Engine(topo, Settings(), LaneOwner(topo.rank, topo.size))
     engine.start()
     try:
         a = np.arange(10, dtype=np.float32)
@@ -67,7 +69,7 @@ def test_two_engines_in_threads_agree_on_every_result() -> None:
         topos = [Topology(rank=r, size=size, local_rank=r, local_size=size, rendezvous=server.address, secret=secret,
                           job_id=job, hostname="here") for r in range(size)]
         # each constructor blocks in the rendezvous until both ranks arrived: build them side by side
-        engines = list(pool.map(lambda t: Engine(t, settings), topos))
+        engines = list(pool.map(lambda t: Engine(t, settings, LaneOwner(t.rank, t.size)), topos))
         try:
             for e in engines:
                 e.start()
@@ -89,3 +91,40 @@ def test_two_engines_in_threads_agree_on_every_result() -> None:
                 np.testing.assert_array_equal(got[3], np.full(5, 10, np.int64))
         finally:
             list(pool.map(lambda e: e.shutdown(timeout=10.0), engines))  # collective: both at once
+
+
+class RecordingLaneControl:
+    """The engine's view of the lane's owner, recording what the engine asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def offer(self, *args: Any) -> dict[str, Any]:  # pragma: no cover - a job of one meets no one
+        self.calls.append("offer")
+        return {}
+
+    def accept(self, *args: Any) -> None:  # pragma: no cover
+        self.calls.append("accept")
+
+    def stop_posting(self) -> None:
+        self.calls.append("stop_posting")
+
+    def release(self) -> None:
+        self.calls.append("release")
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_stops_the_lane_on_lane_off_and_releases_it_when_it_closes() -> None:
+    topo = Topology(hostname="here", job_id=secrets.token_hex(4), secret=secrets.token_bytes(16))
+    lane = RecordingLaneControl()
+    engine = Engine(topo, Settings(), lane)
+    engine.start()
+    try:
+        engine.lane_stalled("stuck")  # rank 0 answers every rank (here: itself) with LANE_OFF
+        barrier = Entry(wire.Request("after", wire.BARRIER), [], Handle("after"))
+        engine.submit(barrier)
+        barrier.handle.wait(30.0)  # answered after the LANE_OFF: this rank has stopped posting by now
+        assert lane.calls == ["stop_posting"]
+    finally:
+        engine.shutdown(timeout=5.0)
+    assert lane.calls == ["stop_posting", "release"]

@@ -13,7 +13,7 @@ import pytest
 
 from ringcomm.errors import HorovodInternalError
 from ringcomm.handles import GroupHandle, Handle, MappedHandle, OpHandle
-from ringcomm.lane.driver import LaneHandle
+from ringcomm.lane.handle import LaneHandle
 
 pytestmark = pytest.mark.pure
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ringcomm.lane import driver
+from ringcomm.lane.handle import LaneHandle
 from ringcomm.shm import futex, slots as shm
 from ringcomm.core import lane, wire
 from ringcomm.handles import Entry
@@ -24,13 +25,13 @@ pytestmark = [
 
 def small(name: str) -> Entry:
     x = np.ones(4, np.float32)
-    return Entry(wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1), [x], driver.LaneHandle(name))
+    return Entry(wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1), [x], LaneHandle(name))
 
 
 def large(name: str) -> Entry:
     """Larger than the lane's 4 KiB: posted as an engine entry."""
     x = np.ones(2048, np.float32)
-    return Entry(wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1), [x], driver.LaneHandle(name))
+    return Entry(wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1), [x], LaneHandle(name))
 
 
 def test_behind_an_engine_op_the_peer_posted_at_the_same_index_a_small_op_goes_fast(lane_pair):

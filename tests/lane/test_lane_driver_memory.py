@@ -21,7 +21,8 @@ from ringcomm.core import lane, ops, wire
 from ringcomm.core.ops import ReduceOp
 from ringcomm.errors import HorovodInternalError, PeerLostError, ShutdownError
 from ringcomm.handles import Entry, Handle
-from ringcomm.lane.driver import LaneDriver, LaneHandle
+from ringcomm.lane.driver import LaneDriver
+from ringcomm.lane.handle import LaneHandle
 from ringcomm.lane.memory_region import MemoryBoard, MemoryLane
 from ringcomm.lane.records import State
 from ringcomm.lane.shm_lane import ShmLane

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm.lane import driver
+from ringcomm.lane.handle import LaneHandle
 from ringcomm.shm import futex, slots as shm
 from ringcomm.core import wire
 from ringcomm.errors import ShutdownError
@@ -40,7 +40,7 @@ class Interrupted(Exception):
 def _allreduce(name: str) -> Entry:
     x = np.ones(16, np.float32)
     req = wire.Request(name, wire.ALLREDUCE, "float32", (x.shape,), 1)
-    return Entry(req, [x], driver.LaneHandle(name))
+    return Entry(req, [x], LaneHandle(name))
 
 
 def test_a_handler_raising_while_the_waiter_takes_the_lock_back_leaves_the_lock_usable(lane_pair):

@@ -14,7 +14,7 @@ from ringcomm import runtime
 
 def main() -> None:
     rc.init()
-    lane = runtime.current("lane").lane is not None
+    lane = runtime.current("lane").dispatcher.lane is not None
     for i in range(20):
         got = rc.allreduce(np.full(4, rc.rank() + 1.0), op=rc.Sum, name=f"p{i}")
         assert (got == rc.size() * (rc.size() + 1) / 2).all(), got

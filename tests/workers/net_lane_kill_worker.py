@@ -21,7 +21,7 @@ rc.init()
 buf = np.ones(256, dtype=np.float32)
 for _ in range(300):
     rc.allreduce(buf, op=rc.Max, name="x", out=buf)
-assert type(rc.runtime._runtime.engine.lane_owner.region).__name__ == "NetLane"
+assert type(rc.runtime._runtime.dispatcher.lane_owner.region).__name__ == "NetLane"
 rc.barrier()
 if rank == 1:
     time.sleep(0.2)  # rank 0 is waiting in the lane for this rank's next post by now
