@@ -10,12 +10,16 @@ waited for before :func:`run_job` returns, whatever happened.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import _util
 
 #: Seconds between SIGTERM and SIGKILL.  The ringcomm launcher itself gives its workers 3 s.
 GRACE_SECONDS = 6.0
@@ -124,3 +128,19 @@ def run_job(commands: Sequence[Sequence[str]], env: Mapping[str, str], timeout: 
         ok = not timed_out and not failed and len(procs) == len(commands) and all(c == 0 for c in codes)
         return JobResult(ok=ok, returncodes=codes, wall_s=wall, timed_out=timed_out,
                          tails=[_tail(p) for p in logs])
+
+
+def job_record(result: JobResult, out: str, **fields: Any) -> dict[str, Any]:
+    """One benchmark job's record: ``fields``, whether it ran, its error, and rank 0's per-size results
+    read from ``out`` (the JSON the worker wrote); a job that ran but wrote none counts as failed."""
+    record: dict[str, Any] = {**fields, "ok": result.ok, "error": None, "results": []}
+    if result.ok:
+        try:
+            with open(out, encoding="utf-8") as f:
+                record["results"] = json.load(f)["results"]
+        except (OSError, ValueError, KeyError) as exc:
+            record.update(ok=False, error=f"no results from rank 0: {exc}")
+    else:
+        record["error"] = result.describe()
+        _util.log(f"  FAILED: {record['error']}")
+    return record

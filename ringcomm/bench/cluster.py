@@ -23,11 +23,10 @@ host: ringcomm, numpy and torch must be installed there at that path.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import _procs, _util
@@ -102,10 +101,9 @@ def ceiling_shares(row: dict[str, Any], hosts: int, systems: Sequence[str]) -> N
             row[f"{system}_share"] = row["ceiling_s"] / have[system]["median_s"]
 
 
-def pooled(runs: Sequence[dict[str, Any]], system: str, size: int,
-           keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> dict[str, Any] | None:
-    """One system's per-op times of one size, pooled over the rounds that ``keep``: median, p99, round medians."""
-    chosen = [r for r in runs if r["ok"] and r["system"] == system and keep(r)]
+def pooled(runs: Sequence[dict[str, Any]], system: str, size: int) -> dict[str, Any] | None:
+    """One system's per-op times of one size, pooled over the rounds: median, p99, the rounds' medians."""
+    chosen = [r for r in runs if r["ok"] and r["system"] == system]
     times = [t for r in chosen for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
     if not times:
         return None
@@ -114,30 +112,16 @@ def pooled(runs: Sequence[dict[str, Any]], system: str, size: int,
                                for r in chosen]}
 
 
-def run_rounds(cfg: ClusterConfig, tmp: str, wrap: Callable[[list[str]], list[str]] = lambda argv: argv,
-               env: dict[str, str] | None = None, label: str = "") -> list[dict[str, Any]]:
-    """Every round's jobs (exchange first, then the systems), each started through ``wrap`` (e.g. inside a
-    network namespace); returns one record per job."""
+def run_rounds(cfg: ClusterConfig, tmp: str) -> list[dict[str, Any]]:
+    """Every round's jobs (the exchange first, then the systems); returns one record per job."""
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
     runs = []
     for repeat in range(cfg.repeats):
         for system in (EXCHANGE, *cfg.systems):
-            _util.log(f"cluster {label}{system} (round {repeat + 1}/{cfg.repeats}) ...")
-            out = os.path.join(tmp, f"{system}-{label.strip()}-{repeat}.json")
-            result = _procs.run_job([wrap(job_argv(cfg, system, plan, out))],
-                                    env if env is not None else cluster_env(), cfg.job_timeout)
-            record: dict[str, Any] = {"system": system, "repeat": repeat, "ok": result.ok, "error": None,
-                                      "results": []}
-            if result.ok:
-                try:
-                    with open(out, encoding="utf-8") as f:
-                        record["results"] = json.load(f)["results"]
-                except (OSError, ValueError, KeyError) as exc:
-                    record.update(ok=False, error=f"no results from rank 0: {exc}")
-            else:
-                record["error"] = result.describe()
-                _util.log(f"  FAILED: {record['error']}")
-            runs.append(record)
+            _util.log(f"cluster {system} (round {repeat + 1}/{cfg.repeats}) ...")
+            out = os.path.join(tmp, f"{system}-{repeat}.json")
+            result = _procs.run_job([job_argv(cfg, system, plan, out)], cluster_env(), cfg.job_timeout)
+            runs.append(_procs.job_record(result, out, system=system, repeat=repeat))
     return runs
 
 

@@ -25,7 +25,6 @@ pushes 2(H-1)/H x S = S.  The report gives each system's time against both.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -145,18 +144,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                         _util.log(f"crosshost {rate} {system} (round {repeat + 1}/{cfg.repeats}) ...")
                         out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
                         result = runners[system](hosts, cfg, plan, out)
-                        record: dict[str, Any] = {"system": system, "rate": rate, "repeat": repeat, "ok": result.ok,
-                                                  "error": None, "results": []}
-                        if result.ok:
-                            try:
-                                with open(out, encoding="utf-8") as f:
-                                    record["results"] = json.load(f)["results"]
-                            except (OSError, ValueError, KeyError) as exc:
-                                record.update(ok=False, error=f"no results from rank 0: {exc}")
-                        else:
-                            record["error"] = result.describe()
-                            _util.log(f"  FAILED: {record['error']}")
-                        section["runs"].append(record)
+                        section["runs"].append(_procs.job_record(result, out, system=system, rate=rate, repeat=repeat))
         finally:
             hosts.close()
     section["summary"] = summarize(section["runs"], cfg)
