@@ -121,9 +121,10 @@ def test_the_sender_decides_the_ring_and_a_receiver_without_slots_of_its_own_rea
             assert np.array_equal(np.frombuffer(planes[1].recv(0, seq, 0), np.float64), payload + seq)
             assert np.array_equal(np.frombuffer(planes[0].recv(1, seq, 0), np.float64), payload - seq)
         # The receiver acks a slot when it next reads (the view it returned is in use until then), and the
-        # sender never waits for an ack: a send that finds both slots taken goes inline.  Whether the ack of
-        # round 1 is in by round 2 is up to the scheduler; by round 3 it is (the sender read past it in
-        # round 2), so at least three of four sends use the ring, and every other one is a counted fallback.
+        # sender never waits for an ack: a send that finds both slots taken goes inline.  The first send's
+        # ack leaves with the receiver's second read, ahead of its third message: whether it is in when
+        # the third send goes is up to the scheduler, but the sender reads past it in the third round, so
+        # at least three of four sends use the ring, and every other one is a counted fallback.
         sent = planes[0].stats
         assert sent["shm"] >= 3 and sent["shm"] + sent["shm_full"] == rounds and sent["inline"] == sent["shm_full"]
         assert planes[1].stats["shm"] == 0 and planes[1].stats["inline"] == rounds
