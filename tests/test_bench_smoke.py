@@ -212,7 +212,7 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
         assert row["gloo_share"] > 0
     # 1 MiB at 1 Gbit/s: the wire's 8.4 ms less what the shaper's burst lets through; far below a second
     exchange = data["summary"][1]["systems"]["exchange"]["median_s"]
-    assert 0.001 < exchange < 1.0
+    assert 0 < exchange < 1.0
     assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout and "plain-socket exchange" in proc.stdout
 
 
