@@ -259,6 +259,22 @@ def test_cluster_bench_runs_on_two_hosts_as_a_user_runs_it(hosts, tmp_path: Path
 
 
 @pytest.mark.timeout(60)
+def test_a_job_that_times_out_says_where_its_worker_waited() -> None:
+    """A worker still running just before its job's timeout prints every thread's stack, and the
+    bench keeps enough of a timed-out job's output to show it: here a server no client ever reaches."""
+    from ringcomm.bench import _procs, _timing
+
+    timeout = 4.0
+    worker = [sys.executable, "-m", "ringcomm.bench._tcp_rtt", "--serve", "127.0.0.1", "--port",
+              str(_util.free_port()), "--plan", "4096:1", "--deadline", str(_timing.worker_deadline(timeout))]
+    result = _procs.run_job([worker], _util.worker_env(False), timeout)
+    assert result.timed_out and not result.ok
+    text = result.describe()
+    assert "every thread's stack follows" in text, text
+    assert "in accept" in text and "in serve" in text, text  # the main thread, waiting in listener.accept()
+
+
+@pytest.mark.timeout(60)
 def test_a_benchmark_worker_stuck_holding_the_gil_still_ends_after_its_deadline() -> None:
     # ctypes.PyDLL keeps the GIL through the C call, as a backend stuck in C++ may: the watchdog
     # thread cannot run, and faulthandler's timer (a C thread) must end the process instead.

@@ -25,6 +25,8 @@ from . import _util
 GRACE_SECONDS = 6.0
 #: Lines of output kept for an error message.
 TAIL_LINES = 25
+#: ... of a job that timed out: enough for the stacks its workers printed just before (see ``_timing``).
+TIMED_OUT_TAIL_LINES = 120
 
 
 @dataclasses.dataclass
@@ -76,15 +78,15 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
         _signal_group(proc, signal.SIGKILL)
 
 
-def _tail(path: str) -> str:
+def _tail(path: str, count: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
+            f.seek(max(0, f.tell() - 200 * count))
             lines = f.read().decode("utf-8", errors="replace").splitlines()
     except OSError:
         return ""
-    return "\n".join(lines[-TAIL_LINES:])
+    return "\n".join(lines[-count:])
 
 
 def run_job(commands: Sequence[Sequence[str]], env: Mapping[str, str], timeout: float,
@@ -127,7 +129,7 @@ def run_job(commands: Sequence[Sequence[str]], env: Mapping[str, str], timeout: 
         codes = [p.returncode for p in procs]
         ok = not timed_out and not failed and len(procs) == len(commands) and all(c == 0 for c in codes)
         return JobResult(ok=ok, returncodes=codes, wall_s=wall, timed_out=timed_out,
-                         tails=[_tail(p) for p in logs])
+                         tails=[_tail(p, TIMED_OUT_TAIL_LINES if timed_out else TAIL_LINES) for p in logs])
 
 
 def job_record(result: JobResult, out: str, **fields: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import argparse
 import json
 import faulthandler
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -78,10 +79,36 @@ def parse_plan(text: str) -> list[tuple[int, int]]:
     return plan
 
 
+#: Seconds a worker's own deadline (``--deadline``) runs past its job's timeout: the bench stops the job
+#: first, and the worker's deadline is the safety net behind it.
+DEADLINE_MARGIN = 30.0
+#: A worker still running this many seconds before its job's timeout prints every thread's stack, so
+#: a job that hangs says where in its log, whose last lines the bench keeps.
+STACKS_BEFORE_TIMEOUT = 3.0
+
+
+def worker_deadline(job_timeout: float) -> float:
+    """The ``--deadline`` to give a worker of a job that the bench stops after ``job_timeout`` seconds."""
+    return job_timeout + DEADLINE_MARGIN
+
+
+def print_stacks() -> None:
+    """Every thread's stack on stderr, under one line that says why."""
+    print("[bench worker] still running just before the job's timeout; every thread's stack follows",
+          file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
 def start_watchdog(seconds: float) -> None:
-    """Exit the process (status 124) after ``seconds``, or as soon as its parent is gone."""
+    """Exit the process (status 124) after ``seconds``, or as soon as its parent is gone; print every
+    thread's stack shortly before the job's own timeout (``seconds`` less :data:`DEADLINE_MARGIN`)."""
     parent = os.getppid()
     deadline = time.monotonic() + seconds
+    stacks_at = seconds - DEADLINE_MARGIN - STACKS_BEFORE_TIMEOUT
+    if stacks_at > 0:
+        timer = threading.Timer(stacks_at, print_stacks)
+        timer.daemon = True
+        timer.start()
 
     def watch() -> None:
         while True:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _procs, _util
+from . import _procs, _timing, _util
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ def _stream(transport: str, cfg: CeilingConfig, tmp: str, tag: str) -> dict[str,
     addr = f"ipc://{tmp}/{tag}.ipc" if transport == "ipc" else f"tcp://127.0.0.1:{_util.free_port()}"
     out = os.path.join(tmp, f"{tag}.json")
     common = ["--addr", addr, "--bytes", str(cfg.message_bytes), "--warmup", str(cfg.warmup),
-              "--count", str(cfg.count), "--deadline", str(cfg.job_timeout + 30)]
+              "--count", str(cfg.count), "--deadline", str(_timing.worker_deadline(cfg.job_timeout))]
     module = [sys.executable, "-m", "ringcomm.bench._zmq_peer"]
     job = _procs.run_job([[*module, "pull", *common, "--out", out], [*module, "push", *common]],
                          _util.worker_env(False), cfg.job_timeout)

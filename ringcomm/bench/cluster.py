@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _procs, _util
+from . import _procs, _timing, _util
 
 SYSTEMS = ("ringcomm", "gloo")
 #: the plain-socket exchange, timed in every round beside the systems asked for
@@ -77,7 +77,7 @@ def job_argv(cfg: ClusterConfig, system: str, plan: str, out: str) -> list[str]:
         argv += ["--network-interface", cfg.network_interface]
     return argv + [cfg.python, "-m", "ringcomm.bench._cluster_worker", "--system", system, "--op", "allreduce",
                    "--plan", plan, "--warmup", str(cfg.warmup), "--out", out,
-                   "--deadline", str(cfg.job_timeout + 30), *(["--loop"] if cfg.loop else [])]
+                   "--deadline", str(_timing.worker_deadline(cfg.job_timeout)), *(["--loop"] if cfg.loop else [])]
 
 
 def cluster_env() -> dict[str, str]:

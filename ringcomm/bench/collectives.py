@@ -81,7 +81,7 @@ def measured_bytes(op: str, nbytes: int, np_: int) -> int:
 def _run_one(system: str, cfg: CollectiveConfig, np_: int, plan: str, tmp: str, tag: str) -> dict[str, Any]:
     out = os.path.join(tmp, f"{tag}.json")
     args = ["--op", cfg.op, "--plan", plan, "--warmup", str(cfg.warmup), "--out", out,
-            "--deadline", str(cfg.job_timeout + 30), "--device", cfg.device]
+            "--deadline", str(_timing.worker_deadline(cfg.job_timeout)), "--device", cfg.device]
     result = _launch.run_system(system, np_, WORKER_MODULES[system], args, cfg.job_timeout)
     record: dict[str, Any] = {"system": system, "np": np_, "ok": result.ok, "wall_s": round(result.wall_s, 3),
                               "error": None, "init_s": None, "results": []}

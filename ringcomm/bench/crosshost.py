@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _netns, _procs, _util, cluster
+from . import _netns, _procs, _timing, _util, cluster
 
 SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
@@ -80,7 +80,7 @@ def _ringcomm(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
             "-H", f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", "--ssh-command", str(hosts.ssh),
             "--network-interface", hosts.interface,
             sys.executable, "-m", "ringcomm.bench._rc_worker", "--op", "allreduce", "--plan", plan,
-            "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30),
+            "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(_timing.worker_deadline(cfg.job_timeout)),
             *(["--loop"] if cfg.loop else [])]
     return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True, extra), cfg.job_timeout)
 
@@ -94,7 +94,7 @@ def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> 
         side = "a" if rank < p else "b"
         argv = [sys.executable, "-m", "ringcomm.bench._gloo_worker", "--rank", str(rank), "--world-size", str(2 * p),
                 "--port", str(port), "--master-addr", hosts.addr["a"], "--op", "allreduce", "--plan", plan,
-                "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(cfg.job_timeout + 30),
+                "--warmup", str(cfg.warmup), "--out", out, "--deadline", str(_timing.worker_deadline(cfg.job_timeout)),
                 *(["--loop"] if cfg.loop else [])]
         commands.append(hosts.exec_argv(side, argv))
     return _procs.run_job(commands, env, cfg.job_timeout)
@@ -103,7 +103,7 @@ def _gloo(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> 
 def _raw(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
     port = _util.free_port()
     common = ["--port", str(port), "--plan", plan, "--warmup", str(max(cfg.warmup, 20)),
-              "--deadline", str(cfg.job_timeout + 30)]
+              "--deadline", str(_timing.worker_deadline(cfg.job_timeout))]
     worker = [sys.executable, "-m", "ringcomm.bench._tcp_rtt"]
     commands = [hosts.exec_argv("b", [*worker, "--serve", hosts.addr["b"], *common]),
                 hosts.exec_argv("a", [*worker, "--connect", hosts.addr["b"], "--out", out, *common])]

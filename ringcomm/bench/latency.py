@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _procs, _util
+from . import _launch, _procs, _timing, _util
 from ._util import percentile
 
 SYSTEMS = ("ringcomm", "gloo", "mpi")
@@ -104,7 +104,7 @@ def raw_round_trip(nbytes: int, count: int, warmup: int = 50) -> list[float]:
 def _run_one(system: str, np_: int, cfg: LatencyConfig, tmp: str, tag: str, mpirun: list[str] | None) -> dict[str, Any]:
     out = os.path.join(tmp, f"{tag}.json")
     args = ["--op", "allreduce", "--plan", f"{cfg.nbytes}:{cfg.ops}", "--warmup", str(cfg.warmup), "--loop",
-            "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+            "--out", out, "--deadline", str(_timing.worker_deadline(cfg.job_timeout))]
     if system != "mpi" and cfg.idle > 0:
         args += ["--idle", str(cfg.idle)]
     if system == "mpi":

@@ -13,7 +13,7 @@ import os
 import tempfile
 from typing import Any
 
-from . import _launch, _util
+from . import _launch, _timing, _util
 
 _MODULE = "ringcomm.bench._resource_worker"
 
@@ -45,7 +45,7 @@ def run(cfg: ResourceConfig) -> dict[str, Any]:
         for system in cfg.systems:
             out = os.path.join(tmp, f"{system}.json")
             args = ["--system", system, "--bytes", str(cfg.nbytes), "--ops", str(cfg.ops), "--idle", str(cfg.idle),
-                    "--out", out, "--deadline", str(cfg.job_timeout + 30)]
+                    "--out", out, "--deadline", str(_timing.worker_deadline(cfg.job_timeout))]
             _util.log(f"resources: {system}, np={cfg.np_}, {cfg.ops} x {_util.format_size(cfg.nbytes)} "
                       f"then {cfg.idle:g} s idle ...")
             job = _launch.run_system(system, cfg.np_, _MODULE, args, cfg.job_timeout)

@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _procs, _util
+from . import _launch, _procs, _timing, _util
 
 MODULE = "ringcomm.bench._train_worker"
 #: Rows of the report, in order: (setup key, system that runs it).
@@ -91,7 +91,7 @@ def ringcomm_torch_status() -> str | None:
 def _job(setup: str, system: str, np_: int, cfg: TrainingConfig, out: str) -> _procs.JobResult:
     def worker(mode: str, out_path: str) -> list[str]:
         return [sys.executable, "-m", MODULE, "--mode", mode, "--batch", str(cfg.batch), "--steps", str(cfg.steps),
-                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(cfg.job_timeout + 30),
+                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(_timing.worker_deadline(cfg.job_timeout)),
                 "--device", cfg.device, "--model", cfg.model_name]
 
     if setup == "single":
