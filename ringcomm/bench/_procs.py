@@ -19,8 +19,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _util
-
 #: Seconds between SIGTERM and SIGKILL.  The ringcomm launcher itself gives its workers 3 s.
 GRACE_SECONDS = 6.0
 #: Lines of output kept for an error message.
@@ -82,7 +80,7 @@ def _tail(path: str, count: int) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 200 * count))
+            f.seek(max(0, f.tell() - max(16384, 200 * count)))
             lines = f.read().decode("utf-8", errors="replace").splitlines()
     except OSError:
         return ""
@@ -132,17 +130,19 @@ def run_job(commands: Sequence[Sequence[str]], env: Mapping[str, str], timeout: 
                          tails=[_tail(p, TIMED_OUT_TAIL_LINES if timed_out else TAIL_LINES) for p in logs])
 
 
-def job_record(result: JobResult, out: str, **fields: Any) -> dict[str, Any]:
+def job_record(result: JobResult, out: str, keep: Sequence[str] = (), **fields: Any) -> dict[str, Any]:
     """One benchmark job's record: ``fields``, whether it ran, its error, and rank 0's per-size results
-    read from ``out`` (the JSON the worker wrote); a job that ran but wrote none counts as failed."""
+    read from ``out`` (the JSON the worker wrote), with the keys ``keep`` of that JSON beside them; a job
+    that ran but wrote none counts as failed."""
     record: dict[str, Any] = {**fields, "ok": result.ok, "error": None, "results": []}
     if result.ok:
         try:
             with open(out, encoding="utf-8") as f:
-                record["results"] = json.load(f)["results"]
+                payload = json.load(f)
+            record["results"] = payload["results"]
+            record.update((key, payload.get(key)) for key in keep)
         except (OSError, ValueError, KeyError) as exc:
             record.update(ok=False, error=f"no results from rank 0: {exc}")
     else:
         record["error"] = result.describe()
-        _util.log(f"  FAILED: {record['error']}")
     return record

@@ -43,6 +43,11 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def format_ms(seconds: float | None) -> str:
+    """Milliseconds to three significant figures (a 4 KiB op and a 64 MiB one in one table); ``n/a`` for none."""
+    return "n/a" if not seconds else f"{seconds * 1e3:.3g} ms"
+
+
 def median(values: Iterable[float]) -> float:
     """Median of ``values`` (NaN when empty)."""
     data = list(values)

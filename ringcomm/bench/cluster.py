@@ -122,6 +122,8 @@ def run_rounds(cfg: ClusterConfig, tmp: str) -> list[dict[str, Any]]:
             out = os.path.join(tmp, f"{system}-{repeat}.json")
             result = _procs.run_job([job_argv(cfg, system, plan, out)], cluster_env(), cfg.job_timeout)
             runs.append(_procs.job_record(result, out, system=system, repeat=repeat))
+            if not result.ok:
+                _util.log(f"  FAILED: {runs[-1]['error']}")
     return runs
 
 
@@ -154,8 +156,10 @@ def summarize(runs: Sequence[dict[str, Any]], sizes: Sequence[int], hosts: int,
     return rows
 
 
-def _ms(seconds: float | None) -> str:
-    return "n/a" if not seconds else f"{seconds * 1e3:.3g} ms"
+def with_p99(systems: dict[str, Any], system: str) -> str:
+    """A system's median with its p99 in brackets, or ``n/a`` when it has no figures."""
+    st = systems.get(system)
+    return "n/a" if not st else f"{_util.format_ms(st['median_s'])} ({_util.format_ms(st.get('p99_s'))})"
 
 
 def share_text(row: dict[str, Any], system: str) -> str:
@@ -172,11 +176,9 @@ def markdown(section: dict[str, Any]) -> str:
     for row in section["summary"]:
         have = row["systems"]
         cells = [_util.format_size(row["bytes"])]
-        for system in ("ringcomm", "gloo"):
-            st = have.get(system)
-            cells.append("n/a" if not st else f"{_ms(st['median_s'])} ({_ms(st['p99_s'])})")
+        cells += [with_p99(have, "ringcomm"), with_p99(have, "gloo")]
         cells.append(f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a")
-        cells += [_ms(have.get(EXCHANGE, {}).get("median_s")), _ms(row.get("ceiling_s")),
+        cells += [_util.format_ms(have.get(EXCHANGE, {}).get("median_s")), _util.format_ms(row.get("ceiling_s")),
                   share_text(row, "ringcomm"), share_text(row, "gloo")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "

@@ -9,13 +9,12 @@ pools the per-iteration times (slowest rank) of all rounds and takes medians.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _timing, _util
+from . import _launch, _procs, _timing, _util
 
 DEFAULT_SIZES = ("4K", "64K", "1M", "16M", "64M")
 DEFAULT_NPS = (2, 4)
@@ -83,19 +82,8 @@ def _run_one(system: str, cfg: CollectiveConfig, np_: int, plan: str, tmp: str, 
     args = ["--op", cfg.op, "--plan", plan, "--warmup", str(cfg.warmup), "--out", out,
             "--deadline", str(_timing.worker_deadline(cfg.job_timeout)), "--device", cfg.device]
     result = _launch.run_system(system, np_, WORKER_MODULES[system], args, cfg.job_timeout)
-    record: dict[str, Any] = {"system": system, "np": np_, "ok": result.ok, "wall_s": round(result.wall_s, 3),
-                              "error": None, "init_s": None, "results": []}
-    if result.ok:
-        try:
-            with open(out, encoding="utf-8") as f:
-                payload = json.load(f)
-            record["init_s"] = payload.get("init_s")
-            record["results"] = payload["results"]
-        except (OSError, ValueError, KeyError) as exc:
-            record.update(ok=False, error=f"no results from rank 0: {exc}")
-    else:
-        record["error"] = result.describe()
-    return record
+    return _procs.job_record(result, out, ("init_s",), system=system, np=np_, wall_s=round(result.wall_s, 3),
+                             init_s=None)
 
 
 def run(cfg: CollectiveConfig) -> dict[str, Any]:

@@ -145,6 +145,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                         out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
                         result = runners[system](hosts, cfg, plan, out)
                         section["runs"].append(_procs.job_record(result, out, system=system, rate=rate, repeat=repeat))
+                        if not result.ok:
+                            _util.log(f"  FAILED: {section['runs'][-1]['error']}")
         finally:
             hosts.close()
     section["summary"] = summarize(section["runs"], cfg)
@@ -158,14 +160,11 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
         for size in cfg.sizes:
             row: dict[str, Any] = {"rate": rate, "bytes": size, "systems": {},
                                    **link_bounds(size, ranks, 2, _netns.tc_rate_bits(rate))}
+            at_rate = [r for r in runs if r["rate"] == rate]
             for system in (RAW, EXCHANGE, *cfg.systems):
-                times = [t for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system
-                         for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
-                per_round = [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
-                             for r in runs if r["ok"] and r["rate"] == rate and r["system"] == system]
-                if times:
-                    row["systems"][system] = {"median_s": _util.median(times), "round_median_s": per_round,
-                                              "p99_s": _util.percentile(times, 99)}
+                stats = cluster.pooled(at_rate, system, size)
+                if stats is not None:
+                    row["systems"][system] = stats
             have = row["systems"]
             if "ringcomm" in have and "gloo" in have:
                 row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
@@ -174,16 +173,6 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
             cluster.ceiling_shares(row, 2, ("ringcomm", "gloo"))
             rows.append(row)
     return rows
-
-
-def _ms(seconds: float | None) -> str:
-    """Milliseconds to three significant figures (a 4 KiB op and a 64 MiB one in one table)."""
-    return "n/a" if not seconds else f"{seconds * 1e3:.3g} ms"
-
-
-def _with_p99(systems: dict[str, Any], system: str) -> str:
-    st = systems.get(system)
-    return "n/a" if not st else f"{_ms(st['median_s'])} ({_ms(st.get('p99_s'))})"
 
 
 def markdown(section: dict[str, Any]) -> str:
@@ -204,11 +193,12 @@ def markdown(section: dict[str, Any]) -> str:
         over_raw = f"{row['ringcomm_over_raw']:.1f}x" if "ringcomm_over_raw" in row else "n/a"
         flat = f"{row['flat_ring_s'] / rc_:.0%}" if rc_ else "n/a"
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
-        cells = [row["rate"], _util.format_size(row["bytes"]), _with_p99(have, "ringcomm"), _with_p99(have, "gloo"), ratio,
-                 _ms(have.get(RAW, {}).get("median_s")), over_raw, _ms(have.get(EXCHANGE, {}).get("median_s")),
+        cells = [row["rate"], _util.format_size(row["bytes"]), cluster.with_p99(have, "ringcomm"),
+                 cluster.with_p99(have, "gloo"), ratio, _util.format_ms(have.get(RAW, {}).get("median_s")), over_raw,
+                 _util.format_ms(have.get(EXCHANGE, {}).get("median_s")),
                  cluster.share_text(row, "ringcomm"), cluster.share_text(row, "gloo"), flat, hier]
         for name in extra:
-            cells.append(_ms(have.get(name, {}).get("median_s")))
+            cells.append(_util.format_ms(have.get(name, {}).get("median_s")))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Bounds: the link time a flat ring needs (2(N-1)/N x S per direction) and a hierarchical "
               "allreduce needs (2(H-1)/H x S); a percentage is bound / measured time.  raw: one TCP round "
