@@ -139,7 +139,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         ctx, rank, size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
         shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
         job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
-        seq_stride=hierarchical.PHASES,
+        seq_stride=hierarchical.PHASES, stream_min_bytes=st.stream_min_bytes,
     )
     w.link = link  # from here on, close() closes it
     base = ipc_base(topo.job_id, os.getpid(), round_)
@@ -150,6 +150,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
                              st.net_lane_bytes_for(size), st.encrypt)
     info: dict[str, Any] = {
         "rank": rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
+        "streams": link.listen_streams(topo.addr),  # where peers on other hosts stream payloads to it, or None
         "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
         "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
         # "lane": rank 0: the small-op lane's path; the others: whether they can map one;
@@ -192,7 +193,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         r = int(peer["rank"])
         same_host = peer["host"] == topo.hostname
         if r != rank:
-            link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"))
+            link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"),
+                         stream=peer.get("streams"))
     if shm_allreduce.usable(size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                             st.shm_allreduce_min_ranks):
         w.shm_ar = shm_allreduce.ShmAllreduce(topo.job_id, round_, st.shm_allreduce_piece_bytes,

@@ -421,10 +421,14 @@ NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag: the payload is i
 INLINE = struct.Struct("<cQI")  # b"I", seq, tag: the payload is the second frame
 ACK = struct.Struct("<cH")  # b"A", slot: the receiver is done with that slot
 LOST = struct.Struct("<cI")  # b"L", rank: the sender lost that rank and is failing (sent to the others)
+#: b"T", seq, tag, nbytes: the head of one payload on a pair's TCP stream (``net/streams.py``); the
+#: payload's bytes follow it on the stream
+STREAM = struct.Struct("<cQIQ")
 
 
 class DataMessage(NamedTuple):
-    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"``, ``b"A"`` or ``b"L"`` (``lost``: the rank)."""
+    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"``, ``b"A"``, ``b"L"`` (``lost``: the rank) or
+    ``b"T"`` (a stream head, :func:`parse_stream_head`)."""
 
     kind: bytes
     seq: int = 0
@@ -460,3 +464,14 @@ def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMe
     if kind == b"L" and len(head) == LOST.size and nframes == 1:
         return DataMessage(b"L", lost=LOST.unpack(head)[1])
     raise ProtocolError(f"malformed data message: {nframes} frame(s), first {len(head)} bytes {head[:16]!r}")
+
+
+def parse_stream_head(head: bytes, max_bytes: int) -> DataMessage:
+    """Parse the head of one payload on a stream (:data:`STREAM`); raises :class:`ProtocolError` when it is
+    not one, or announces more than ``max_bytes`` (a segment: no sender cuts larger ones)."""
+    if len(head) != STREAM.size or head[:1] != b"T":
+        raise ProtocolError(f"malformed stream head: {len(head)} bytes {head[:16]!r}")
+    _, seq, tag, n = STREAM.unpack(head)
+    if n > max_bytes:
+        raise ProtocolError(f"a stream payload of {n} bytes, more than a segment ({max_bytes} bytes)")
+    return DataMessage(b"T", seq, tag, nbytes=n)

@@ -12,6 +12,9 @@ Owned by the engine thread.  Messages on a pair's socket:
   tracked; ``flush()`` waits until ZeroMQ has released them.
 - ``A`` ack: the sender may reuse that slot.
 
+Payloads of at least ``stream_min_bytes`` for a rank on another host go over a TCP stream per
+direction instead (:mod:`.streams`), and are received like inline ones.
+
 Data messages carry ``(seq, tag)``; one that arrives before it is asked for
 (another segment or op from the same peer) waits in a per-peer stash.  An op
 owns ``seq_stride`` consecutive sequence numbers, which may be received in any
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import logging
 import time
 from collections.abc import Sequence
@@ -53,6 +57,7 @@ from ..core import wire
 from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
 from .peers import PeerWatch
+from .streams import Incoming, Outgoing, pair_mac
 
 log = logging.getLogger("ringcomm.net.transport")
 
@@ -78,10 +83,13 @@ class DataPlane:
     def __init__(self, ctx: zmq.Context, rank: int, size: int, zero_copy_min_bytes: int, peer_timeout: float,
                  socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
                  shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0,
-                 max_payload_bytes: int = 0, *, credentials: Credentials, seq_stride: int = 1) -> None:
+                 max_payload_bytes: int = 0, *, credentials: Credentials, seq_stride: int = 1,
+                 stream_min_bytes: int = 0) -> None:
         """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
         must already have a ZAP handler for them (:class:`ringcomm.net.auth.ZapThread`).  ``seq_stride``:
-        how many sequence numbers each op owns (``seq // seq_stride`` numbers the op)."""
+        how many sequence numbers each op owns (``seq // seq_stride`` numbers the op).
+        ``stream_min_bytes``: payloads of at least this many bytes for peers on other hosts go over
+        :mod:`.streams` (0: never; never with encrypting credentials, as streams are in clear)."""
         self.rank = rank
         self.size = size
         self._ctx = ctx
@@ -95,9 +103,13 @@ class DataPlane:
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
         self._stride = max(1, seq_stride)
+        self._stream_min = stream_min_bytes if not credentials.encrypted else 0
+        self._incoming: Incoming | None = None  # see listen_streams()
+        self._outgoing: dict[int, Outgoing] = {}
+        self._stream_to: dict[int, tuple[str, int]] = {}  # peers on other hosts that take streams: where
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
-        self._stash: dict[int, dict[tuple[int, int], list]] = collections.defaultdict(dict)
+        self._stash: dict[int, dict[tuple[int, int], object]] = collections.defaultdict(dict)
         self._serving: ControlStep | None = None  # see serve_while_waiting()
         self._serve_pollers: dict[int, zmq.Poller] = {}
         self._out_rings: dict[int, shm.SlotRing] = {}
@@ -184,10 +196,34 @@ class DataPlane:
             table[peer] = eps
         return table
 
+    def listen_streams(self, tcp_host: str) -> list[str | int] | None:
+        """Listen for peers' payload streams (:mod:`.streams`); ``[address, port]`` to publish, or None
+        when this rank uses none (off, or encrypted).  Peers stream to this rank only if it listens."""
+        if self._stream_min <= 0 or self.size < 2:
+            return None
+        key = self._creds.password
+        job, round_, rank = self._job, self._round, self.rank
+
+        def check(peer: int, proof: bytes) -> bytes | None:
+            if not hmac.compare_digest(proof, pair_mac(key, job, round_, peer, rank, "hello")):
+                return None
+            return pair_mac(key, job, round_, peer, rank, "answer")
+
+        try:
+            self._incoming = Incoming(rank, self.size, tcp_host, check, self._max_payload or (1 << 62),
+                                      max(1.0, min(self._timeout, 10.0)), self._sockbuf)
+        except OSError as exc:
+            log.warning("rank %d: payload streams across hosts off: cannot listen on %s (%s)", rank, tcp_host, exc)
+            return None
+        return self._incoming.address
+
     def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
-                pid: int | None = None) -> None:
-        """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers."""
+                pid: int | None = None, stream: list | None = None) -> None:
+        """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers;
+        ``stream``: where a peer on another host listens for streams (:meth:`listen_streams`), if it does."""
         self.peers.expect(peer, description, pid if same_host else None)
+        if not same_host and stream and self._incoming is not None:
+            self._stream_to[peer] = (str(stream[0]), int(stream[1]))
         if peer < self.rank:
             eps = endpoints[self.rank]
             if eps is None:
@@ -240,6 +276,13 @@ class DataPlane:
         self._short_warned |= falls_back
 
     def close(self) -> None:
+        for out in self._outgoing.values():
+            out.close()
+        self._outgoing.clear()
+        if self._incoming is not None:
+            self._incoming.close()
+            self._incoming = None
+        self._stream_to.clear()
         self.peers.close()
         for sock in self._socks.values():
             sock.close(200 if self.peers.noticed else 0)  # a notice of a lost peer gets a moment to leave
@@ -290,6 +333,10 @@ class DataPlane:
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
         n = payload.nbytes
+        if n >= self._stream_min > 0 and dst in self._stream_to:
+            self._stream(dst).put(wire.STREAM.pack(b"T", seq, tag, n), payload.data)
+            self.stats["stream"] += 1
+            return
         ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
         if ring is not None and n > ring.slot_bytes:  # a ring made small for lack of room
             ring = None
@@ -315,6 +362,24 @@ class DataPlane:
             tracker = self._send(dst, [header, payload], copy=False)
             if tracker is not None:  # always, for a zero-copy send
                 self._trackers[dst] = tracker
+
+    def _stream(self, dst: int) -> Outgoing:
+        """The stream to ``dst``, made at its first payload; raises if it broke."""
+        out = self._outgoing.get(dst)
+        if out is None:
+            key = self._creds.password
+            out = self._outgoing[dst] = Outgoing(
+                self.rank, dst, self._stream_to[dst], pair_mac(key, self._job, self._round, self.rank, dst, "hello"),
+                pair_mac(key, self._job, self._round, self.rank, dst, "answer"), max(1.0, self._timeout),
+                self._sockbuf)
+        if out.error is not None:
+            raise self._stream_lost(dst, out.error)
+        return out
+
+    def _stream_lost(self, peer: int, why: str) -> PeerLostError:
+        self.raise_if_lost(peer)  # a loss found first names the rank that failed first
+        self.peers.lost.setdefault(peer, self.peer_names.get(peer, "?"))
+        return self.lost_error(peer, f"; its payload stream broke: {why}")
 
     def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
         """Queue one message for ``dst`` without ever blocking on a peer that is gone.
@@ -357,13 +422,22 @@ class DataPlane:
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
         sock = self._socks[src]
+        streams = self._incoming is not None and src in self._stream_to
         waited = 0.0
         while True:
+            if streams:
+                if block:  # before looking: a payload that arrives after the look wakes the poll below
+                    self._incoming.clear_wake()  # type: ignore[union-attr]
+                key = self._streamed(src)
+                if key is not None:
+                    return key
             try:
-                frames = sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
+                frames = sock.recv_multipart(copy=False, flags=0 if block and not streams else zmq.NOBLOCK)
             except zmq.Again:
                 if not block:
                     return None
+                if streams and self._wait_either(src):
+                    continue
                 # a slice passed with no data: has a peer gone?
                 waited = self._slice_waited(
                     src, waited, "data", False,
@@ -382,6 +456,46 @@ class DataPlane:
                 if not block:
                     return None
 
+    def _streamed(self, src: int) -> tuple[int, int] | None:
+        """Stash the oldest payload ``src`` streamed to this rank, if any; its key.  Raises once the stream
+        broke and everything it brought is taken."""
+        incoming = self._incoming
+        assert incoming is not None
+        while (got := incoming.take(src)) is not None:
+            seq, tag, buf = got
+            try:
+                self._check_key(src, seq, tag)
+            except ProtocolError as exc:
+                self.stats["dropped"] += 1
+                log.debug("rank %d: dropped a streamed payload from rank %d: %s", self.rank, src, exc)
+                continue
+            self._stash[src][(seq, tag)] = buf
+            return seq, tag
+        why = incoming.broken.get(src)
+        if why is not None:
+            raise self._stream_lost(src, why)
+        return None
+
+    def _wait_either(self, src: int) -> bool:
+        """Wait one slice for ``src``'s socket or a streamed payload; whether either came."""
+        poller = self._serve_pollers.get(~src)
+        if poller is None:
+            assert self._incoming is not None
+            poller = self._serve_pollers[~src] = zmq.Poller()
+            poller.register(self._socks[src], zmq.POLLIN)
+            poller.register(self._incoming.fileno, zmq.POLLIN)
+        return bool(poller.poll(int(_SLICE * 1000)))
+
+    def _check_key(self, src: int, seq: int, tag: int) -> None:
+        """Raise :class:`ProtocolError` if ``(seq, tag)`` from ``src`` was had already or belongs to an op that is over."""
+        key = (seq, tag)
+        op, current = seq // self._stride, self._op.get(src, -1)
+        if key in self._stash[src] or (op == current and key in self._taken[src]):
+            raise ProtocolError(f"a second message for op {seq} tag {tag}")
+        if op < current:  # every message of an earlier op was taken before it completed
+            raise ProtocolError(f"a message for op {seq}, which is over (this rank is at op "
+                                f"{current * self._stride})")
+
     def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
         # any shape the sender chose passes here; the ring itself bounds its slots below
@@ -399,12 +513,7 @@ class DataPlane:
                 self._out_rings[src].unlink()
             return None
         key = (msg.seq, msg.tag)
-        op, current = msg.seq // self._stride, self._op.get(src, -1)
-        if key in self._stash[src] or (op == current and key in self._taken[src]):
-            raise ProtocolError(f"a second message for op {msg.seq} tag {msg.tag}")
-        if op < current:  # every message of an earlier op was taken before it completed
-            raise ProtocolError(f"a message for op {msg.seq}, which is over (this rank is at op "
-                                f"{current * self._stride})")
+        self._check_key(src, msg.seq, msg.tag)
         if msg.kind == b"S":
             ring = self._in_ring(src)
             if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
@@ -460,10 +569,13 @@ class DataPlane:
             return
         ctrl, serve = self._serving.socket, self._serving.step
         poller = self._serve_pollers.get(src)
+        streams = self._incoming.fileno if self._incoming is not None and src in self._stream_to else None
         if poller is None:
             poller = self._serve_pollers[src] = zmq.Poller()
             poller.register(self._socks[src], zmq.POLLIN)
             poller.register(ctrl, zmq.POLLIN)
+            if streams is not None:
+                poller.register(streams, zmq.POLLIN)
         data = self._socks[src]
         deadline = time.monotonic() + 1.0
         while True:
@@ -473,7 +585,7 @@ class DataPlane:
             events = dict(poller.poll(max(1, int(left * 1000))))
             if ctrl in events:
                 serve()
-            if data in events or not events:
+            if data in events or not events or (streams is not None and streams in events):
                 return
 
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
@@ -519,18 +631,26 @@ class DataPlane:
         ctrl, serve = (self._serving.socket, self._serving.step) if self._serving is not None else (None, None)
         if ctrl is not None:
             poller.register(ctrl, zmq.POLLIN)
+        wake = self._incoming.fileno if self._incoming is not None and any(s in self._stream_to for s in srcs) else None
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         waited = 0.0
+        events: dict = {}
+        woke = wake is not None  # payloads streamed earlier wait in their queues with no wake pending
         while True:
-            events = dict(poller.poll(int(_SLICE * 1000)))
-            if serve is not None and ctrl in events:
-                serve()
+            if woke:  # before looking: a payload that arrives after the look wakes the next poll
+                self._incoming.clear_wake()  # type: ignore[union-attr]
             for src in srcs:
-                if self._socks[src] not in events:
+                if self._socks[src] not in events and not (woke and src in self._stream_to):
                     continue
                 while (got := self._pump(src, block=False)) is not None:
                     for i, want in enumerate(wants):
                         if want == (src, got[0]):
                             return i, got[1], self._open(src, got, self._stash[src].pop(got))
+            events = dict(poller.poll(int(_SLICE * 1000)))
+            if serve is not None and ctrl in events:
+                serve()
+            woke = wake is not None and wake in events
             if not events:
                 src = wants[0][0]
                 waited = self._slice_waited(
@@ -543,6 +663,8 @@ class DataPlane:
             slot, n = item
             self._held[src].append(slot)
             return self._in_rings[src].slot(slot, n)
+        if isinstance(item, np.ndarray):  # streamed
+            return item
         return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
@@ -561,3 +683,11 @@ class DataPlane:
                     dst, waited, "its data to be taken", True,
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
+        for dst, out in self._outgoing.items():
+            waited = 0.0
+            while not out.wait_sent(_SLICE):
+                waited = self._slice_waited(
+                    dst, waited, "its data to be taken", True,
+                    f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
+            if out.error is not None:
+                raise self._stream_lost(dst, out.error)

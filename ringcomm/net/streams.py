@@ -1,0 +1,287 @@
+"""Payload streams across hosts: one plain TCP connection per direction between two ranks.
+
+ZeroMQ moves a payload through its I/O thread (one more copy of every byte on each side), and
+one connection carries both directions.  On a 10 Gbit/s link that costs a rank whose peer is
+on another host a fifth of what the wire gives (64 MiB each way: ZeroMQ's exchange 80-92 ms,
+one plain connection per direction 65-74 ms).  So a payload of at least
+RINGCOMM_STREAM_MIN_BYTES for a rank on another host goes over a stream of its own:
+
+- the sender's thread writes it straight from the caller's array (``sendall``, no copy), as
+  ZeroMQ's zero-copy sends did: the caller leaves the array alone until ``flush``;
+- the receiver's thread reads it straight into a buffer of its size (``recv_into``) and
+  queues it, whatever the receiver's engine thread is doing, as ZeroMQ's I/O thread did, so
+  a sender's ``flush`` never waits for the receiver's engine thread;
+- it is received like an inline payload, by ``(seq, tag)``, in any order
+  (:class:`ringcomm.net.transport.DataPlane`).
+
+Everything else still travels on the pair's ZeroMQ socket: small payloads, loss notices and
+the heartbeats that find a stopped peer.  A stream that breaks names its peer as lost.
+
+The sender connects when it first streams to a peer, and proves that it holds the job's
+secret (its rank and an HMAC of the pair and direction); the receiver answers with its own
+HMAC before any payload, and closes a connection that proves nothing.  Payloads travel in
+clear, so a job with RINGCOMM_ENCRYPT keeps them on ZeroMQ.  Each message is a
+:data:`ringcomm.core.wire.STREAM` head (seq, tag, byte count) and the bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from ..core import wire
+from ..errors import ProtocolError
+
+__all__ = ["Incoming", "Outgoing", "pair_mac"]
+
+log = logging.getLogger("ringcomm.net.streams")
+
+_HELLO = struct.Struct("<I32s")  # the connecting rank, and its proof
+_ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
+
+
+def pair_mac(key: bytes, job_id: str, round_: int, src: int, dst: int, what: str) -> bytes:
+    """The proof for the stream from ``src`` to ``dst`` (``what``: ``"hello"`` or ``"answer"``)."""
+    return hmac.digest(key, f"ringcomm/v1/stream/{job_id}/{round_}/{src}-{dst}/{what}".encode(), hashlib.sha256)
+
+
+def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a payload's last bytes leave at once
+    if buffer_bytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the stream ended before its first byte."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            if got:
+                raise ConnectionError(f"the stream ended {got} bytes into {n}")
+            return False
+        got += k
+    return True
+
+
+class Outgoing:
+    """This rank's stream to one peer: a thread that connects at the first payload, then writes the
+    queued payloads in order.  ``put`` never waits; ``wait_sent`` waits until all have left."""
+
+    def __init__(self, rank: int, peer: int, address: tuple[str, int], hello: bytes, answer: bytes,
+                 connect_timeout: float, buffer_bytes: int = 0) -> None:
+        self.rank, self.peer, self.address = rank, peer, address
+        self._hello, self._answer = hello, answer
+        self._timeout, self._buffer_bytes = connect_timeout, buffer_bytes
+        self._items: collections.deque[tuple[bytes, memoryview]] = collections.deque()
+        self._cv = threading.Condition()
+        self.queued = self.written = 0
+        self.error: str | None = None  # why the stream broke (then nothing more is written)
+        self._closing = False
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def put(self, head: bytes, payload: memoryview) -> None:
+        """Queue one payload (``head`` from :data:`ringcomm.core.wire.STREAM`); ``payload`` is read later."""
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name=f"ringcomm-stream-{self.rank}-to-{self.peer}")
+                self._thread.start()
+            self._items.append((head, payload))
+            self.queued += 1
+            self._cv.notify_all()
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Whether, within ``timeout`` seconds, every queued payload left or the stream broke."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.written == self.queued or self.error is not None, timeout)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._items.clear()
+            self._cv.notify_all()
+            sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # a write waiting on a stopped peer returns
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if sock is not None:
+            sock.close()
+
+    def _run(self) -> None:
+        try:
+            sock = socket.create_connection(self.address, timeout=self._timeout)
+            with self._cv:
+                self._sock = sock
+                if self._closing:
+                    return
+            _tune(sock, self._buffer_bytes)
+            sock.sendall(_HELLO.pack(self.rank, self._hello))
+            answer = bytearray(len(self._answer))
+            if not _read_into(sock, memoryview(answer)) or not hmac.compare_digest(bytes(answer), self._answer):
+                raise ConnectionError("its answer did not prove the job secret")
+            sock.settimeout(None)
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: bool(self._items) or self._closing)
+                    if self._closing:
+                        return
+                    head, payload = self._items[0]
+                sock.sendall(head)
+                sock.sendall(payload)
+                with self._cv:
+                    if self._items:
+                        self._items.popleft()
+                    self.written += 1
+                    self._cv.notify_all()
+        except (OSError, ConnectionError) as exc:
+            with self._cv:
+                if not self._closing:
+                    self.error = f"stream to {self.address[0]}:{self.address[1]}: {exc}"
+                self._cv.notify_all()
+
+
+class Incoming:
+    """What peers on other hosts stream to this rank: a listener, a thread that accepts, one thread
+    per connection that reads, and per peer the payloads read and not yet taken.
+
+    ``check(peer, proof)`` returns the answer to send for a valid hello, or None.  ``fileno`` turns
+    readable whenever a payload arrives or a stream breaks (:meth:`clear_wake` before looking).
+    """
+
+    def __init__(self, rank: int, size: int, addr: str, check: Callable[[int, bytes], bytes | None], max_payload: int,
+                 handshake_timeout: float, buffer_bytes: int = 0) -> None:
+        self.rank, self.size = rank, size
+        self._check, self._max, self._buffer_bytes = check, max_payload, buffer_bytes
+        self._handshake_timeout = handshake_timeout
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._listener.bind((addr, 0))
+            self._listener.listen(max(8, size))
+            self._listener.settimeout(_ACCEPT_SLICE)
+        except OSError:
+            self._listener.close()
+            raise
+        self.address: list[str | int] = [addr, self._listener.getsockname()[1]]
+        self.arrived: dict[int, collections.deque[tuple[int, int, np.ndarray]]] = {
+            r: collections.deque() for r in range(size)}
+        self.broken: dict[int, str] = {}  # peer -> why its stream ended (read once what arrived is taken)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.fileno = self._wake_r
+        self._closing = False
+        self._lock = threading.Lock()
+        self._socks: dict[int, socket.socket] = {}
+        self._open: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept, daemon=True, name=f"ringcomm-streams-{rank}")
+        self._acceptor.start()
+
+    def take(self, src: int) -> tuple[int, int, np.ndarray] | None:
+        """The oldest payload ``src`` streamed that is not taken yet: ``(seq, tag, bytes)``."""
+        arrived = self.arrived.get(src)
+        return arrived.popleft() if arrived else None
+
+    def clear_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full: a wake is pending already; closed: nobody waits
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            socks = list(self._open)
+        self._listener.close()
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._acceptor.join(2 * _ACCEPT_SLICE)
+        for t in self._threads:
+            t.join(1.0)
+        for sock in socks:
+            sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closing:
+                    sock.close()
+                    return
+                self._open.append(sock)
+                t = threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                                     name=f"ringcomm-stream-in-{self.rank}")
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Check one connection's hello, then read its payloads until it ends."""
+        peer = -1
+        try:
+            sock.settimeout(self._handshake_timeout)
+            hello = bytearray(_HELLO.size)
+            if not _read_into(sock, memoryview(hello)):
+                raise ConnectionError("closed before its hello")
+            peer, proof = _HELLO.unpack(bytes(hello))
+            answer = self._check(peer, proof) if 0 <= peer < self.size and peer != self.rank else None
+            with self._lock:
+                if answer is None or peer in self._socks:
+                    peer = -1
+                    log.warning("rank %d: refused a stream connection that did not prove the job secret",
+                                self.rank)
+                    sock.close()
+                    return
+                self._socks[peer] = sock
+            sock.sendall(answer)
+            sock.settimeout(None)
+            _tune(sock, self._buffer_bytes)
+            arrived = self.arrived[peer]
+            head = bytearray(wire.STREAM.size)
+            head_view = memoryview(head)
+            while _read_into(sock, head_view):
+                msg = wire.parse_stream_head(bytes(head), self._max)
+                buf = np.empty(msg.nbytes, np.uint8)
+                if msg.nbytes and not _read_into(sock, buf.data):
+                    raise ConnectionError("the stream ended between a head and its payload")
+                arrived.append((msg.seq, msg.tag, buf))
+                self._wake()
+            why = "the peer closed its stream"
+        except (OSError, ConnectionError, ProtocolError, struct.error) as exc:
+            why = str(exc) or type(exc).__name__
+        if peer >= 0 and not self._closing:
+            self.broken[peer] = why
+            self._wake()
+
