@@ -285,3 +285,88 @@ class Incoming:
             self.broken[peer] = why
             self._wake()
 
+
+
+class Streams:
+    """A data plane's streams: its listener, its streams out, and where each peer on another host
+    listens.  Owned by the engine thread; the threads inside hand payloads over through queues.
+
+    A peer is streamed to, and read from, only if both ranks listen (``carries``).  Errors come
+    back as values (``put`` and ``broken`` return why a stream broke); the data plane names the
+    peer as lost.
+    """
+
+    def __init__(self, rank: int, size: int, key: bytes, job_id: str, round_: int, min_bytes: int,
+                 max_payload: int, timeout: float, buffer_bytes: int = 0) -> None:
+        self.rank, self.size, self.min_bytes = rank, size, min_bytes
+        self._key, self._job, self._round = key, job_id, round_
+        self._max, self._timeout, self._buffer_bytes = max_payload, timeout, buffer_bytes
+        self.incoming: Incoming | None = None
+        self.outgoing: dict[int, Outgoing] = {}
+        self._to: dict[int, tuple[str, int]] = {}  # peer -> where it listens
+
+    def listen(self, addr: str) -> list[str | int] | None:
+        """Start listening on ``addr``; ``[address, port]`` to publish, or None (off, or no port)."""
+        if self.min_bytes <= 0 or self.size < 2:
+            return None
+        key, job, round_, rank = self._key, self._job, self._round, self.rank
+
+        def check(peer: int, proof: bytes) -> bytes | None:
+            if not hmac.compare_digest(proof, pair_mac(key, job, round_, peer, rank, "hello")):
+                return None
+            return pair_mac(key, job, round_, peer, rank, "answer")
+
+        try:
+            self.incoming = Incoming(rank, self.size, addr, check, self._max,
+                                     max(1.0, min(self._timeout, 10.0)), self._buffer_bytes)
+        except OSError as exc:
+            log.warning("rank %d: payload streams across hosts off: cannot listen on %s (%s)", rank, addr, exc)
+            return None
+        return self.incoming.address
+
+    def add_peer(self, peer: int, address: list | None) -> None:
+        """``peer`` is on another host and listens at ``address`` (None: it does not)."""
+        if address and self.incoming is not None:
+            self._to[peer] = (str(address[0]), int(address[1]))
+
+    def carries(self, peer: int) -> bool:
+        return peer in self._to
+
+    def put(self, dst: int, seq: int, tag: int, payload: np.ndarray) -> str | None:
+        """Queue a 1-D uint8 ``payload`` (read later: left alone until :meth:`wait_sent`) for ``dst``;
+        why the stream broke, if it did."""
+        out = self.outgoing.get(dst)
+        if out is None:
+            mac = pair_mac
+            out = self.outgoing[dst] = Outgoing(
+                self.rank, dst, self._to[dst], mac(self._key, self._job, self._round, self.rank, dst, "hello"),
+                mac(self._key, self._job, self._round, self.rank, dst, "answer"), max(1.0, self._timeout),
+                self._buffer_bytes)
+        if out.error is None:
+            out.put(wire.STREAM.pack(b"T", seq, tag, payload.nbytes), payload.data)
+        return out.error
+
+    @property
+    def wake_fd(self) -> int | None:
+        """Readable when a payload arrived or a stream broke (None: nothing listens)."""
+        return None if self.incoming is None else self.incoming.fileno
+
+    def clear_wake(self) -> None:
+        if self.incoming is not None:
+            self.incoming.clear_wake()
+
+    def take(self, src: int) -> tuple[int, int, np.ndarray] | None:
+        return None if self.incoming is None else self.incoming.take(src)
+
+    def broken(self, src: int) -> str | None:
+        """Why ``src``'s stream to this rank ended, once everything it brought is taken."""
+        return None if self.incoming is None else self.incoming.broken.get(src)
+
+    def close(self) -> None:
+        for out in self.outgoing.values():
+            out.close()
+        self.outgoing.clear()
+        if self.incoming is not None:
+            self.incoming.close()
+            self.incoming = None
+        self._to.clear()

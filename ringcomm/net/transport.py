@@ -41,8 +41,6 @@ there.)
 from __future__ import annotations
 
 import collections
-import errno
-import hmac
 import logging
 import time
 from collections.abc import Sequence
@@ -52,12 +50,13 @@ import numpy as np
 import zmq
 
 from ..job import names
-from ..shm import slots as shm, space as shm_space
+from ..shm import space as shm_space
+from ..shm.rings import PeerRings
 from ..core import wire
 from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
 from .peers import PeerWatch
-from .streams import Incoming, Outgoing, pair_mac
+from .streams import Streams
 
 log = logging.getLogger("ringcomm.net.transport")
 
@@ -97,35 +96,26 @@ class DataPlane:
         self._zc_min = zero_copy_min_bytes
         self._timeout = peer_timeout
         self._sockbuf = socket_buffer_bytes
-        self._slots = shm_slots if shm.available() else 0  # what this rank's rings to its peers ask for
-        self._slot_bytes = shm_slot_bytes  # the segment size (every rank's): no slot is larger
-        self._shm_min = shm_min_bytes
+        #: shared-memory rings to and from peers on this host: their shapes and free slots
+        self.rings = PeerRings(rank, job_id, round_, shm_slots, shm_slot_bytes, shm_min_bytes)
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
         self._stride = max(1, seq_stride)
-        self._stream_min = stream_min_bytes if not credentials.encrypted else 0
-        self._incoming: Incoming | None = None  # see listen_streams()
-        self._outgoing: dict[int, Outgoing] = {}
-        self._stream_to: dict[int, tuple[str, int]] = {}  # peers on other hosts that take streams: where
+        #: payload streams to and from peers on other hosts (see listen_streams())
+        self.streams = Streams(rank, size, credentials.password, job_id, round_,
+                               stream_min_bytes if not credentials.encrypted else 0,
+                               max_payload_bytes or (1 << 62), peer_timeout, socket_buffer_bytes)
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
         self._stash: dict[int, dict[tuple[int, int], object]] = collections.defaultdict(dict)
         self._serving: ControlStep | None = None  # see serve_while_waiting()
         self._serve_pollers: dict[int, zmq.Poller] = {}
-        self._out_rings: dict[int, shm.SlotRing] = {}
-        self._free: dict[int, collections.deque[int]] = {}
-        self._in_rings: dict[int, shm.SlotRing] = {}
-        self._held: dict[int, list[int]] = collections.defaultdict(list)
         self._reserved: dict[int, int] = {}
-        self._shm_peers: set[int] = set()  # same-host peers this rank has not tried to make a ring to yet
-        self._shm_sources: set[int] = set()  # same-host peers that may create a ring to this rank
-        self._short_warned = False  # one warning per rank when /dev/shm has no room for a ring
-        self._acked: set[int] = set()  # peers that acked a slot of this rank's ring to them
         self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
         self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
-        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, self._slot_bytes)
+        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, shm_slot_bytes)
         self.unconnected, self.suspects, self.lost = self.peers.unconnected, self.peers.suspects, self.peers.lost
         self.reports, self.peer_names = self.peers.reports, self.peers.peer_names
         #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers
@@ -199,105 +189,32 @@ class DataPlane:
     def listen_streams(self, tcp_host: str) -> list[str | int] | None:
         """Listen for peers' payload streams (:mod:`.streams`); ``[address, port]`` to publish, or None
         when this rank uses none (off, or encrypted).  Peers stream to this rank only if it listens."""
-        if self._stream_min <= 0 or self.size < 2:
-            return None
-        key = self._creds.password
-        job, round_, rank = self._job, self._round, self.rank
-
-        def check(peer: int, proof: bytes) -> bytes | None:
-            if not hmac.compare_digest(proof, pair_mac(key, job, round_, peer, rank, "hello")):
-                return None
-            return pair_mac(key, job, round_, peer, rank, "answer")
-
-        try:
-            self._incoming = Incoming(rank, self.size, tcp_host, check, self._max_payload or (1 << 62),
-                                      max(1.0, min(self._timeout, 10.0)), self._sockbuf)
-        except OSError as exc:
-            log.warning("rank %d: payload streams across hosts off: cannot listen on %s (%s)", rank, tcp_host, exc)
-            return None
-        return self._incoming.address
+        return self.streams.listen(tcp_host)
 
     def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
                 pid: int | None = None, stream: list | None = None) -> None:
         """Connect to a lower-ranked peer's socket for this rank; set up shared memory with same-host peers;
         ``stream``: where a peer on another host listens for streams (:meth:`listen_streams`), if it does."""
         self.peers.expect(peer, description, pid if same_host else None)
-        if not same_host and stream and self._incoming is not None:
-            self._stream_to[peer] = (str(stream[0]), int(stream[1]))
+        if not same_host:
+            self.streams.add_peer(peer, stream)
         if peer < self.rank:
             eps = endpoints[self.rank]
             if eps is None:
                 raise ValueError(f"rank {peer} published no endpoint for rank {self.rank}")
             self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
         if same_host:
-            self._shm_sources.add(peer)  # it decides for itself whether it makes a ring to this rank
-            if self._slots > 0:
-                self._shm_peers.add(peer)  # the ring is created on first use (fewer files, none unused)
-
-    def _out_ring(self, dst: int) -> shm.SlotRing | None:
-        """This rank's ring to ``dst``, created the first time a payload could use it, as large as the
-        room in /dev/shm allows (:func:`ringcomm.shm.space.ring_geometry`), its pages reserved."""
-        ring = self._out_rings.get(dst)
-        if ring is None and dst in self._shm_peers:
-            self._shm_peers.discard(dst)
-            path = names.shm_ring(self._job, self._round, self.rank, dst)
-            want = shm_space.RingGeometry(self._slots, self._slot_bytes)
-            local = len(self._shm_sources) + 1
-            shape: shm_space.RingGeometry | None = None
-            free: int | None = None
-            for _ in range(3):  # other ranks take room at the same time: size again from what is left
-                free = shm_space.free_bytes(names.SHM_DIR)
-                shape = want if free is None else shm_space.ring_geometry(
-                    want.slots, want.slot_bytes, self._shm_min, free, local)
-                if shape is None:
-                    break
-                try:
-                    ring = self._out_rings[dst] = shm.SlotRing(path, shape.slots, shape.slot_bytes, create=True)
-                    self._free[dst] = collections.deque(range(shape.slots))
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-                        log.debug("rank %d: no shared memory to rank %d (%s); using sockets", self.rank, dst, exc)
-                        return None
-                    shape = None
-            if shape != want:
-                self._tell_short(path, want, shape, free)
-        return ring
-
-    def _tell_short(self, path: str, want: shm_space.RingGeometry, got: shm_space.RingGeometry | None,
-                    free: int | None) -> None:
-        """Log that a ring to a peer is smaller than asked: a warning, once per rank, when payloads that
-        would have used it go through the socket instead (then DEBUG); INFO when it only has fewer slots."""
-        falls_back = got is None or got.slot_bytes < want.slot_bytes
-        level = logging.INFO if not falls_back else logging.DEBUG if self._short_warned else logging.WARNING
-        if log.isEnabledFor(level):
-            text = shm_space.short_ring_text(path, want, got, free)
-            log.log(level, "rank %d: %s", self.rank, text)
-        self._short_warned |= falls_back
+            self.rings.add_peer(peer)
 
     def close(self) -> None:
-        for out in self._outgoing.values():
-            out.close()
-        self._outgoing.clear()
-        if self._incoming is not None:
-            self._incoming.close()
-            self._incoming = None
-        self._stream_to.clear()
+        self.streams.close()
         self.peers.close()
         for sock in self._socks.values():
             sock.close(200 if self.peers.noticed else 0)  # a notice of a lost peer gets a moment to leave
         self._socks.clear()
         self._trackers.clear()
         self._stash.clear()
-        for ring in (*self._out_rings.values(), *self._in_rings.values()):
-            ring.unlink()
-            ring.close()
-        # A peer killed after creating its ring to this rank, before this rank mapped it, cannot
-        # remove it: this rank does (the name is unique to the pair, the round and the job).
-        names.remove_files([names.shm_ring(self._job, self._round, src, self.rank) for src in self._shm_sources])
-        self._shm_sources.clear()
-        self._out_rings.clear()
-        self._in_rings.clear()
+        self.rings.close()
         names.remove_files(self.ipc_paths)
         self.ipc_paths.clear()
 
@@ -308,12 +225,12 @@ class DataPlane:
 
         The caller fills it and calls :meth:`commit`; that saves the copy ``send`` makes.
         """
-        if not self._shm_min <= nbytes <= self._slot_bytes:
+        if not self.rings.fits(nbytes):
             return None
-        ring = self._out_ring(dst)
+        ring = self.rings.out_ring(dst)
         if ring is None or nbytes > ring.slot_bytes:
             return None
-        free = self._free[dst]
+        free = self.rings.free[dst]
         if not free:
             self._pump(dst, block=False)
             if not free:
@@ -333,16 +250,18 @@ class DataPlane:
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
         n = payload.nbytes
-        if n >= self._stream_min > 0 and dst in self._stream_to:
-            self._stream(dst).put(wire.STREAM.pack(b"T", seq, tag, n), payload.data)
+        if n >= self.streams.min_bytes > 0 and self.streams.carries(dst):
+            broke = self.streams.put(dst, seq, tag, payload)
+            if broke is not None:
+                raise self._stream_lost(dst, broke)
             self.stats["stream"] += 1
             return
-        ring = self._out_ring(dst) if self._shm_min <= n <= self._slot_bytes else None
+        ring = self.rings.out_ring(dst) if self.rings.fits(n) else None
         if ring is not None and n > ring.slot_bytes:  # a ring made small for lack of room
             ring = None
             self.stats["shm_small"] += 1
         if ring is not None:
-            free = self._free[dst]
+            free = self.rings.free[dst]
             if not free:
                 self._pump(dst, block=False)
             if free:
@@ -362,19 +281,6 @@ class DataPlane:
             tracker = self._send(dst, [header, payload], copy=False)
             if tracker is not None:  # always, for a zero-copy send
                 self._trackers[dst] = tracker
-
-    def _stream(self, dst: int) -> Outgoing:
-        """The stream to ``dst``, made at its first payload; raises if it broke."""
-        out = self._outgoing.get(dst)
-        if out is None:
-            key = self._creds.password
-            out = self._outgoing[dst] = Outgoing(
-                self.rank, dst, self._stream_to[dst], pair_mac(key, self._job, self._round, self.rank, dst, "hello"),
-                pair_mac(key, self._job, self._round, self.rank, dst, "answer"), max(1.0, self._timeout),
-                self._sockbuf)
-        if out.error is not None:
-            raise self._stream_lost(dst, out.error)
-        return out
 
     def _stream_lost(self, peer: int, why: str) -> PeerLostError:
         self.raise_if_lost(peer)  # a loss found first names the rank that failed first
@@ -422,12 +328,12 @@ class DataPlane:
     def _pump(self, src: int, block: bool) -> tuple[int, int] | None:
         """Take one message from ``src``: apply an ack, or stash data.  Returns the data key, if any."""
         sock = self._socks[src]
-        streams = self._incoming is not None and src in self._stream_to
+        streams = self.streams.carries(src)
         waited = 0.0
         while True:
             if streams:
                 if block:  # before looking: a payload that arrives after the look wakes the poll below
-                    self._incoming.clear_wake()  # type: ignore[union-attr]
+                    self.streams.clear_wake()
                 key = self._streamed(src)
                 if key is not None:
                     return key
@@ -459,9 +365,7 @@ class DataPlane:
     def _streamed(self, src: int) -> tuple[int, int] | None:
         """Stash the oldest payload ``src`` streamed to this rank, if any; its key.  Raises once the stream
         broke and everything it brought is taken."""
-        incoming = self._incoming
-        assert incoming is not None
-        while (got := incoming.take(src)) is not None:
+        while (got := self.streams.take(src)) is not None:
             seq, tag, buf = got
             try:
                 self._check_key(src, seq, tag)
@@ -471,7 +375,7 @@ class DataPlane:
                 continue
             self._stash[src][(seq, tag)] = buf
             return seq, tag
-        why = incoming.broken.get(src)
+        why = self.streams.broken(src)
         if why is not None:
             raise self._stream_lost(src, why)
         return None
@@ -480,10 +384,9 @@ class DataPlane:
         """Wait one slice for ``src``'s socket or a streamed payload; whether either came."""
         poller = self._serve_pollers.get(~src)
         if poller is None:
-            assert self._incoming is not None
             poller = self._serve_pollers[~src] = zmq.Poller()
             poller.register(self._socks[src], zmq.POLLIN)
-            poller.register(self._incoming.fileno, zmq.POLLIN)
+            poller.register(self.streams.wake_fd, zmq.POLLIN)
         return bool(poller.poll(int(_SLICE * 1000)))
 
     def _check_key(self, src: int, seq: int, tag: int) -> None:
@@ -499,23 +402,17 @@ class DataPlane:
     def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
         # any shape the sender chose passes here; the ring itself bounds its slots below
-        msg = wire.parse_data(frames[0].bytes, len(frames), shm_space.MAX_SLOTS, self._slot_bytes)
+        msg = wire.parse_data(frames[0].bytes, len(frames), shm_space.MAX_SLOTS, self.rings.slot_bytes)
         if msg.kind == b"L":  # the peer lost a rank and is failing: the error will name that rank
             self.peers.noted(src, msg.lost)
             return None
         if msg.kind == b"A":
-            free = self._free.get(src)
-            if free is None or msg.slot in free or msg.slot >= self._out_rings[src].slots:
-                raise ProtocolError(f"ack of slot {msg.slot}, which is not in use towards rank {src}")
-            free.append(msg.slot)
-            if src not in self._acked:  # the receiver has the ring mapped: its name can go
-                self._acked.add(src)
-                self._out_rings[src].unlink()
+            self.rings.acked(src, msg.slot)
             return None
         key = (msg.seq, msg.tag)
         self._check_key(src, msg.seq, msg.tag)
         if msg.kind == b"S":
-            ring = self._in_ring(src)
+            ring = self.rings.in_ring(src)
             if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
                 raise ProtocolError(f"data notification for slot {msg.slot} of {msg.nbytes} bytes; rank {src}'s ring "
                                     f"has {ring.slots} slots of {ring.slot_bytes} bytes")
@@ -524,21 +421,8 @@ class DataPlane:
             self._stash[src][key] = frames[1]
         return key
 
-    def _in_ring(self, src: int) -> shm.SlotRing:
-        """The ring ``src`` writes to this rank, mapped (and its name unlinked) on first use."""
-        ring = self._in_rings.get(src)
-        if ring is None:
-            path = names.shm_ring(self._job, self._round, src, self.rank)
-            try:
-                ring = shm.SlotRing.open(path, self._slot_bytes)
-            except (OSError, ValueError) as exc:
-                raise ProtocolError(f"shared-memory notification, but no ring {path} to map: {exc}") from None
-            self._in_rings[src] = ring
-            ring.unlink()  # both sides have it mapped now
-        return ring
-
     def _ack_held(self, src: int) -> None:
-        held = self._held.get(src)
+        held = self.rings.held.get(src)
         if held:
             for slot in held:
                 self._send(src, [_ACK.pack(b"A", slot)])
@@ -569,7 +453,7 @@ class DataPlane:
             return
         ctrl, serve = self._serving.socket, self._serving.step
         poller = self._serve_pollers.get(src)
-        streams = self._incoming.fileno if self._incoming is not None and src in self._stream_to else None
+        streams = self.streams.wake_fd if self.streams.carries(src) else None
         if poller is None:
             poller = self._serve_pollers[src] = zmq.Poller()
             poller.register(self._socks[src], zmq.POLLIN)
@@ -631,7 +515,7 @@ class DataPlane:
         ctrl, serve = (self._serving.socket, self._serving.step) if self._serving is not None else (None, None)
         if ctrl is not None:
             poller.register(ctrl, zmq.POLLIN)
-        wake = self._incoming.fileno if self._incoming is not None and any(s in self._stream_to for s in srcs) else None
+        wake = self.streams.wake_fd if any(self.streams.carries(s) for s in srcs) else None
         if wake is not None:
             poller.register(wake, zmq.POLLIN)
         waited = 0.0
@@ -639,9 +523,9 @@ class DataPlane:
         woke = wake is not None  # payloads streamed earlier wait in their queues with no wake pending
         while True:
             if woke:  # before looking: a payload that arrives after the look wakes the next poll
-                self._incoming.clear_wake()  # type: ignore[union-attr]
+                self.streams.clear_wake()
             for src in srcs:
-                if self._socks[src] not in events and not (woke and src in self._stream_to):
+                if self._socks[src] not in events and not (woke and self.streams.carries(src)):
                     continue
                 while (got := self._pump(src, block=False)) is not None:
                     for i, want in enumerate(wants):
@@ -661,15 +545,15 @@ class DataPlane:
         self._taken[src].add(key)
         if isinstance(item, list):
             slot, n = item
-            self._held[src].append(slot)
-            return self._in_rings[src].slot(slot, n)
+            self.rings.held[src].append(slot)
+            return self.rings.in_ring(src).slot(slot, n)
         if isinstance(item, np.ndarray):  # streamed
             return item
         return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
         """Hand back every used slot and wait until ZeroMQ has released every zero-copy send."""
-        for src in list(self._held):
+        for src in list(self.rings.held):
             self._ack_held(src)
         for dst, tracker in self._trackers.items():
             waited = 0.0
@@ -683,7 +567,7 @@ class DataPlane:
                     dst, waited, "its data to be taken", True,
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
         self._trackers.clear()
-        for dst, out in self._outgoing.items():
+        for dst, out in self.streams.outgoing.items():
             waited = 0.0
             while not out.wait_sent(_SLICE):
                 waited = self._slice_waited(

@@ -362,9 +362,9 @@ def test_shared_memory_rings_are_unlinked_once_mapped(zmq_links) -> None:
     import os
 
     links = zmq_links(2, shm_slots=2)
-    assert not any(link._out_rings for link in links)  # created on first use only
+    assert not any(link.rings.out for link in links)  # created on first use only
     run_ranks(links, lambda link, r: algorithms.ring_allreduce(link, np.ones(20_000), ReduceOp.SUM, 0, 512))
-    paths = [ring.path for link in links for ring in link._out_rings.values()]
+    paths = [ring.path for link in links for ring in link.rings.out.values()]
     assert len(paths) == 1  # the fixture puts only even ranks on "this host" for each rank
     assert not any(os.path.exists(p) for p in paths)
 
@@ -431,7 +431,7 @@ def test_a_shared_memory_ring_of_the_wrong_size_is_refused(zmq_links) -> None:
         links[0]._socks[1].send_multipart([wire.NOTE.pack(b"S", 0, 8, 0, 0)])
         links[0].send(1, 0, 1, np.ones(2))
         assert np.frombuffer(links[1].recv(0, 0, 1), np.float64).tolist() == [1.0, 1.0]
-        assert links[1].stats["dropped"] == 1 and 0 not in links[1]._in_rings
+        assert links[1].stats["dropped"] == 1 and 0 not in links[1].rings._in
     finally:
         if os.path.exists(path):
             os.unlink(path)
