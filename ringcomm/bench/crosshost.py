@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _netns, _procs, _timing, _util, cluster
 
-SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane", "ringcomm-zmq")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
 #: a plain-socket exchange of each size between the hosts (:mod:`ringcomm.bench.cluster`), also in every round
@@ -47,9 +47,11 @@ ONEPIECE = "ringcomm-onepiece"
 RING = "ringcomm-ring"
 #: ringcomm with the small-op lane across hosts on (RINGCOMM_NET_LANE_BYTES=-1: bound by job size)
 LANE = "ringcomm-lane"
+#: ringcomm with every payload on ZeroMQ (RINGCOMM_STREAM_MIN_BYTES=0): no TCP stream per direction
+ZMQ = "ringcomm-zmq"
 #: the extra systems' columns in the table
 EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
-         RING: "ring instead of recursive doubling", LANE: "small-op lane on"}
+         RING: "ring instead of recursive doubling", LANE: "small-op lane on", ZMQ: "payloads on ZeroMQ"}
 
 
 @dataclasses.dataclass
@@ -133,7 +135,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                FLAT: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_ALLREDUCE": "0"}),
                ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}),
                RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}),
-               LANE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_NET_LANE_BYTES": "-1"})}
+               LANE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_NET_LANE_BYTES": "-1"}),
+               ZMQ: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_STREAM_MIN_BYTES": "0"})}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:

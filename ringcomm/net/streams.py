@@ -47,6 +47,10 @@ log = logging.getLogger("ringcomm.net.streams")
 
 _HELLO = struct.Struct("<I32s")  # the connecting rank, and its proof
 _ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+#: Buffers of payloads taken and given back are kept for the next payloads of their size, up to this
+#: many segments' worth (fresh ones would cost a page fault per 4 KiB on every payload).
+SPARE_SEGMENTS = 4
 
 
 def pair_mac(key: bytes, job_id: str, round_: int, src: int, dst: int, what: str) -> bytes:
@@ -62,10 +66,11 @@ def _tune(sock: socket.socket, buffer_bytes: int) -> None:
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the stream ended before its first byte."""
+    """Fill ``view`` from ``sock``; False if the stream ended before its first byte.  One call reads it
+    all where it can (``MSG_WAITALL``: no wake-up, and no GIL taken, per packet)."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:])
+        k = sock.recv_into(view[got:], n - got, _WAITALL)
         if not k:
             if got:
                 raise ConnectionError(f"the stream ended {got} bytes into {n}")
@@ -181,6 +186,8 @@ class Incoming:
         self.arrived: dict[int, collections.deque[tuple[int, int, np.ndarray]]] = {
             r: collections.deque() for r in range(size)}
         self.broken: dict[int, str] = {}  # peer -> why its stream ended (read once what arrived is taken)
+        self._spare: dict[int, list[np.ndarray]] = {}  # byte count -> buffers given back (under _lock)
+        self._spare_bytes = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -197,6 +204,21 @@ class Incoming:
         """The oldest payload ``src`` streamed that is not taken yet: ``(seq, tag, bytes)``."""
         arrived = self.arrived.get(src)
         return arrived.popleft() if arrived else None
+
+    def give_back(self, buf: np.ndarray) -> None:
+        """``buf`` (from :meth:`take`) is no longer used: a later payload of its size may be read into it."""
+        with self._lock:
+            if self._spare_bytes + buf.nbytes <= SPARE_SEGMENTS * self._max:
+                self._spare.setdefault(buf.nbytes, []).append(buf)
+                self._spare_bytes += buf.nbytes
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            spare = self._spare.get(nbytes)
+            if spare:
+                self._spare_bytes -= nbytes
+                return spare.pop()
+        return np.empty(nbytes, np.uint8)
 
     def clear_wake(self) -> None:
         try:
@@ -273,7 +295,7 @@ class Incoming:
             head_view = memoryview(head)
             while _read_into(sock, head_view):
                 msg = wire.parse_stream_head(bytes(head), self._max)
-                buf = np.empty(msg.nbytes, np.uint8)
+                buf = self._buffer(msg.nbytes)
                 if msg.nbytes and not _read_into(sock, buf.data):
                     raise ConnectionError("the stream ended between a head and its payload")
                 arrived.append((msg.seq, msg.tag, buf))
@@ -357,6 +379,14 @@ class Streams:
 
     def take(self, src: int) -> tuple[int, int, np.ndarray] | None:
         return None if self.incoming is None else self.incoming.take(src)
+
+    def waiting(self, src: int) -> bool:
+        """Whether something from ``src`` waits to be taken: a payload, or the news that its stream broke."""
+        return self.incoming is not None and bool(self.incoming.arrived[src] or src in self.incoming.broken)
+
+    def give_back(self, buf: np.ndarray) -> None:
+        if self.incoming is not None:
+            self.incoming.give_back(buf)
 
     def broken(self, src: int) -> str | None:
         """Why ``src``'s stream to this rank ended, once everything it brought is taken."""

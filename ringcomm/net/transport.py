@@ -111,6 +111,7 @@ class DataPlane:
         self._serving: ControlStep | None = None  # see serve_while_waiting()
         self._serve_pollers: dict[int, zmq.Poller] = {}
         self._reserved: dict[int, int] = {}
+        self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # streamed buffers handed out
         self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
         self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
@@ -422,6 +423,11 @@ class DataPlane:
         return key
 
     def _ack_held(self, src: int) -> None:
+        lent = self._lent.get(src)
+        if lent:
+            for buf in lent:
+                self.streams.give_back(buf)
+            lent.clear()
         held = self.rings.held.get(src)
         if held:
             for slot in held:
@@ -454,6 +460,10 @@ class DataPlane:
         ctrl, serve = self._serving.socket, self._serving.step
         poller = self._serve_pollers.get(src)
         streams = self.streams.wake_fd if self.streams.carries(src) else None
+        if streams is not None:
+            self.streams.clear_wake()  # before looking: a payload that arrives after the look wakes the poll
+            if self.streams.waiting(src):
+                return
         if poller is None:
             poller = self._serve_pollers[src] = zmq.Poller()
             poller.register(self._socks[src], zmq.POLLIN)
@@ -547,13 +557,14 @@ class DataPlane:
             slot, n = item
             self.rings.held[src].append(slot)
             return self.rings.in_ring(src).slot(slot, n)
-        if isinstance(item, np.ndarray):  # streamed
+        if isinstance(item, np.ndarray):  # streamed: its buffer is reused once the caller is done with it
+            self._lent[src].append(item)
             return item
         return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
         """Hand back every used slot and wait until ZeroMQ has released every zero-copy send."""
-        for src in list(self.rings.held):
+        for src in {*self.rings.held, *self._lent}:
             self._ack_held(src)
         for dst, tracker in self._trackers.items():
             waited = 0.0
