@@ -14,6 +14,8 @@ the rank's own data) and talks only through ``link``:
 - ``link.flush()``: wait until every queued send has left this process
 - ``link.reserve(dst, nbytes) -> uint8 array | None`` and ``link.commit(dst, seq, tag, view)``:
   write a payload straight into the outgoing buffer (shared memory) instead of sending a copy
+- ``link.expect(src, seq, tag, view)`` (optional): where a payload goes, so that the link may read
+  it straight there; ``recv`` then returns that memory, and the caller has nothing to copy
 
 ``seq`` numbers the op (the same on every rank) and ``tag`` numbers the message
 within it, so messages that arrive early are kept until asked for.
@@ -79,6 +81,24 @@ _STEP_SHIFT = 20
 _SEG_MASK = (1 << _STEP_SHIFT) - 1
 
 
+def _expect(link: Link, seq: int, out: np.ndarray, segs: Sequence[list[tuple[int, int]]], steps: range) -> None:
+    """Tell ``link`` where the segments of ring ``steps`` go in ``out``, if it can read them straight there.
+
+    Only for steps whose region of ``out`` nothing reads or writes until its segment arrives: that
+    region's earlier sends have left by then (the segment depends on them having arrived)."""
+    expect = getattr(link, "expect", None)
+    if expect is None:
+        return
+    src = ring.left(link.rank, link.size)
+    for s in steps:
+        for k, (a, b) in enumerate(segs[s]):
+            expect(src, seq, _tag(s, k), out[a:b])
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
 class _Feeder:
     """Sends a step's segments lazily, paced by arrivals, so few are ever in flight."""
 
@@ -113,12 +133,12 @@ class RingPass:
                  on_done: Callable[[], None] | None = None) -> None:
         self.link, self.seq = link, seq
         self.src = ring.left(link.rank, link.size)
-        self._segs = [_segs(bounds[c], seg_elems) for c in recv_chunks]
+        self.segs = [_segs(bounds[c], seg_elems) for c in recv_chunks]  #: the segments received at each step
         self._first, self._on_segment, self._on_done = first, on_segment, on_done
-        self.remaining = sum(len(x) for x in self._segs)
+        self.remaining = sum(len(x) for x in self.segs)
         # arrivals that make this rank send something: every step's but the last's
-        self._forwards = self.remaining - (len(self._segs[-1]) if self._segs else 0)
-        self._first_expected = len(self._segs[0]) if self._segs else 0
+        self._forwards = self.remaining - (len(self.segs[-1]) if self.segs else 0)
+        self._first_expected = len(self.segs[0]) if self.segs else 0
         self._first_seen = 0
         self.started = self.done = False
 
@@ -134,13 +154,13 @@ class RingPass:
 
     def feed(self, tag: int, payload: object) -> None:
         s, k = tag >> _STEP_SHIFT, tag & _SEG_MASK
-        if self.done or s >= len(self._segs) or k >= len(self._segs[s]):
+        if self.done or s >= len(self.segs) or k >= len(self.segs[s]):
             raise StreamError(f"rank {self.link.rank}: op {self.seq} has no segment {k} of ring step {s} (tag {tag}) "
                               f"for rank {self.src} to send: data streams out of step")
-        a, b = self._segs[s][k]
+        a, b = self.segs[s][k]
         self._on_segment(s, a, b, payload)
         self.remaining -= 1
-        if s < len(self._segs) - 1:
+        if s < len(self.segs) - 1:
             self._forwards -= 1
         if s == 0:
             self._first_seen += 1
@@ -301,8 +321,9 @@ def allreduce_pass(link: Link, buf: np.ndarray, op: ReduceOp, seq: int, seg_elem
                 own_left[0] -= 1
                 if not own_left[0]:
                     marks.append(time.perf_counter())
-        else:  # allgather: a finished segment
-            seg[...] = incoming
+        else:  # allgather: a finished segment (already in place if the link read it there)
+            if not _same_memory(incoming, seg):
+                seg[...] = incoming
             if s + 1 < 2 * n_sr:
                 link.send(dst, seq, _tag(s + 1, k_of(a, s)), seg)
 
@@ -312,7 +333,9 @@ def allreduce_pass(link: Link, buf: np.ndarray, op: ReduceOp, seq: int, seg_elem
         return (a - bounds[recv_chunks[s]][0]) // seg_elems
 
     first = _Feeder(link, dst, seq, 0, inp, _segs(bounds[sr[0].send_chunk], seg_elems))
-    return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
+    pass_ = RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
+    _expect(link, seq, buf, pass_.segs, range(n_sr, 2 * n_sr))
+    return pass_
 
 
 def ring_allgatherv(link: Link, out: np.ndarray, counts: Sequence[int], seq: int, seg_elems: int) -> None:
@@ -335,12 +358,16 @@ def allgatherv_pass(link: Link, out: np.ndarray, counts: Sequence[int], seq: int
 
     def on_segment(s: int, a: int, b: int, payload: object) -> None:
         seg = out[a:b]
-        seg[...] = _view(payload, out.dtype, b - a)
+        incoming = _view(payload, out.dtype, b - a)
+        if not _same_memory(incoming, seg):  # already in place if the link read it there
+            seg[...] = incoming
         if s + 1 < len(steps):
             link.send(dst, seq, _tag(s + 1, (a - bounds[recv_chunks[s]][0]) // seg_elems), seg)
 
     first = _Feeder(link, dst, seq, 0, out, _segs(bounds[steps[0].send_chunk], seg_elems))
-    return RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
+    pass_ = RingPass(link, seq, bounds, seg_elems, recv_chunks, first, on_segment)
+    _expect(link, seq, out, pass_.segs, range(len(steps)))
+    return pass_
 
 
 def ring_reducescatter(
@@ -484,6 +511,11 @@ class SubLink:
 
     def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, object]:
         return self.parent.recv_first([(self.ranks[src], seq) for src, seq in wants])
+
+    def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
+        expect = getattr(self.parent, "expect", None)
+        if expect is not None:
+            expect(self.ranks[src], seq, tag, view)
 
     def flush(self) -> None:
         self.parent.flush()

@@ -183,11 +183,14 @@ class Incoming:
             self._listener.close()
             raise
         self.address: list[str | int] = [addr, self._listener.getsockname()[1]]
-        self.arrived: dict[int, collections.deque[tuple[int, int, np.ndarray]]] = {
+        #: per peer, what it streamed and is not taken yet: ``(seq, tag, bytes, placed)``, ``placed`` when
+        #: the bytes were read into the memory :meth:`expect` named, not into a buffer of this object's
+        self.arrived: dict[int, collections.deque[tuple[int, int, np.ndarray, bool]]] = {
             r: collections.deque() for r in range(size)}
         self.broken: dict[int, str] = {}  # peer -> why its stream ended (read once what arrived is taken)
         self._spare: dict[int, list[np.ndarray]] = {}  # byte count -> buffers given back (under _lock)
         self._spare_bytes = 0
+        self._placed: dict[int, dict[tuple[int, int], np.ndarray]] = {r: {} for r in range(size)}  # under _lock
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -200,8 +203,20 @@ class Incoming:
         self._acceptor = threading.Thread(target=self._accept, daemon=True, name=f"ringcomm-streams-{rank}")
         self._acceptor.start()
 
-    def take(self, src: int) -> tuple[int, int, np.ndarray] | None:
-        """The oldest payload ``src`` streamed that is not taken yet: ``(seq, tag, bytes)``."""
+    def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
+        """Read the payload ``(seq, tag)`` from ``src``, if it comes later, straight into ``view`` (uint8, its size)."""
+        with self._lock:
+            self._placed[src][(seq, tag)] = view
+
+    def forget_before(self, src: int, seq: int) -> None:
+        """Drop what :meth:`expect` was told for ``src``'s payloads of sequence numbers below ``seq``."""
+        with self._lock:
+            placed = self._placed[src]
+            for key in [k for k in placed if k[0] < seq]:
+                del placed[key]
+
+    def take(self, src: int) -> tuple[int, int, np.ndarray, bool] | None:
+        """The oldest payload ``src`` streamed that is not taken yet: ``(seq, tag, bytes, placed)``."""
         arrived = self.arrived.get(src)
         return arrived.popleft() if arrived else None
 
@@ -295,10 +310,15 @@ class Incoming:
             head_view = memoryview(head)
             while _read_into(sock, head_view):
                 msg = wire.parse_stream_head(bytes(head), self._max)
-                buf = self._buffer(msg.nbytes)
+                with self._lock:
+                    buf = self._placed[peer].pop((msg.seq, msg.tag), None)
+                placed = buf is not None and buf.nbytes == msg.nbytes
+                if not placed:
+                    buf = self._buffer(msg.nbytes)
+                assert buf is not None
                 if msg.nbytes and not _read_into(sock, buf.data):
                     raise ConnectionError("the stream ended between a head and its payload")
-                arrived.append((msg.seq, msg.tag, buf))
+                arrived.append((msg.seq, msg.tag, buf, placed))
                 self._wake()
             why = "the peer closed its stream"
         except (OSError, ConnectionError, ProtocolError, struct.error) as exc:
@@ -377,8 +397,16 @@ class Streams:
         if self.incoming is not None:
             self.incoming.clear_wake()
 
-    def take(self, src: int) -> tuple[int, int, np.ndarray] | None:
+    def take(self, src: int) -> tuple[int, int, np.ndarray, bool] | None:
         return None if self.incoming is None else self.incoming.take(src)
+
+    def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
+        if self.incoming is not None and view.nbytes >= self.min_bytes and self.carries(src):
+            self.incoming.expect(src, seq, tag, view)
+
+    def forget_before(self, src: int, seq: int) -> None:
+        if self.incoming is not None and self.carries(src):
+            self.incoming.forget_before(src, seq)
 
     def waiting(self, src: int) -> bool:
         """Whether something from ``src`` waits to be taken: a payload, or the news that its stream broke."""

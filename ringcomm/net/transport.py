@@ -44,7 +44,7 @@ import collections
 import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import zmq
@@ -74,6 +74,12 @@ class ControlStep(Protocol):
     socket: zmq.Socket | None  # None: nothing to watch
 
     def step(self) -> None: ...
+
+
+class _Placed(NamedTuple):
+    """A streamed payload read straight into the memory named by :meth:`DataPlane.expect`."""
+
+    view: np.ndarray
 
 
 class DataPlane:
@@ -221,6 +227,12 @@ class DataPlane:
 
     # -- Link ----------------------------------------------------------------
 
+    def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
+        """The payload ``(seq, tag)`` from ``src`` goes to ``view`` (1-D, contiguous, its size): if it comes
+        over a stream, it is read straight there, and :meth:`recv` returns that memory (nothing to copy).
+        Until then this rank leaves ``view`` alone."""
+        self.streams.expect(src, seq, tag, view.view(np.uint8))
+
     def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
         """A free shared-memory slot to ``dst`` to write a payload into directly, or None.
 
@@ -367,14 +379,15 @@ class DataPlane:
         """Stash the oldest payload ``src`` streamed to this rank, if any; its key.  Raises once the stream
         broke and everything it brought is taken."""
         while (got := self.streams.take(src)) is not None:
-            seq, tag, buf = got
+            seq, tag, buf, placed = got
             try:
                 self._check_key(src, seq, tag)
             except ProtocolError as exc:
                 self.stats["dropped"] += 1
                 log.debug("rank %d: dropped a streamed payload from rank %d: %s", self.rank, src, exc)
                 continue
-            self._stash[src][(seq, tag)] = buf
+            self._stash[src][(seq, tag)] = _Placed(buf) if placed else buf
+            self.stats["stream_placed"] += placed
             return seq, tag
         why = self.streams.broken(src)
         if why is not None:
@@ -440,6 +453,7 @@ class DataPlane:
         if op != self._op.get(src, -1):
             self._op[src] = op
             self._taken[src] = set()
+            self.streams.forget_before(src, op * self._stride)
 
     def serve_while_waiting(self, control: ControlStep) -> None:
         """While a receive waits for a peer's data, also watch ``control.socket`` and run
@@ -557,6 +571,8 @@ class DataPlane:
             slot, n = item
             self.rings.held[src].append(slot)
             return self.rings.in_ring(src).slot(slot, n)
+        if isinstance(item, _Placed):  # streamed straight to where the caller wanted it
+            return item.view
         if isinstance(item, np.ndarray):  # streamed: its buffer is reused once the caller is done with it
             self._lent[src].append(item)
             return item

@@ -108,6 +108,9 @@ def test_collectives_across_hosts_go_over_streams_and_are_exact(planes, size: in
     streamed = sum(p.stats["stream"] for p in ps)
     inline = sum(p.stats["inline"] for p in ps)
     assert streamed > 0 and inline > 0  # large segments streamed, small ones on ZeroMQ
+    # the allgather segments were read straight into the results: every large one of them
+    placed = sum(p.stats["stream_placed"] for p in ps)
+    assert 0 < placed < streamed
     # one connection per direction, and only to peers on the other host
     for p in ps:
         assert all(dst % 2 != p.rank % 2 for dst in p.streams.outgoing)
