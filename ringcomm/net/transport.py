@@ -66,6 +66,8 @@ _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer 
 #: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
 #: name it), not by a rank that only waits behind it in a ring and would blame its innocent neighbour
 _HEARTBEAT_GRACE = 2 * _SLICE
+#: Seconds a rank whose peer's stream broke waits for that peer's notice of a rank it lost itself
+_NOTICE_GRACE = 0.2
 
 
 class ControlStep(Protocol):
@@ -214,10 +216,10 @@ class DataPlane:
             self.rings.add_peer(peer)
 
     def close(self) -> None:
-        self.streams.close()
         self.peers.close()
         for sock in self._socks.values():
             sock.close(200 if self.peers.noticed else 0)  # a notice of a lost peer gets a moment to leave
+        self.streams.close()  # after: a peer reads this rank's notice before its streams end, if it can
         self._socks.clear()
         self._trackers.clear()
         self._stash.clear()
@@ -296,9 +298,15 @@ class DataPlane:
                 self._trackers[dst] = tracker
 
     def _stream_lost(self, peer: int, why: str) -> PeerLostError:
+        """The error for ``peer``'s stream breaking: a rank that leaves because it lost another one
+        sends a notice on its socket first, and that rank is named instead (the notice and the stream's
+        end travel on different connections, so the notice gets a moment to arrive)."""
         self.raise_if_lost(peer)  # a loss found first names the rank that failed first
+        sock = self._socks.get(peer)
+        if sock is not None and peer not in self.peers.reports:
+            sock.poll(int(_NOTICE_GRACE * 1000), zmq.POLLIN)
         self.peers.lost.setdefault(peer, self.peer_names.get(peer, "?"))
-        return self.lost_error(peer, f"; its payload stream broke: {why}")
+        return self.lost_error(self.culprit(peer), f" (rank {peer}'s payload stream to rank {self.rank} broke: {why})")
 
     def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
         """Queue one message for ``dst`` without ever blocking on a peer that is gone.

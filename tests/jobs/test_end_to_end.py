@@ -125,16 +125,19 @@ def test_a_rank_whose_peers_never_arrive_fails_init_cleanly(tmp_path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("victim,elems,lane", [(0, 1000, "-1"), (1, 1000, "-1"), (2, 4 << 20, "-1"),
-                                                (1, 25_000, "0"), (2, 25_000, "0")])
-def test_survivors_of_a_killed_rank_raise_naming_it(victim: int, elems: int, lane: str) -> None:
+@pytest.mark.parametrize("victim,elems,lane,hosts", [(0, 1000, "-1", 1), (1, 1000, "-1", 1), (2, 4 << 20, "-1", 1),
+                                                      (1, 25_000, "0", 1), (2, 25_000, "0", 1),
+                                                      (0, 4 << 20, "0", 2), (1, 4 << 20, "0", 2)])
+def test_survivors_of_a_killed_rank_raise_naming_it(victim: int, elems: int, lane: str, hosts: int) -> None:
     """Without a launcher to stop them, the survivors notice within seconds and name the lost rank
-    (also when they wait for it at the shared-memory allreduce's barriers: 32 MiB allreduces; and
-    in recursive doubling's exchanges: 200 KB with the lane off, rank 2 handing its data to rank 0)."""
+    (also when they wait for it at the shared-memory allreduce's barriers: 32 MiB allreduces; in
+    recursive doubling's exchanges: 200 KB with the lane off, rank 2 handing its data to rank 0; and
+    with ranks on two hosts, where 32 MiB allreduces stream their segments over TCP between them)."""
     import signal
 
     procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, PEER_LOSS_ELEMS=str(elems),
-                               RINGCOMM_SHM_LANE_BYTES=lane)
+                               RINGCOMM_SHM_LANE_BYTES=lane,
+                               rank_env=[{"RINGCOMM_HOSTNAME": f"host{r % hosts}"} for r in range(3)])
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -170,12 +173,15 @@ def test_clean_shutdowns_report_no_lost_peers() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_a_stopped_rank_is_detected_by_heartbeats() -> None:
-    """SIGSTOP keeps the process and its sockets alive; heartbeats still expose it."""
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_a_stopped_rank_is_detected_by_heartbeats(hosts: int) -> None:
+    """SIGSTOP keeps the process and its sockets alive; heartbeats still expose it (with two hosts,
+    while 32 MiB allreduces stream to and from it: its streams stay open and stop moving)."""
     import signal
 
-
-    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, RINGCOMM_PEER_TIMEOUT="3")
+    procs = start_torchrun_job([str(WORKERS / "peer_loss_worker.py")], 3, RINGCOMM_PEER_TIMEOUT="3",
+                               PEER_LOSS_ELEMS=str(1000 if hosts == 1 else 4 << 20),
+                               rank_env=[{"RINGCOMM_HOSTNAME": f"host{r % hosts}"} for r in range(3)])
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
