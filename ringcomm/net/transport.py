@@ -55,6 +55,7 @@ from ..shm.rings import PeerRings
 from ..core import wire
 from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
+from .pair import pair_socket
 from .peers import PeerWatch
 from .streams import Streams
 
@@ -131,27 +132,7 @@ class DataPlane:
         self.stats: collections.Counter[str] = collections.Counter()
 
     def _socket(self, peer: int, server: bool) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.PAIR)
-        if server:
-            self._creds.apply_server(sock)
-        else:
-            self._creds.apply_client(sock)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.RCVTIMEO, max(1, int(min(self._timeout, _SLICE) * 1000)))
-        if self._max_payload > 0:
-            # ZeroMQ drops a connection whose frame announces more than this before allocating it
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_payload + 64)
-        # ZMTP heartbeats, answered by the peer's ZeroMQ I/O thread (no GIL involved): a peer
-        # process that is stopped or wedged as a whole stops answering, its connection is
-        # closed after the peer timeout, and the monitor below reports it as lost.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(min(1.0, self._timeout / 3) * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(self._timeout * 1000)))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(self._timeout * 1000)))
-        if self._sockbuf > 0:
-            sock.setsockopt(zmq.SNDBUF, self._sockbuf)
-            sock.setsockopt(zmq.RCVBUF, self._sockbuf)
+        sock = pair_socket(self._ctx, self._creds, server, self._timeout, _SLICE, self._max_payload, self._sockbuf)
         self._socks[peer] = sock
         self.peers.watch(peer, sock)
         return sock
