@@ -132,9 +132,10 @@ class Outgoing:
         try:
             sock = socket.create_connection(self.address, timeout=self._timeout)
             with self._cv:
-                self._sock = sock
-                if self._closing:
+                if self._closing:  # closed while it connected: close() did not see this socket
+                    sock.close()
                     return
+                self._sock = sock
             _tune(sock, self._buffer_bytes)
             sock.sendall(_HELLO.pack(self.rank, self._hello))
             answer = bytearray(len(self._answer))
