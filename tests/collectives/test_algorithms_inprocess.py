@@ -292,19 +292,25 @@ def zmq_links(tmp_path):
     made: list[tuple[zmq.Context, ZapThread, list[DataPlane]]] = []
 
     def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False,
-              seq_stride: int = 1) -> list[DataPlane]:
+              seq_stride: int = 1, stream_min: int = 0, peer_timeout: float = 5.0, max_payload: int = 0,
+              same_host: Callable[[int, int], bool] = lambda r, q: q % 2 == 0) -> list[DataPlane]:
+        """``same_host(r, q)``: whether rank r counts rank q as on its host (by default the even ranks);
+        ``stream_min`` > 0: payloads that large stream to the ranks that are not."""
         ctx = zmq.Context()
         creds = Credentials.derive(b"k" * 32, "job", encrypt=encrypt)
         zap = ZapThread(ctx, creds, "test")
-        planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=5.0, shm_slots=shm_slots, shm_slot_bytes=4096,
-                            shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}", credentials=creds,
-                            seq_stride=seq_stride)
+        planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=peer_timeout, shm_slots=shm_slots,
+                            shm_slot_bytes=4096, shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}",
+                            max_payload_bytes=max_payload, credentials=creds, seq_stride=seq_stride,
+                            stream_min_bytes=stream_min)
                   for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
+        listening = [p.listen_streams("127.0.0.1") for p in planes]
         for r, p in enumerate(planes):
             for q in range(size):
                 if q != r:
-                    p.connect(q, tables[q], same_host=(q % 2 == 0), description=f"thread {q}")
+                    p.connect(q, tables[q], same_host=same_host(r, q), description=f"thread {q}",
+                              stream=listening[q])
         made.append((ctx, zap, planes))
         return planes
 

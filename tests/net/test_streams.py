@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,61 +21,26 @@ from ringcomm.collectives import algorithms
 from ringcomm.core import wire
 from ringcomm.core.ops import ReduceOp
 from ringcomm.errors import PeerLostError, ProtocolError
-from ringcomm.net.auth import Credentials, ZapThread
 from ringcomm.net.streams import pair_mac
 from ringcomm.net.transport import DataPlane
+from test_algorithms_inprocess import run_ranks, zmq_links  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def planes(tmp_path):
-    made: list[tuple[zmq.Context, ZapThread, list[DataPlane]]] = []
-
+def planes(zmq_links):  # noqa: F811 (the fixture imported above)
     def build(size: int, stream_min: int = 1024, encrypt: bool = False, peer_timeout: float = 5.0,
               segment: int = 1 << 20) -> list[DataPlane]:
-        ctx = zmq.Context()
-        creds = Credentials.derive(b"s" * 32, "job", encrypt=encrypt)
-        zap = ZapThread(ctx, creds, "test")
-        ps = [DataPlane(ctx, r, size, 256, peer_timeout=peer_timeout, job_id=f"st{tmp_path.name[-8:]}",
-                        max_payload_bytes=segment, credentials=creds, stream_min_bytes=stream_min)
-              for r in range(size)]
-        tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(ps)]
-        listening = [p.listen_streams("127.0.0.1") for p in ps]
-        for r, p in enumerate(ps):
-            for q in range(size):
-                if q != r:
-                    p.connect(q, tables[q], same_host=(q % 2 == r % 2), description=f"thread {q}",
-                              stream=listening[q])
-        made.append((ctx, zap, ps))
-        return ps
+        return zmq_links(size, zero_copy_min=256, encrypt=encrypt, stream_min=stream_min, peer_timeout=peer_timeout,
+                         max_payload=segment, same_host=lambda r, q: q % 2 == r % 2)
 
-    yield build
-    for ctx, zap, ps in made:
-        for p in ps:
-            p.close()
-        zap.stop()
-        ctx.term()
+    return build
 
 
 def on_threads(ps: list[Any], fn: Callable[[Any, int], Any]) -> list[Any]:
-    out: list[Any] = [None] * len(ps)
-    errors: list[BaseException] = []
-
-    def go(r: int) -> None:
-        try:
-            out[r] = fn(ps[r], r)
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the rank
-            errors.append(exc)
-
-    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    out = run_ranks(ps, fn)
+    assert len(out) == len(ps)
     return out
 
 
