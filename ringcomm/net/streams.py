@@ -201,8 +201,13 @@ class Incoming:
         self._socks: dict[int, socket.socket] = {}
         self._open: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept, daemon=True, name=f"ringcomm-streams-{rank}")
-        self._acceptor.start()
+        self._acceptor: threading.Thread | None = None  # started with the first peer on another host
+
+    def start(self) -> None:
+        """Accept peers' streams from now on (a job on one host never starts the thread)."""
+        if self._acceptor is None:
+            self._acceptor = threading.Thread(target=self._accept, daemon=True, name=f"ringcomm-streams-{self.rank}")
+            self._acceptor.start()
 
     def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
         """Read the payload ``(seq, tag)`` from ``src``, if it comes later, straight into ``view`` (uint8, its size)."""
@@ -259,7 +264,8 @@ class Incoming:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join(2 * _ACCEPT_SLICE)
+        if self._acceptor is not None:
+            self._acceptor.join(2 * _ACCEPT_SLICE)
         for t in self._threads:
             t.join(1.0)
         for sock in socks:
@@ -371,6 +377,7 @@ class Streams:
         """``peer`` is on another host and listens at ``address`` (None: it does not)."""
         if address and self.incoming is not None:
             self._to[peer] = (str(address[0]), int(address[1]))
+            self.incoming.start()
 
     def carries(self, peer: int) -> bool:
         return peer in self._to
