@@ -130,7 +130,12 @@ class Outgoing:
 
     def _run(self) -> None:
         try:
-            sock = socket.create_connection(self.address, timeout=self._timeout)
+            try:
+                sock = socket.create_connection(self.address, timeout=self._timeout)
+            except OSError as exc:
+                raise ConnectionError(
+                    f"cannot connect to its stream port ({exc}): a firewall between the hosts must let the port "
+                    "through as it does the data plane's, or set RINGCOMM_STREAM_MIN_BYTES=0 on every rank") from exc
             with self._cv:
                 if self._closing:  # closed while it connected: close() did not see this socket
                     sock.close()

@@ -138,6 +138,18 @@ def test_a_listener_that_cannot_answer_is_named_as_lost(planes) -> None:
     fake.close()
 
 
+def test_a_stream_port_that_cannot_be_reached_names_the_peer_and_the_fix(planes) -> None:
+    ps = planes(2, peer_timeout=2.0)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: connecting is refused
+    ps[0].streams.add_peer(1, ["127.0.0.1", port])
+    ps[0].send(1, 0, 0, np.ones(10_000))
+    with pytest.raises(PeerLostError, match=r"lost rank 1.*cannot connect to its stream port.*RINGCOMM_STREAM_MIN_BYTES=0"):
+        ps[0].flush()
+
+
 def test_a_stream_that_breaks_names_its_sender_at_once(planes) -> None:
     ps = planes(2, peer_timeout=30.0)
     ps[0].send(1, 0, 0, np.ones(10_000))
