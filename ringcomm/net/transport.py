@@ -249,7 +249,7 @@ class DataPlane:
         if n >= self.streams.min_bytes > 0 and self.streams.carries(dst):
             broke = self.streams.put(dst, seq, tag, payload)
             if broke is not None:
-                raise self._stream_lost(dst, broke)
+                raise self._stream_lost(dst, broke, outgoing=True)
             self.stats["stream"] += 1
             return
         ring = self.rings.out_ring(dst) if self.rings.fits(n) else None
@@ -278,7 +278,7 @@ class DataPlane:
             if tracker is not None:  # always, for a zero-copy send
                 self._trackers[dst] = tracker
 
-    def _stream_lost(self, peer: int, why: str) -> PeerLostError:
+    def _stream_lost(self, peer: int, why: str, outgoing: bool = False) -> PeerLostError:
         """The error for ``peer``'s stream breaking: a rank that leaves because it lost another one
         sends a notice on its socket first, and that rank is named instead (the notice and the stream's
         end travel on different connections, so the notice gets a moment to arrive)."""
@@ -287,7 +287,8 @@ class DataPlane:
         if sock is not None and peer not in self.peers.reports:
             sock.poll(int(_NOTICE_GRACE * 1000), zmq.POLLIN)
         self.peers.lost.setdefault(peer, self.peer_names.get(peer, "?"))
-        return self.lost_error(self.culprit(peer), f" (rank {peer}'s payload stream to rank {self.rank} broke: {why})")
+        src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
+        return self.lost_error(self.culprit(peer), f" (rank {src}'s payload stream to rank {dst} broke: {why})")
 
     def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
         """Queue one message for ``dst`` without ever blocking on a peer that is gone.
@@ -590,4 +591,4 @@ class DataPlane:
                     dst, waited, "its data to be taken", True,
                     f"rank {dst} ({self.peer_names.get(dst, '?')}) did not take its data within {self._timeout:.0f} s")
             if out.error is not None:
-                raise self._stream_lost(dst, out.error)
+                raise self._stream_lost(dst, out.error, outgoing=True)
