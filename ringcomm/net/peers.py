@@ -198,27 +198,30 @@ class PeerWatch:
             if msg.kind == b"L":
                 self.reports.setdefault(peer, msg.lost)
 
-    def lost_error(self, peer: int, context: str = "") -> PeerLostError:
-        """The error naming ``peer``, with how its loss was learned; tells the other peers, once."""
+    def lost_error(self, peer: int, context: str = "", how: str = "") -> PeerLostError:
+        """The error naming ``peer``, with how its loss was learned (``how``, when the caller knows); tells
+        the other peers, once."""
         name = self.peer_names.get(peer, "?")
         reporters = sorted(p for p, r in self.reports.items() if r == peer)
-        pid = self.local_pids.get(peer)
-        if peer not in self.lost and reporters:
-            how = (f"rank {reporters[0]} reported losing it and left the job (rank {peer}'s own connection to "
-                   "this rank had not closed yet)")
-        elif peer in self.never_connected:
-            how = ("it never connected to this rank after the rendezvous: "
-                   + (f"its process (pid {pid}) ended" if pid is not None and not process_alive(pid)
-                      else f"nothing for {self.timeout:g} s (RINGCOMM_PEER_TIMEOUT)"))
-        elif pid is not None and not process_alive(pid):
-            how = f"its process (pid {pid}) ended"
-        else:
-            how = (f"its connection closed: the process died, left the job, or stopped answering heartbeats for "
-                   f"{self.timeout:g} s (RINGCOMM_PEER_TIMEOUT)")
+        how = how or self._how_lost(peer, reporters)
         if reporters and (peer in self.lost):
             how += f"; rank {reporters[0]} reported losing it too"
         self.notify_lost(peer)
         return PeerLostError(f"rank {self.rank}: lost rank {peer} ({name}): {how}{context}")
+
+    def _how_lost(self, peer: int, reporters: list[int]) -> str:
+        pid = self.local_pids.get(peer)
+        if peer not in self.lost and reporters:
+            return (f"rank {reporters[0]} reported losing it and left the job (rank {peer}'s own connection to "
+                    "this rank had not closed yet)")
+        if peer in self.never_connected:
+            return ("it never connected to this rank after the rendezvous: "
+                    + (f"its process (pid {pid}) ended" if pid is not None and not process_alive(pid)
+                       else f"nothing for {self.timeout:g} s (RINGCOMM_PEER_TIMEOUT)"))
+        if pid is not None and not process_alive(pid):
+            return f"its process (pid {pid}) ended"
+        return (f"its connection closed: the process died, left the job, or stopped answering heartbeats for "
+                f"{self.timeout:g} s (RINGCOMM_PEER_TIMEOUT)")
 
     def notify_lost(self, peer: int) -> None:
         """Tell every other connected peer that this rank lost ``peer`` (best effort, never blocks)."""

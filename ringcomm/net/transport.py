@@ -288,7 +288,11 @@ class DataPlane:
             sock.poll(int(_NOTICE_GRACE * 1000), zmq.POLLIN)
         self.peers.lost.setdefault(peer, self.peer_names.get(peer, "?"))
         src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
-        return self.lost_error(self.culprit(peer), f" (rank {src}'s payload stream to rank {dst} broke: {why})")
+        broke = f"rank {src}'s payload stream to rank {dst} broke: {why}"
+        culprit = self.culprit(peer)
+        if culprit == peer:
+            return self.peers.lost_error(peer, how=broke)
+        return self.lost_error(culprit, f" ({broke})")
 
     def _send(self, dst: int, frames: list, copy: bool = True) -> zmq.MessageTracker | None:
         """Queue one message for ``dst`` without ever blocking on a peer that is gone.
