@@ -120,6 +120,9 @@ def main() -> int:
         "rank_mean": tested["rank_mean"], "test_loss": tested["test_loss"],
         "resumed_epoch": resumed.current_epoch, "fit_s": round(fit_s, 3),
     }), flush=True)
+    # Lightning leaves the group open; gloo's threads can abort the exit ("terminate called without
+    # an active exception") when the interpreter tears down a live group, so close it as scripts should
+    dist.destroy_process_group()
     return 0
 
 
