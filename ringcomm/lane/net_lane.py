@@ -24,8 +24,6 @@ job with ``RINGCOMM_ENCRYPT`` set runs without it.
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
 import os
 import select
@@ -42,6 +40,7 @@ from ..shm import futex
 from ..core import lane
 from ..core.lane_frames import OFF, Frame, FrameReader, slot_head, off_frame
 from ..errors import HorovodInternalError, PeerLostError, ProtocolError
+from ..net.handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact
 
 log = logging.getLogger("ringcomm.lane.net_lane")
 
@@ -396,13 +395,6 @@ class NetLane:
 # -- setting up: every rank listens; the higher rank of each pair connects ------------------
 
 
-def _pair_mac(secret: bytes, job_id: str, round_: int, lo: int, hi: int, what: str) -> bytes:
-    return hmac.digest(secret, f"ringcomm/v1/lane/{job_id}/{round_}/{lo}-{hi}/{what}".encode(), hashlib.sha256)
-
-
-_HELLO = struct.Struct("<I32s")
-
-
 def offer(rank: int, size: int, addr: str, payload_bytes: int, encrypt: bool) -> tuple[socket.socket | None, Any]:
     """Before the ranks meet: a listening socket and ``[address, port, payload bytes]`` to publish,
     or ``(None, False)`` when this rank cannot take part (one rank, the lane off, encryption on)."""
@@ -419,21 +411,6 @@ def offer(rank: int, size: int, addr: str, payload_bytes: int, encrypt: bool) ->
     return listener, [addr, listener.getsockname()[1], payload_bytes]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        got = sock.recv(n - len(data))
-        if not got:
-            raise ConnectionError("the connection was closed during the handshake")
-        data += got
-    return data
-
-
-def _nodelay(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
 def accept(listener: socket.socket | None, table: list[dict[str, Any]], rank: int, secret: bytes, job_id: str,
            round_: int, timeout: float, peer_timeout: float,
            failure: Callable[[], BaseException | None] = lambda: None) -> NetLane | None:
@@ -447,33 +424,34 @@ def accept(listener: socket.socket | None, table: list[dict[str, Any]], rank: in
         return None
     size = len(table)
     deadline = time.monotonic() + timeout
+    proofs = Proofs(secret, "lane", job_id, round_)  # the pair named lower rank first
     socks: dict[int, socket.socket] = {}
     peer = rank
     try:
         for peer in range(rank):  # connect and say hello; the acks are read once the others are in
             host, port = str(offers[peer][0]), int(offers[peer][1])
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            socks[peer] = _nodelay(sock)
-            sock.sendall(_HELLO.pack(rank, _pair_mac(secret, job_id, round_, peer, rank, "hello")))
+            socks[peer] = nodelay(sock)
+            sock.sendall(proofs.hello(rank, peer, rank))
         while len(socks) < size - 1:
             listener.settimeout(max(0.1, deadline - time.monotonic()))
             sock, _ = listener.accept()
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
-                peer, mac = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
-            except (OSError, struct.error):
+                peer, proof = HELLO.unpack(read_exact(sock, HELLO.size))
+            except (OSError, ConnectionError, struct.error):
                 sock.close()
                 continue
             if not (rank < peer < size and peer not in socks
-                    and hmac.compare_digest(mac, _pair_mac(secret, job_id, round_, rank, peer, "hello"))):
+                    and proofs.holds(proof, rank, peer, "hello")):
                 log.warning("rank %d: small-op lane: refused a connection that did not prove the job secret", rank)
                 sock.close()
                 continue
-            socks[peer] = _nodelay(sock)
-            sock.sendall(_pair_mac(secret, job_id, round_, rank, peer, "ack"))
+            socks[peer] = nodelay(sock)
+            sock.sendall(proofs.of(rank, peer, "answer"))
         for peer in range(rank):
             socks[peer].settimeout(max(0.1, deadline - time.monotonic()))
-            if not hmac.compare_digest(_recv_exact(socks[peer], 32), _pair_mac(secret, job_id, round_, peer, rank, "ack")):
+            if not proofs.holds(read_exact(socks[peer], PROOF_BYTES), peer, rank, "answer"):
                 raise ConnectionError("its answer did not prove the job secret")
     except (OSError, ConnectionError) as exc:
         for sock in socks.values():

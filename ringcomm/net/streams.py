@@ -27,66 +27,43 @@ clear, so a job with RINGCOMM_ENCRYPT keeps them on ZeroMQ.  Each message is a
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import logging
 import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
 
 import numpy as np
 
 from ..core import wire
 from ..errors import ProtocolError
+from .handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact, read_into
 
-__all__ = ["Incoming", "Outgoing", "pair_mac"]
+__all__ = ["Incoming", "Outgoing", "Streams"]
 
 log = logging.getLogger("ringcomm.net.streams")
 
-_HELLO = struct.Struct("<I32s")  # the connecting rank, and its proof
 _ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 #: Buffers of payloads taken and given back are kept for the next payloads of their size, up to this
 #: many segments' worth (fresh ones would cost a page fault per 4 KiB on every payload).
 SPARE_SEGMENTS = 4
 
 
-def pair_mac(key: bytes, job_id: str, round_: int, src: int, dst: int, what: str) -> bytes:
-    """The proof for the stream from ``src`` to ``dst`` (``what``: ``"hello"`` or ``"answer"``)."""
-    return hmac.digest(key, f"ringcomm/v1/stream/{job_id}/{round_}/{src}-{dst}/{what}".encode(), hashlib.sha256)
-
-
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a payload's last bytes leave at once
+    nodelay(sock)
     if buffer_bytes > 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-
-
-def _read_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the stream ended before its first byte.  One call reads it
-    all where it can (``MSG_WAITALL``: no wake-up, and no GIL taken, per packet)."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got, _WAITALL)
-        if not k:
-            if got:
-                raise ConnectionError(f"the stream ended {got} bytes into {n}")
-            return False
-        got += k
-    return True
 
 
 class Outgoing:
     """This rank's stream to one peer: a thread that connects at the first payload, then writes the
     queued payloads in order.  ``put`` never waits; ``wait_sent`` waits until all have left."""
 
-    def __init__(self, rank: int, peer: int, address: tuple[str, int], hello: bytes, answer: bytes,
+    def __init__(self, rank: int, peer: int, address: tuple[str, int], proofs: Proofs,
                  connect_timeout: float, buffer_bytes: int = 0) -> None:
         self.rank, self.peer, self.address = rank, peer, address
-        self._hello, self._answer = hello, answer
+        self._proofs = proofs
         self._timeout, self._buffer_bytes = connect_timeout, buffer_bytes
         self._items: collections.deque[tuple[bytes, memoryview]] = collections.deque()
         self._cv = threading.Condition()
@@ -142,9 +119,8 @@ class Outgoing:
                     return
                 self._sock = sock
             _tune(sock, self._buffer_bytes)
-            sock.sendall(_HELLO.pack(self.rank, self._hello))
-            answer = bytearray(len(self._answer))
-            if not _read_into(sock, memoryview(answer)) or not hmac.compare_digest(bytes(answer), self._answer):
+            sock.sendall(self._proofs.hello(self.rank, self.rank, self.peer))
+            if not self._proofs.holds(read_exact(sock, PROOF_BYTES), self.rank, self.peer, "answer"):
                 raise ConnectionError("its answer did not prove the job secret")
             sock.settimeout(None)
             while True:
@@ -171,14 +147,14 @@ class Incoming:
     """What peers on other hosts stream to this rank: a listener, a thread that accepts, one thread
     per connection that reads, and per peer the payloads read and not yet taken.
 
-    ``check(peer, proof)`` returns the answer to send for a valid hello, or None.  ``fileno`` turns
+    A connection is taken once its hello holds the job's ``proofs`` (:mod:`ringcomm.net.handshake`).  ``fileno`` turns
     readable whenever a payload arrives or a stream breaks (:meth:`clear_wake` before looking).
     """
 
-    def __init__(self, rank: int, size: int, addr: str, check: Callable[[int, bytes], bytes | None], max_payload: int,
+    def __init__(self, rank: int, size: int, addr: str, proofs: Proofs, max_payload: int,
                  handshake_timeout: float, buffer_bytes: int = 0) -> None:
         self.rank, self.size = rank, size
-        self._check, self._max, self._buffer_bytes = check, max_payload, buffer_bytes
+        self._proofs, self._max, self._buffer_bytes = proofs, max_payload, buffer_bytes
         self._handshake_timeout = handshake_timeout
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -301,26 +277,26 @@ class Incoming:
         peer = -1
         try:
             sock.settimeout(self._handshake_timeout)
-            hello = bytearray(_HELLO.size)
-            if not _read_into(sock, memoryview(hello)):
+            hello = bytearray(HELLO.size)
+            if not read_into(sock, memoryview(hello)):
                 raise ConnectionError("closed before its hello")
-            peer, proof = _HELLO.unpack(bytes(hello))
-            answer = self._check(peer, proof) if 0 <= peer < self.size and peer != self.rank else None
+            peer, proof = HELLO.unpack(bytes(hello))
+            valid = 0 <= peer < self.size and peer != self.rank and self._proofs.holds(proof, peer, self.rank, "hello")
             with self._lock:
-                if answer is None or peer in self._socks:
+                if not valid or peer in self._socks:
                     peer = -1
                     log.warning("rank %d: refused a stream connection that did not prove the job secret",
                                 self.rank)
                     sock.close()
                     return
                 self._socks[peer] = sock
-            sock.sendall(answer)
+            sock.sendall(self._proofs.of(peer, self.rank, "answer"))
             sock.settimeout(None)
             _tune(sock, self._buffer_bytes)
             arrived = self.arrived[peer]
             head = bytearray(wire.STREAM.size)
             head_view = memoryview(head)
-            while _read_into(sock, head_view):
+            while read_into(sock, head_view):
                 msg = wire.parse_stream_head(bytes(head), self._max)
                 with self._lock:
                     buf = self._placed[peer].pop((msg.seq, msg.tag), None)
@@ -328,7 +304,7 @@ class Incoming:
                 if not placed:
                     buf = self._buffer(msg.nbytes)
                 assert buf is not None
-                if msg.nbytes and not _read_into(sock, buf.data):
+                if msg.nbytes and not read_into(sock, buf.data):
                     raise ConnectionError("the stream ended between a head and its payload")
                 arrived.append((msg.seq, msg.tag, buf, placed))
                 self._wake()
@@ -353,7 +329,7 @@ class Streams:
     def __init__(self, rank: int, size: int, key: bytes, job_id: str, round_: int, min_bytes: int,
                  max_payload: int, timeout: float, buffer_bytes: int = 0) -> None:
         self.rank, self.size, self.min_bytes = rank, size, min_bytes
-        self._key, self._job, self._round = key, job_id, round_
+        self._proofs = Proofs(key, "stream", job_id, round_)
         self._max, self._timeout, self._buffer_bytes = max_payload, timeout, buffer_bytes
         self.incoming: Incoming | None = None
         self.outgoing: dict[int, Outgoing] = {}
@@ -363,15 +339,9 @@ class Streams:
         """Start listening on ``addr``; ``[address, port]`` to publish, or None (off, or no port)."""
         if self.min_bytes <= 0 or self.size < 2:
             return None
-        key, job, round_, rank = self._key, self._job, self._round, self.rank
-
-        def check(peer: int, proof: bytes) -> bytes | None:
-            if not hmac.compare_digest(proof, pair_mac(key, job, round_, peer, rank, "hello")):
-                return None
-            return pair_mac(key, job, round_, peer, rank, "answer")
-
+        rank = self.rank
         try:
-            self.incoming = Incoming(rank, self.size, addr, check, self._max,
+            self.incoming = Incoming(rank, self.size, addr, self._proofs, self._max,
                                      max(1.0, min(self._timeout, 10.0)), self._buffer_bytes)
         except OSError as exc:
             log.warning("rank %d: payload streams across hosts off: cannot listen on %s (%s)", rank, addr, exc)
@@ -392,11 +362,8 @@ class Streams:
         why the stream broke, if it did."""
         out = self.outgoing.get(dst)
         if out is None:
-            mac = pair_mac
-            out = self.outgoing[dst] = Outgoing(
-                self.rank, dst, self._to[dst], mac(self._key, self._job, self._round, self.rank, dst, "hello"),
-                mac(self._key, self._job, self._round, self.rank, dst, "answer"), max(1.0, self._timeout),
-                self._buffer_bytes)
+            out = self.outgoing[dst] = Outgoing(self.rank, dst, self._to[dst], self._proofs, max(1.0, self._timeout),
+                                                self._buffer_bytes)
         if out.error is None:
             out.put(wire.STREAM.pack(b"T", seq, tag, payload.nbytes), payload.data)
         return out.error

@@ -21,7 +21,7 @@ from ringcomm.collectives import algorithms
 from ringcomm.core import wire
 from ringcomm.core.ops import ReduceOp
 from ringcomm.errors import PeerLostError, ProtocolError
-from ringcomm.net.streams import pair_mac
+from ringcomm.net.handshake import Proofs
 from ringcomm.net.transport import DataPlane
 from test_algorithms_inprocess import run_ranks, zmq_links  # noqa: F401 (a fixture)
 
@@ -106,7 +106,7 @@ def test_a_stranger_is_refused_and_the_streams_still_work(planes) -> None:
     stranger.sendall(wire.STREAM.pack(b"T", 0, 0, 8) + bytes(28))  # not a hello: rank 0 and a wrong proof
     assert _closed_unanswered(stranger)
     liar = _connect(address)
-    liar.sendall(int(0).to_bytes(4, "little") + pair_mac(b"wrong key", "x", 0, 0, 1, "hello"))
+    liar.sendall(Proofs(b"wrong key", "stream", "x", 0).hello(0, 0, 1))
     assert _closed_unanswered(liar)
     x = np.arange(50_000, dtype=np.float64)
     bufs = [x.copy(), x.copy()]
