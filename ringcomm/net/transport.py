@@ -53,6 +53,7 @@ from ..job import names
 from ..shm import space as shm_space
 from ..shm.rings import PeerRings
 from ..core import wire
+from ..core.inbox import Inbox
 from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
 from .pair import pair_socket
@@ -109,20 +110,18 @@ class DataPlane:
         self.rings = PeerRings(rank, job_id, round_, shm_slots, shm_slot_bytes, shm_min_bytes)
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
-        self._stride = max(1, seq_stride)
         #: payload streams to and from peers on other hosts (see listen_streams())
         self.streams = Streams(rank, size, credentials.password, job_id, round_,
                                stream_min_bytes if not credentials.encrypted else 0,
                                max_payload_bytes or (1 << 62), peer_timeout, socket_buffer_bytes)
         self._socks: dict[int, zmq.Socket] = {}
         self._trackers: dict[int, zmq.MessageTracker] = {}
-        self._stash: dict[int, dict[tuple[int, int], object]] = collections.defaultdict(dict)
+        #: what arrived from each peer and is not taken yet (and which arrivals are stale)
+        self.inbox = Inbox(seq_stride)
         self._serving: ControlStep | None = None  # see serve_while_waiting()
         self._serve_pollers: dict[int, zmq.Poller] = {}
         self._reserved: dict[int, int] = {}
         self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # streamed buffers handed out
-        self._op: dict[int, int] = {}  # peer -> the op (seq // stride) this rank last received from it
-        self._taken: dict[int, set[tuple[int, int]]] = {}  # peer -> (seq, tag) of that op already received
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
         self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, shm_slot_bytes)
@@ -203,7 +202,7 @@ class DataPlane:
         self.streams.close()  # after: a peer reads this rank's notice before its streams end, if it can
         self._socks.clear()
         self._trackers.clear()
-        self._stash.clear()
+        self.inbox.clear()
         self.rings.close()
         names.remove_files(self.ipc_paths)
         self.ipc_paths.clear()
@@ -376,12 +375,11 @@ class DataPlane:
         while (got := self.streams.take(src)) is not None:
             seq, tag, buf, placed = got
             try:
-                self._check_key(src, seq, tag)
+                self.inbox.put(src, seq, tag, _Placed(buf) if placed else buf)
             except ProtocolError as exc:
                 self.stats["dropped"] += 1
                 log.debug("rank %d: dropped a streamed payload from rank %d: %s", self.rank, src, exc)
                 continue
-            self._stash[src][(seq, tag)] = _Placed(buf) if placed else buf
             self.stats["stream_placed"] += placed
             return seq, tag
         why = self.streams.broken(src)
@@ -398,16 +396,6 @@ class DataPlane:
             poller.register(self.streams.wake_fd, zmq.POLLIN)
         return bool(poller.poll(int(_SLICE * 1000)))
 
-    def _check_key(self, src: int, seq: int, tag: int) -> None:
-        """Raise :class:`ProtocolError` if ``(seq, tag)`` from ``src`` was had already or belongs to an op that is over."""
-        key = (seq, tag)
-        op, current = seq // self._stride, self._op.get(src, -1)
-        if key in self._stash[src] or (op == current and key in self._taken[src]):
-            raise ProtocolError(f"a second message for op {seq} tag {tag}")
-        if op < current:  # every message of an earlier op was taken before it completed
-            raise ProtocolError(f"a message for op {seq}, which is over (this rank is at op "
-                                f"{current * self._stride})")
-
     def _accept(self, src: int, frames: list) -> tuple[int, int] | None:
         """Apply an ack or stash a payload; raises :class:`ProtocolError` for a malformed message."""
         # any shape the sender chose passes here; the ring itself bounds its slots below
@@ -418,17 +406,16 @@ class DataPlane:
         if msg.kind == b"A":
             self.rings.acked(src, msg.slot)
             return None
-        key = (msg.seq, msg.tag)
-        self._check_key(src, msg.seq, msg.tag)
+        self.inbox.check(src, msg.seq, msg.tag)
         if msg.kind == b"S":
             ring = self.rings.in_ring(src)
             if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
                 raise ProtocolError(f"data notification for slot {msg.slot} of {msg.nbytes} bytes; rank {src}'s ring "
                                     f"has {ring.slots} slots of {ring.slot_bytes} bytes")
-            self._stash[src][key] = [msg.slot, msg.nbytes]
+            self.inbox.put(src, msg.seq, msg.tag, [msg.slot, msg.nbytes])
         else:
-            self._stash[src][key] = frames[1]
-        return key
+            self.inbox.put(src, msg.seq, msg.tag, frames[1])
+        return msg.seq, msg.tag
 
     def _ack_held(self, src: int) -> None:
         lent = self._lent.get(src)
@@ -444,11 +431,9 @@ class DataPlane:
 
     def _enter(self, src: int, seq: int) -> None:
         """This rank now receives op ``seq`` from ``src``: earlier ops' messages are stale from here on."""
-        op = seq // self._stride
-        if op != self._op.get(src, -1):
-            self._op[src] = op
-            self._taken[src] = set()
-            self.streams.forget_before(src, op * self._stride)
+        first = self.inbox.enter(src, seq)
+        if first is not None:
+            self.streams.forget_before(src, first)
 
     def serve_while_waiting(self, control: ControlStep) -> None:
         """While a receive waits for a peer's data, also watch ``control.socket`` and run
@@ -494,27 +479,24 @@ class DataPlane:
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
         self._enter(src, seq)
-        key = (seq, tag)
-        stash = self._stash[src]
-        if key not in stash:
+        if not self.inbox.has(src, seq, tag):
             self._serve_until_data(src)
-        while key not in stash:
+        while not self.inbox.has(src, seq, tag):
             self._pump(src, block=True)
-        return self._open(src, key, stash.pop(key))
+        return self._open(src, self.inbox.take(src, seq, tag))
 
     def recv_any(self, src: int, seq: int) -> tuple[int, memoryview | np.ndarray]:
         """The next payload of op ``seq`` from ``src``, whichever tag arrives first."""
         self._ack_held(src)
         self._enter(src, seq)
-        stash = self._stash[src]
-        for key in stash:
-            if key[0] == seq:
-                return key[1], self._open(src, key, stash.pop(key))
+        waiting = self.inbox.take_op(src, seq)
+        if waiting is not None:
+            return waiting[0], self._open(src, waiting[1])
         self._serve_until_data(src)
         while True:
             got = self._pump(src, block=True)
             if got is not None and got[0] == seq:
-                return got[1], self._open(src, got, stash.pop(got))
+                return got[1], self._open(src, self.inbox.take(src, *got))
 
     def recv_first(self, wants: Sequence[tuple[int, int]]) -> tuple[int, int, memoryview | np.ndarray]:
         """The next payload of any of the ops ``wants`` (``(src, seq)`` pairs, of one op's sequence
@@ -523,10 +505,8 @@ class DataPlane:
             self._ack_held(src)
             self._enter(src, seq)
         for i, (src, seq) in enumerate(wants):
-            stash = self._stash[src]
-            for key in stash:
-                if key[0] == seq:
-                    return i, key[1], self._open(src, key, stash.pop(key))
+            if (waiting := self.inbox.take_op(src, seq)) is not None:
+                return i, waiting[0], self._open(src, waiting[1])
         poller = zmq.Poller()
         srcs = list(dict.fromkeys(src for src, _ in wants))
         for src in srcs:
@@ -549,7 +529,7 @@ class DataPlane:
                 while (got := self._pump(src, block=False)) is not None:
                     for i, want in enumerate(wants):
                         if want == (src, got[0]):
-                            return i, got[1], self._open(src, got, self._stash[src].pop(got))
+                            return i, got[1], self._open(src, self.inbox.take(src, *got))
             events = dict(poller.poll(int(_SLICE * 1000)))
             if serve is not None and ctrl in events:
                 serve()
@@ -560,8 +540,7 @@ class DataPlane:
                     src, waited, "data", False,
                     self._no_data(src))
 
-    def _open(self, src: int, key: tuple[int, int], item: object) -> memoryview | np.ndarray:
-        self._taken[src].add(key)
+    def _open(self, src: int, item: object) -> memoryview | np.ndarray:
         if isinstance(item, list):
             slot, n = item
             self.rings.held[src].append(slot)
