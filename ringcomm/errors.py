@@ -14,6 +14,10 @@ import re
 class RingcommError(Exception):
     """Base class of every error raised by ringcomm."""
 
+    #: True once the ops of the call that raised this error are refused on every rank: the layer
+    #: that refused them sets it, so that a layer around it does not refuse them a second time
+    refused: bool = False
+
 
 class NotInitializedError(RingcommError, ValueError):
     """A collective or topology query was made before ``init()`` or after ``shutdown()``."""

@@ -196,8 +196,10 @@ class Refusing:
         return self.call
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, (InvalidInputError, InvalidTypeError)) and not isinstance(exc, DuplicateNameError):
+        if (isinstance(exc, (InvalidInputError, InvalidTypeError)) and not isinstance(exc, DuplicateNameError)
+                and not exc.refused):
             self.runtime.refuse(self.call, str(exc))
+            exc.refused = True
 
 
 def _drained(queue: collections.deque[tuple[int, str]]) -> Iterator[tuple[int, str]]:

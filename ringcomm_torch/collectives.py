@@ -16,9 +16,7 @@ What each rank sees (size 2, rank r holds ``t = torch.full((2,), r + 1.)``)::
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -71,9 +69,6 @@ def core_name(kind: str, name: str | None) -> str | None:
     return None if name is None else f"{kind}.{name}"
 
 
-_refused = threading.local()  # .last: a weak reference to the error this thread refused last
-
-
 class refusing:  # lower case: used as a function, like contextlib's managers
     """Within the block, a call's own argument checks, before it calls the core: an
     InvalidInputError or InvalidTypeError raised there is refused on every rank of the op(s) this
@@ -99,12 +94,9 @@ class refusing:  # lower case: used as a function, like contextlib's managers
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if not isinstance(exc, (InvalidInputError, InvalidTypeError)):
-            return
-        last = getattr(_refused, "last", None)
-        if last is not None and last() is exc:
-            return  # refused already, by a block around this one: once per call
-        _refused.last = weakref.ref(exc)
+        if not isinstance(exc, (InvalidInputError, InvalidTypeError)) or exc.refused:
+            return  # not a refusal, or refused already by a block inside this one: once per call
+        exc.refused = True
         for name in self.names() if callable(self.names) else self.names:
             _rc.api.refuse_call(self.kind, name, self.process_set, str(exc), self.parts)
 
