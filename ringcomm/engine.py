@@ -220,10 +220,11 @@ class Engine:
                 f"rank {self.rank}: ringcomm engine failed: {exc!r}"))
 
     def _report_lost(self, exc: PeerLostError) -> None:
-        """Tell ``ringcomm-run`` which rank this job lost, so it stops that process even if every rank
-        that lost it goes on to exit 0 (a stopped process would otherwise keep the launcher waiting)."""
+        """Tell ``ringcomm-run`` (or its elastic driver) which rank this job lost, so it stops that process
+        even if every rank that lost it goes on to exit 0 or to re-form (a stopped process would otherwise
+        keep the launcher waiting)."""
         lost = exc.lost_rank
-        if lost is None or self.topo.source != "ringcomm-run" or not self.topo.rendezvous:
+        if lost is None or self.topo.source not in ("ringcomm-run", "elastic") or not self.topo.rendezvous:
             return
         from .net.rendezvous_client import report_lost
 

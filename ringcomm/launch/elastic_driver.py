@@ -55,6 +55,7 @@ from ..net.rendezvous import RendezvousServer, kv_set
 from .elastic_discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
 from ..elastic.plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
 from .elastic_starter import WorkerStarter
+from .lost import LostRanks
 from ..elastic.worker import World, pack, unpack
 
 __all__ = ["ElasticDriver", "run"]
@@ -101,6 +102,9 @@ class ElasticDriver:
         self.workers: dict[int, Worker] = {}  # every worker ever started, by id
         self.host_of: dict[int, str] = {}
         self.removed: set[int] = set()  # stopped by the driver on purpose (host gone, job over)
+        #: the ranks this generation's workers reported lost, and the worker behind each rank
+        self.lost = LostRanks()
+        self._wid_of: dict[int, int] = {}
         self.failures: list[Worker] = []
         self.gen = -1
         self.members: list[Member] = []
@@ -198,8 +202,32 @@ class ElasticDriver:
 
     def _remove(self, member: Member, why: str) -> None:
         self.removed.add(member.wid)
-        self.workers[member.wid].terminate()  # SIGTERM here; a remote worker's ssh input closed
+        # SIGTERM here (a remote worker: its ssh input closed), SIGKILL after the grace or at once for a
+        # stopped process, which SIGTERM would never reach
+        threading.Thread(target=stop_all, args=([self.workers[member.wid]], GRACE_SECONDS), daemon=True,
+                         name=f"ringcomm-run-remove{member.wid}").start()
         self.say(f"worker {member.wid} on {member.host} removed from the job: {why}")
+
+    def _stop_lost(self) -> None:
+        """Stop the workers that this generation's ranks reported lost, as a fixed job's launcher does
+        (:class:`~.lost.LostRanks`): a stopped process at once, another once the report is confirmed.
+        Its end counts as a failure, so the job re-forms without it instead of waiting for it."""
+        if not self._servers:
+            return
+        self.lost.update(self._servers[-1].lost_reports(), time.monotonic())
+        reported = [r for r in self.lost.reported() if r in self._wid_of]
+        if not reported:
+            return
+        running = {r for r, wid in self._wid_of.items() if not self.workers[wid].exited.is_set()}
+        frozen = {r for r in reported if self.workers[self._wid_of[r]].is_frozen()}
+        for rank in self.lost.to_stop(running, frozen, time.monotonic()):
+            wid = self._wid_of[rank]
+            who = ", ".join(str(r) for r in self.lost.reporters_of(rank))
+            self.say(f"generation {self.gen}: rank{'s' if len(self.lost.reporters_of(rank)) > 1 else ''} {who} "
+                     f"lost worker {wid} (rank {rank}) on {self.host_of[wid]}"
+                     f"{' (its process is stopped)' if rank in frozen else ''}; stopping it")
+            threading.Thread(target=stop_all, args=([self.workers[wid]], GRACE_SECONDS), daemon=True,
+                             name=f"ringcomm-run-stop{wid}").start()
 
     # ------------------------------------------------------------------ forming worlds
 
@@ -210,6 +238,7 @@ class ElasticDriver:
         while len(self._servers) > 2:  # the generation before last has completed (or been abandoned)
             self._servers.pop(0).close()
         assignments = assign_ranks(members)
+        self.lost, self._wid_of = LostRanks(), {a.rank: a.wid for a in assignments}
         address = f"tcp://{self.starter.advertised(m.host for m in members)}:{server.port}"
         world = World(self.gen, address, self.hosts_version, {
             a.wid: [a.rank, a.size, a.local_rank, a.local_size, a.cross_rank, a.cross_size, a.host]
@@ -319,6 +348,7 @@ class ElasticDriver:
         event_since: float | None = None
         while True:
             self._check_signals()
+            self._stop_lost()
             try:
                 while True:
                     self._record_exit(self.exits.get_nowait())

@@ -99,6 +99,29 @@ def test_discovered_slot_grows_the_job_at_the_next_commit(tmp_path):
     assert len(done) == 3 and {r["size"] for r in done} == {3} and len({r["hash"] for r in done}) == 1, out
 
 
+@pytest.mark.timeout(90)
+def test_a_stopped_worker_is_killed_on_the_survivors_reports_and_the_job_goes_on(tmp_path):
+    """A worker whose process is stopped (SIGSTOP: a wedged machine) never exits and never re-forms: the
+    survivors' loss reports get it killed at once, not after --elastic-timeout, and the job finishes."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.2:1\n127.0.0.3:1\n")
+    result, elapsed = run_launcher(
+        "-v", "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
+        "--elastic-timeout", "60", sys.executable, NP_WORKER, "--steps", "12", "--sleep", "0.1",
+        "--freeze-host", "127.0.0.2", timeout=80, RINGCOMM_PEER_TIMEOUT="3",
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    check_all_gone(result.stderr)
+    assert "[1]<stdout>:FREEZE rank=1" in out, out
+    assert ("generation 0: ranks 0, 2 lost worker 1 (rank 1) on 127.0.0.2 (its process is stopped); "
+            "stopping it") in result.stderr, out
+    assert "worker 1 on 127.0.0.2" in result.stderr and "killed by signal SIGKILL" in result.stderr, out
+    assert "generation 1: 2 workers" in result.stderr and "did not come back" not in result.stderr, out
+    assert sorted(re.findall(r"DONE rank=(\d) size=2 step=12", result.stdout)) == ["0", "1"], out
+    assert elapsed < 45, f"{elapsed:.1f} s: the stopped worker was waited for ({out})"
+
+
 @pytest.mark.timeout(60)
 def test_below_min_np_waits_for_the_elastic_timeout_then_fails_cleanly(tmp_path):
     hosts = tmp_path / "hosts"

@@ -1,5 +1,6 @@
 """A NumPy elastic job: ObjectState + run; the worker on host --fail-host raises after its first allreduce,
-and those that started as ranks --fail-start-ranks (horovodrun's HOROVOD_RANK) raise at step 3.
+those that started as ranks --fail-start-ranks (horovodrun's HOROVOD_RANK) raise at step 3, and the
+worker on host --freeze-host stops its own process (SIGSTOP) at step 3, as a wedged machine would.
 
 Prints ``STEP rank=R size=N step=S`` and ``DONE rank=R size=N step=S``.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 import numpy as np
@@ -22,6 +24,7 @@ def main() -> None:
     p.add_argument("--fail-host", default="")
     p.add_argument("--sleep", type=float, default=0.05)
     p.add_argument("--fail-start-ranks", type=int, nargs="*", default=[])
+    p.add_argument("--freeze-host", default="")
     args = p.parse_args()
     rc.init()
     state = ObjectState(step=0, total=0.0)
@@ -36,6 +39,9 @@ def main() -> None:
                 raise RuntimeError(f"worker on {args.fail_host} fails on purpose")
             if state.step == 3 and int(os.environ["HOROVOD_RANK"]) in args.fail_start_ranks:
                 raise RuntimeError(f"the worker that started as rank {os.environ['HOROVOD_RANK']} fails on purpose")
+            if state.step == 3 and os.environ.get("RINGCOMM_HOSTNAME") == args.freeze_host:
+                print(f"FREEZE rank={rc.rank()} pid={os.getpid()}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
             state.commit()
             time.sleep(args.sleep)
 
