@@ -26,7 +26,7 @@ from .core import adasum, ops, wire
 from .core.coordinator import JOIN_NAME
 from .core.ops import Average, ReduceOp
 from .errors import InvalidInputError, InvalidSplitsError, InvalidTypeError, UnsupportedError
-from .arguments import as_array as as_array, check_out, check_set_root, scale
+from .arguments import as_array as as_array, check_gather_out, check_out, check_set_root, scale
 from .handles import GroupHandle, Handle, MappedHandle
 from .objects import allgather_object as allgather_object, broadcast_object as broadcast_object
 from .core.process_sets import ProcessSet, global_process_set
@@ -174,8 +174,11 @@ def grouped_allreduce(arrs: Sequence[Any], op: ReduceOp = Average, name: str | N
     return grouped_allreduce_async(arrs, op, name, prescale_factor, postscale_factor, outs, process_set).wait()
 
 
-def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
-    """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row)."""
+def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set,
+                    out: np.ndarray | None = None) -> Handle:
+    """Start an allgather (dim 0 may differ between ranks; a 0-d array counts as one row).  With ``out``
+    (C-contiguous, of ``arr``'s dtype and row shape) the result is written there when its first dimension
+    is the sum of every rank's; otherwise, as without it, a new array holds the result."""
     rt = current("allgather")
     pset, _ = rt.resolve_set(process_set, "allgather")
     call = rt.name_op("allgather", name, pset)
@@ -186,15 +189,17 @@ def allgather_async(arr: Any, name: str | None = None, process_set: ProcessSet =
         if a.ndim == 0:
             a = a.reshape(1)
         dt = ops.check_dtype(a.dtype, what)
-        return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,), pset=pset), [a])
+        return rt.submit(wire.Request(name, wire.ALLGATHER, dt, (a.shape,), pset=pset), [a],
+                         [check_gather_out(out, a, what)])
 
 
-def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
+def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = global_process_set,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Concatenate the arrays of the ranks of ``process_set`` (default: all) along dim 0, in rank order.
 
         rank 0: [[1, 2]]   rank 1: [[3, 4], [5, 6]]   ->   every rank: [[1, 2], [3, 4], [5, 6]]
     """
-    return allgather_async(arr, name, process_set).wait()
+    return allgather_async(arr, name, process_set, out).wait()
 
 
 def grouped_allgather_async(arrs: Sequence[Any], name: str | None = None,

@@ -282,6 +282,17 @@ def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
     return _stage_device(svc, t, wire)
 
 
+def host_memory(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
+    """``t``'s own memory as a flat array of the wire dtype, for the core to write a result into;
+    None unless ``t`` is a contiguous CPU tensor of that dtype (bfloat16 as int16 bits)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    src = t.detach()
+    if wire is torch.int16 and src.dtype is torch.bfloat16:
+        src = src.view(torch.int16)
+    return src.numpy().reshape(-1) if src.dtype is wire else None
+
+
 def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
     """A CPU tensor: its own memory when contiguous in the wire dtype (bfloat16 bits viewed as
     int16 count), else one copy, converted as it goes, into a new host tensor."""

@@ -164,8 +164,10 @@ class Executor:
                 if self._timed:
                     now = time.perf_counter()
                     self._phases = [("RANK0_GATHER", now if self._reduced_at is None else self._reduced_at, now)]
-                return [got.reshape(sum(resp.first_dims), *rest).copy()]
-            out = np.empty((sum(resp.first_dims), *rest), dtype=dtype)
+                out = ops.result_array(entry.outs[0] if entry.outs else None, (sum(resp.first_dims), *rest), dtype)
+                out[...] = got.reshape(out.shape)
+                return [out]
+            out = ops.result_array(entry.outs[0] if entry.outs else None, (sum(resp.first_dims), *rest), dtype)
             flat = out.reshape(-1)
             start = sum(counts[:rank])
             flat[start:start + counts[rank]] = arr.reshape(-1)

@@ -153,3 +153,18 @@ def postscale(op: ReduceOp, size: int, postscale_factor: float) -> float:
 
 def is_integer(dtype_name: str) -> bool:
     return dtype_name in _INTEGER
+
+
+def result_array(given: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Where a result of ``shape`` and ``dtype`` goes: ``given`` (a caller's ``out=``) when it has that
+    shape and dtype (and is C-contiguous and writeable), else a new array.  An allgather's shape is known only once every rank's first
+    dimension is, so a caller's ``out`` that does not fit then is not an error: it gets a new array.
+
+    >>> out = np.zeros((4, 2), np.float32)
+    >>> result_array(out, (4, 2), np.dtype(np.float32)) is out, result_array(out, (5, 2), np.dtype(np.float32)) is out
+    (True, False)
+    """
+    if (given is not None and given.shape == shape and given.dtype == dtype and given.flags.c_contiguous
+            and given.flags.writeable):
+        return given
+    return np.empty(shape, dtype=dtype)

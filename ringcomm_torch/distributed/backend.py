@@ -28,7 +28,7 @@ import ringcomm as rc
 from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
-from ..tensors import Staged, begin, stage
+from ..tensors import Staged, begin, host_memory, stage
 from .work import RingcommWork, as_backend_error, completer
 
 __all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
@@ -250,11 +250,12 @@ class RingcommProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> RingcommWork:
         return self.allgather_coalesced(output_lists, inputs, opts, what="allgather")
 
-    def _allgather_rows(self, staged: list[Any], name: str) -> list[Any]:
-        """Start the allgather of each staged tensor as one row per rank: one op, or one grouped op."""
+    def _allgather_rows(self, staged: list[Any], name: str, out: np.ndarray | None = None) -> list[Any]:
+        """Start the allgather of each staged tensor as one row per rank: one op, or one grouped op.
+        ``out``: where one tensor's rows may be gathered (an output tensor's own memory), or None."""
         rows = [s.array.reshape(1, -1) for s in staged]
         if len(rows) == 1:
-            return [rc.allgather_async(rows[0], name=name, process_set=self._pset)]
+            return [rc.allgather_async(rows[0], name=name, process_set=self._pset, out=out)]
         return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -292,14 +293,18 @@ class RingcommProcessGroup(dist.ProcessGroup):
                     f"the output must hold group size ({self._size}) x the input's elements")
         staged = [stage(t, reduce=False, what=what) for t in inputs]
         name = self._name("agt")
+        # one tensor into a CPU output of its dtype: gathered straight into the output's memory
+        mem = host_memory(outputs[0], staged[0].wire) if len(staged) == 1 else None
+        into = None if mem is None else mem.reshape(self._size, -1)
 
         def submit() -> list[Any]:
-            return self._allgather_rows(staged, name)
+            return self._allgather_rows(staged, name, into)
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             res = [results[0]] if len(staged) == 1 else results[0]
             for s, o, r in zip(staged, outputs, res):
-                s.write_back(o, r.reshape(-1))
+                if r is not into:
+                    s.write_back(o, r.reshape(-1))
             return outputs
         return self._start(what, submit, finish, staged)
 

@@ -64,6 +64,20 @@ def run_case(i: int, case: dict) -> None:
         ins = [data(seed, k, (dims[k % len(dims)], *shape), dtype) for k in range(n)]
         got = rc.allgather(ins[r], name=f"c{i}")
         close(got, np.concatenate(ins), dtype, what)
+        total = sum(len(x) for x in ins)
+        into = np.full((total, *shape), 7, dtype=ins[r].dtype)  # out= of the gathered shape: filled in place
+        assert rc.allgather(ins[r], name=f"c{i}.out", out=into) is into, what
+        close(into, np.concatenate(ins), dtype, what)
+        bigger = np.zeros((total + 1, *shape), dtype=ins[r].dtype)  # a first dimension that does not fit
+        got = rc.allgather(ins[r], name=f"c{i}.other", out=bigger)
+        assert got is not bigger and not bigger.any(), what
+        close(got, np.concatenate(ins), dtype, what)
+        try:  # an out= of another dtype is refused on every rank, before any data moves
+            rc.allgather(ins[r], name=f"c{i}.bad", out=np.zeros((total, *shape), dtype=np.int8 if dtype != "int8"
+                                                              else np.int16))
+            raise AssertionError(f"{what}: an out= of another dtype was taken")
+        except rc.InvalidInputError as exc:
+            assert "out= must be a C-contiguous array" in str(exc), exc
     elif kind == "broadcast":
         root = case["root"] % n
         ins = [data(seed, k, shape, dtype) for k in range(n)]

@@ -113,6 +113,18 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
     big = torch.empty(n * 3)
     dist.all_gather_into_tensor(big, torch.full((3,), float(rank)))
     assert torch.equal(big, torch.arange(n).repeat_interleave(3).float()), big
+    # as FSDP gathers: the input is this rank's own slice of the output (large: the ring; bfloat16 bits;
+    # a non-contiguous output, which is written back after)
+    for count, dtype in ((300_000, torch.float32), (5, torch.bfloat16)):
+        flat = torch.zeros(n * count, dtype=dtype)
+        mine = flat.narrow(0, rank * count, count)
+        mine.copy_(torch.arange(count, dtype=torch.float32).to(dtype) + rank)
+        dist.all_gather_into_tensor(flat, mine)
+        want = torch.cat([torch.arange(count, dtype=torch.float32).to(dtype) + r for r in range(n)])
+        assert torch.equal(flat, want), (count, dtype)
+    strided = torch.zeros(n * 3, 2)[:, 0]
+    dist.all_gather_into_tensor(strided, torch.full((3,), float(rank)))
+    assert torch.equal(strided, torch.arange(n).repeat_interleave(3).float()), strided
     pg = dist.distributed_c10d._get_default_group()
     o1, o2 = torch.empty(n * 2), torch.empty(n, 1)
     pg.all_gather_single_coalesced([o1, o2], [torch.full((2,), float(rank)), torch.full((1,), rank * 10.0)]).wait()
