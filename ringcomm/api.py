@@ -198,6 +198,11 @@ def allgather(arr: Any, name: str | None = None, process_set: ProcessSet = globa
     """Concatenate the arrays of the ranks of ``process_set`` (default: all) along dim 0, in rank order.
 
         rank 0: [[1, 2]]   rank 1: [[3, 4], [5, 6]]   ->   every rank: [[1, 2], [3, 4], [5, 6]]
+
+    With ``out`` (a C-contiguous array of ``arr``'s dtype whose first dimension is every rank's rows
+    together) the result is written there and returned, with no new array; ``arr`` may be this
+    rank's own rows inside ``out``.  An ``out`` whose first dimension turns out not to fit gets a
+    new array returned instead.
     """
     return allgather_async(arr, name, process_set, out).wait()
 
