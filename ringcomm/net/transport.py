@@ -406,7 +406,6 @@ class DataPlane:
         if msg.kind == b"A":
             self.rings.acked(src, msg.slot)
             return None
-        self.inbox.check(src, msg.seq, msg.tag)
         if msg.kind == b"S":
             ring = self.rings.in_ring(src)
             if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
