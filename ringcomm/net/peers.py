@@ -11,17 +11,19 @@ watches them and sends the one notice of its own rank's loss.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from typing import cast
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 
 log = logging.getLogger("ringcomm.net.transport")
 
+#: A socket monitor's first frame: the event's id and value (libzmq's zmq_socket_monitor).
+_MONITOR_HEAD = struct.Struct("=Hi")
 #: Seconds a closed connection on a bound socket is re-checked: the peer's own closing detaches it
 #: from the socket within milliseconds; a stranger's (refused, or a port scan) never attached
 _SUSPECT_SECONDS = 1.0
@@ -92,14 +94,14 @@ class PeerWatch:
         for peer, mon in self.monitors.items():
             while True:
                 try:
-                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                    event = _MONITOR_HEAD.unpack(mon.recv_multipart(zmq.NOBLOCK)[0])[0]
                 except zmq.Again:
                     break
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     # only the peer holds the credentials, so only its connection gets this far
                     self.authenticated.add(peer)
                     self.unconnected.pop(peer, None)
-                elif event["event"] == zmq.EVENT_DISCONNECTED and peer not in self.lost:
+                elif event == zmq.EVENT_DISCONNECTED and peer not in self.lost:
                     self.suspects.setdefault(peer, time.monotonic())
         now = time.monotonic()
         for peer, since in sorted(self.suspects.items()):
