@@ -296,11 +296,12 @@ def host_memory(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
 def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
     """A CPU tensor: its own memory when contiguous in the wire dtype (bfloat16 bits viewed as
     int16 count), else one copy, converted as it goes, into a new host tensor."""
+    mem = host_memory(t, wire)
+    if mem is not None:
+        return Staged(mem.reshape(t.shape), t.dtype, wire, t.device, True, None, t)
     src = t.detach()
     if wire is torch.int16 and src.dtype is torch.bfloat16:
         src = src.view(torch.int16)  # the bits, whatever the strides
-    if src.dtype is wire and src.is_contiguous():
-        return Staged(src.numpy(), t.dtype, wire, t.device, True, None, src)
     host = empty_host(src.shape, wire, _core_api.current_settings().host_cache_bytes)
     host.copy_(src)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, None, host)
