@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 
-from .supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all
+from .supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all, stop_lost
 from ..errors import InvalidInputError
 from ..net.rendezvous import RendezvousServer, kv_set
 from .elastic_discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
@@ -210,24 +210,16 @@ class ElasticDriver:
 
     def _stop_lost(self) -> None:
         """Stop the workers that this generation's ranks reported lost, as a fixed job's launcher does
-        (:class:`~.lost.LostRanks`): a stopped process at once, another once the report is confirmed.
-        Its end counts as a failure, so the job re-forms without it instead of waiting for it."""
+        (:func:`~.supervise.stop_lost`).  Its end counts as a failure, so the job re-forms without it
+        instead of waiting for it."""
         if not self._servers:
             return
-        self.lost.update(self._servers[-1].lost_reports(), time.monotonic())
-        reported = [r for r in self.lost.reported() if r in self._wid_of]
-        if not reported:
-            return
-        running = {r for r, wid in self._wid_of.items() if not self.workers[wid].exited.is_set()}
-        frozen = {r for r in reported if self.workers[self._wid_of[r]].is_frozen()}
-        for rank in self.lost.to_stop(running, frozen, time.monotonic()):
-            wid = self._wid_of[rank]
-            who = ", ".join(str(r) for r in self.lost.reporters_of(rank))
-            self.say(f"generation {self.gen}: rank{'s' if len(self.lost.reporters_of(rank)) > 1 else ''} {who} "
+        by_rank = {r: self.workers[wid] for r, wid in self._wid_of.items()}
+        for rank, frozen in stop_lost(self.lost, by_rank, self._servers[-1].lost_reports()):
+            wid, reporters = self._wid_of[rank], self.lost.reporters_of(rank)
+            self.say(f"generation {self.gen}: rank{'s' if len(reporters) > 1 else ''} {', '.join(map(str, reporters))} "
                      f"lost worker {wid} (rank {rank}) on {self.host_of[wid]}"
-                     f"{' (its process is stopped)' if rank in frozen else ''}; stopping it")
-            threading.Thread(target=stop_all, args=([self.workers[wid]], GRACE_SECONDS), daemon=True,
-                             name=f"ringcomm-run-stop{wid}").start()
+                     f"{' (its process is stopped)' if frozen else ''}; stopping it")
 
     # ------------------------------------------------------------------ forming worlds
 

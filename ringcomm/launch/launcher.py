@@ -30,7 +30,6 @@ import secrets
 import shlex
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -40,7 +39,7 @@ from ..job import netaddr
 from . import remote
 from .supervise import (
     GRACE_SECONDS, REMOTE_GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, exit_status, remove_job_files, spawn,
-    stop_all,
+    stop_all, stop_lost,
 )
 from ..errors import InvalidInputError
 from .args import build_parser, is_elastic, parse_args, plan_hosts
@@ -316,24 +315,12 @@ def _wait_for_end(
 
 
 def _stop_lost(workers: list[Worker], lost: LostRanks, reports: dict[int, int]) -> None:
-    """Stop the ranks the job lost (a stopped process with SIGKILL at once, else SIGTERM then SIGKILL)."""
-    lost.update(reports, time.monotonic())
-    if not lost.reported():
-        return
+    """Stop the ranks the job lost (:func:`~.supervise.stop_lost`), saying who lost which."""
     by_rank = {w.rank: w for w in workers}
-    running = {w.rank for w in workers if not w.exited.is_set()}
-    frozen = {r for r in lost.reported() if r in by_rank and by_rank[r].is_frozen()}
-    for rank in lost.to_stop(running, frozen, time.monotonic()):
-        worker = by_rank[rank]
-        who = ", ".join(str(r) for r in lost.reporters_of(rank))
-        _say(f"rank{'s' if len(lost.reporters_of(rank)) > 1 else ''} {who} lost {worker.describe()}"
-             f"{' (its process is stopped)' if rank in frozen else ''}; stopping it")
-        worker.stopped_by_launcher = True
-        if rank in frozen:
-            worker.kill()
-        else:
-            threading.Thread(target=stop_all, args=([worker], GRACE_SECONDS), daemon=True,
-                             name=f"ringcomm-run-stop{rank}").start()
+    for rank, frozen in stop_lost(lost, by_rank, reports):
+        reporters = lost.reporters_of(rank)
+        _say(f"rank{'s' if len(reporters) > 1 else ''} {', '.join(map(str, reporters))} lost "
+             f"{by_rank[rank].describe()}{' (its process is stopped)' if frozen else ''}; stopping it")
 
 
 def _root_cause(first: Worker, workers: list[Worker], reports: Mapping[int, int] | None = None) -> Worker:

@@ -35,6 +35,7 @@ from types import FrameType
 from typing import IO
 
 from ..job import names
+from .lost import LostRanks
 
 #: Lines of each rank (stdout and stderr together) kept for the failure report.
 TAIL_LINES = 20
@@ -320,6 +321,26 @@ def stop_all(workers: Iterable[Worker], grace: float, hurry: Callable[[], bool] 
     while _any_alive(signalled) and time.monotonic() < deadline:
         time.sleep(0.01)
     return signalled
+
+
+def stop_lost(lost: LostRanks, by_rank: Mapping[int, Worker], reports: Mapping[int, int]) -> list[tuple[int, bool]]:
+    """Stop the ranks the job lost, as ``lost`` decides from the ranks' ``reports`` (reporting rank ->
+    lost rank): :func:`stop_all` in a thread (a stopped process SIGKILL at once, another SIGTERM,
+    then SIGKILL after the grace).  ``by_rank``: the workers of this job's ranks.  Returns
+    ``(rank, frozen)`` for each rank stopped now, for the caller to say so."""
+    now = time.monotonic()
+    lost.update(reports, now)
+    reported = [r for r in lost.reported() if r in by_rank]
+    if not reported:
+        return []
+    running = {r for r, w in by_rank.items() if not w.exited.is_set()}
+    frozen = {r for r in reported if by_rank[r].is_frozen()}
+    stopped = lost.to_stop(running, frozen, now)
+    for rank in stopped:
+        by_rank[rank].stopped_by_launcher = True
+        threading.Thread(target=stop_all, args=([by_rank[rank]], GRACE_SECONDS), daemon=True,
+                         name=f"ringcomm-run-stop{rank}").start()
+    return [(rank, rank in frozen) for rank in stopped]
 
 
 def _any_alive(workers: list[Worker]) -> bool:
