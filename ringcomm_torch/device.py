@@ -315,7 +315,7 @@ def ops_for(t: torch.Tensor) -> DeviceOps | None:
     in force (for every tensor), else None (a host tensor: no staging needed)."""
     if _override is not None:
         return _override
-    return cuda_ops() if t.device.type == "cuda" else None
+    return cuda_ops() if t.is_cuda else None
 
 
 @contextmanager

@@ -43,7 +43,7 @@ from ringcomm.errors import InvalidTypeError
 from ringcomm.core.ops import SUPPORTED_DTYPES
 
 from .device import DeviceService, cuda_ops, service, service_for
-from .host_memory import empty_host
+from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 
 __all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "check_dtype", "check_stageable",
            "stageable_dtype"]
@@ -251,12 +251,12 @@ def check_stageable(t: Any, what: str) -> None:
     tensor of a supported dtype); copies nothing."""
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse or t.layout is not torch.strided:
+    if t.layout is not torch.strided:  # sparse (COO, CSR...) and other layouts
         raise InvalidTypeError(
             f"{what}: {t.layout} tensors are not supported; convert with tensor.to_dense()"
         )
     check_dtype(t.dtype, what)
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise InvalidTypeError(
             f"{what}: tensors on device {t.device} are not supported; use CPU or CUDA tensors"
         )
@@ -285,20 +285,26 @@ def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
 def host_memory(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
     """``t``'s own memory as a flat array of the wire dtype, for the core to write a result into;
     None unless ``t`` is a contiguous CPU tensor of that dtype (bfloat16 as int16 bits)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    mem = _own_memory(t, wire)
+    return None if mem is None else mem.reshape(-1)
+
+
+def _own_memory(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
+    """:func:`host_memory` in ``t``'s shape."""
+    if not t.is_cpu or not t.is_contiguous():
         return None
     src = t.detach()
     if wire is torch.int16 and src.dtype is torch.bfloat16:
         src = src.view(torch.int16)
-    return src.numpy().reshape(-1) if src.dtype is wire else None
+    return src.numpy() if src.dtype is wire else None
 
 
 def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
     """A CPU tensor: its own memory when contiguous in the wire dtype (bfloat16 bits viewed as
     int16 count), else one copy, converted as it goes, into a new host tensor."""
-    mem = host_memory(t, wire)
+    mem = _own_memory(t, wire)
     if mem is not None:
-        return Staged(mem.reshape(t.shape), t.dtype, wire, t.device, True, None, t)
+        return Staged(mem, t.dtype, wire, t.device, True, None, t)
     src = t.detach()
     if wire is torch.int16 and src.dtype is torch.bfloat16:
         src = src.view(torch.int16)  # the bits, whatever the strides
@@ -355,6 +361,8 @@ def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
 def empty_result(like: torch.Tensor) -> torch.Tensor:
     """A new contiguous tensor with ``like``'s shape, dtype and device (for out-of-place results);
     on the CPU advised for huge pages (:mod:`.host_memory`): the core writes into it first."""
-    if like.device.type == "cpu":
+    if like.is_cpu:
+        if like.numel() * like.element_size() < HUGE_PAGE_MIN_BYTES:  # small: neither advised nor cached
+            return torch.empty(like.shape, dtype=like.dtype)
         return empty_host(like.shape, like.dtype, _core_api.current_settings().host_cache_bytes)
     return torch.empty_like(like, memory_format=torch.contiguous_format)
