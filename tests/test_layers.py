@@ -228,3 +228,15 @@ def test_the_layer_checks_catch_a_wrong_import() -> None:
     assert any(_in(d, "launch") for d in graph["ringcomm.lane.driver"])
     assert "ringcomm.engine" in _reach(graph, "ringcomm.lane.driver")
     assert not _in("ringcomm.launcher", "launch") and _in("ringcomm.launch", "launch")
+
+
+def test_every_public_name_resolves_to_its_home_module_and_is_listed() -> None:
+    """``ringcomm``'s names load on first use: each one of ``__all__`` is the object its module
+    defines, ``dir()`` lists it, and an unknown name is an AttributeError naming it."""
+    for name in ringcomm.__all__:
+        home = importlib.import_module(f"ringcomm.{ringcomm._HOME[name]}")
+        assert getattr(ringcomm, name) is getattr(home, name), name
+    assert set(ringcomm.__all__) <= set(dir(ringcomm)) and set(ringcomm._HOME) == set(ringcomm.__all__)
+    assert ringcomm.api is importlib.import_module("ringcomm.api")  # a submodule, as an attribute
+    with pytest.raises(AttributeError, match="no_such_name"):
+        ringcomm.no_such_name  # noqa: B018

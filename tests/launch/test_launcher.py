@@ -423,3 +423,14 @@ def test_ps_shows_each_guard_as_a_short_line_that_names_the_rank_command():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_starting_the_launcher_loads_neither_numpy_nor_the_runtime() -> None:
+    """``ringcomm-run`` imports only what starting a job needs (the package's names load on first
+    use), so that it starts on a fraction of a rank's CPU, also from a slow shared file system."""
+    code = ("import sys, ringcomm.launch.launcher, ringcomm.launch.elastic_driver\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch') or m in "
+            "('ringcomm.api', 'ringcomm.engine', 'ringcomm.runtime')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=launcher_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
