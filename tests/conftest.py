@@ -39,9 +39,16 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(np_: int, args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    """Run ``ringcomm-run -np N python ARGS...``; kills the job if it outlives ``timeout``."""
-    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, *args]
+def launch(np_: int, args: list[str], timeout: float = 60, *, preload: bool = False,
+           **env: str) -> subprocess.CompletedProcess:
+    """Run ``ringcomm-run -np N python ARGS...``; kills the job if it outlives ``timeout``.
+
+    ``preload=True``: the ranks start with torch already imported (``tests/_preload.py``), for jobs
+    whose checks are about what the program does, not about its process."""
+    from _preload import rank_python
+
+    python = rank_python(np_) if preload else [sys.executable]
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *python, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(**env), cwd=ROOT)
 
 

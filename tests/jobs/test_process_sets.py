@@ -38,7 +38,8 @@ def test_torch_process_sets_and_sync_batch_norm(world: int) -> None:
     """Torch collectives and gradients on a subset, DistributedOptimizer on a subset, SyncBatchNorm vs.
     one BatchNorm over the concatenated batch (see tests/workers/torch_process_sets_worker.py)."""
     pytest.importorskip("torch")
-    proc = launch(world, [str(TORCH_WORKERS / "torch_process_sets_worker.py")], timeout=140, OMP_NUM_THREADS="1")
+    proc = launch(world, [str(TORCH_WORKERS / "torch_process_sets_worker.py")], timeout=140, preload=True,
+                  OMP_NUM_THREADS="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"job failed (np={world}):\n{out[-6000:]}"
     for r in range(world):

@@ -25,7 +25,7 @@ LANE_OFF = {"RINGCOMM_SHM_LANE_BYTES": "0", "RINGCOMM_NET_LANE_BYTES": "0"}
 @pytest.mark.parametrize("np_", [2, 3])
 def test_the_late_rank_gets_the_same_stall_error_and_later_ops_work(np_: int, lane: str) -> None:
     env = {} if lane == "lane" else LANE_OFF
-    proc = launch(np_, [WORKER], timeout=180, RINGCOMM_STALL_CHECK_SECONDS="1",
+    proc = launch(np_, [WORKER], timeout=180, preload=True, RINGCOMM_STALL_CHECK_SECONDS="1",
                   RINGCOMM_STALL_SHUTDOWN_SECONDS="2.5", STALL_LATE_SLEEP="5", **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     late = np_ - 1

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _preload import rank_python
 
 pytest.importorskip("torch")
 
@@ -50,7 +51,7 @@ def run(cmd: list[str], timeout: float, **extra: str) -> str:
 
 
 def ringcomm_run(np_: int, *args: str, timeout: float = 90) -> str:
-    return run([sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, *args], timeout)
+    return run([sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), *args], timeout)
 
 
 def torchrun(np_: int, *args: str, timeout: float = 90) -> str:

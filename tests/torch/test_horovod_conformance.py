@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _preload import rank_python
 
 pytest.importorskip("torch")
 
@@ -43,7 +44,7 @@ def run_job(np_: int, script: str, timeout: float, *args: str, **extra_env: str)
     env.update(extra_env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, str(WORKERS / script), *args]
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), str(WORKERS / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _preload import rank_python
 
 pytest.importorskip("torch")
 
@@ -26,7 +27,7 @@ def run_job(np_: int, script: Path, *args: str, timeout: float = 100.0) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, str(script), *args]
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), str(script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}"
@@ -102,7 +103,7 @@ def test_the_device_test_files_pass_under_the_launcher():
              "tests/torch/test_device_collectives.py"]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, "-m", "pytest", "-q",
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", *rank_python(2), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", *files]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     out = proc.stdout + proc.stderr
@@ -117,7 +118,7 @@ def test_buckets_reduce_on_the_device_through_the_fake_ipc(np_, setting):
     path's results within rounding; no wait for a peer in backward; RINGCOMM_DEVICE_IPC=0 falls back."""
     env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable, "-m", "pytest", "-q",
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr

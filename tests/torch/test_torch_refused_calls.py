@@ -39,7 +39,7 @@ def test_refuse_call_does_nothing_before_init_or_with_one_rank(monkeypatch: pyte
 @pytest.mark.parametrize("np_", [2, 3])
 def test_every_rank_fails_a_call_the_torch_layer_refuses_and_the_next_one_works(np_: int) -> None:
     # a misnumbered unnamed op would stall: fail it within seconds rather than let the job hang
-    proc = launch(np_, [str(TORCH_WORKERS / "torch_refused_call_worker.py")], timeout=190,
+    proc = launch(np_, [str(TORCH_WORKERS / "torch_refused_call_worker.py")], timeout=190, preload=True,
                   RINGCOMM_STALL_CHECK_SECONDS="5", RINGCOMM_STALL_SHUTDOWN_SECONDS="10", OMP_NUM_THREADS="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
