@@ -51,7 +51,8 @@ _folder: list[str] = []
 
 
 def enabled() -> bool:
-    return os.environ.get("TESTS_PRELOAD", "1") != "0" and sys.platform.startswith("linux")
+    return (os.environ.get("TESTS_PRELOAD", "1") != "0" and sys.platform.startswith("linux")
+            and hasattr(os, "pidfd_open"))
 
 
 def rank_python(np_: int) -> list[str]:

@@ -266,6 +266,24 @@ def test_installed_horovodrun_is_ringcomm_run() -> None:
     assert "ringcomm-run" not in out.stderr
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_horovodruns_reports_of_a_failed_job_name_horovodrun(tmp_path: Path) -> None:
+    """The root-cause block of a static job and the elastic driver's messages start with the command typed."""
+    runner = _installed_compat()
+    fail = [sys.executable, "-c", "import sys; print('failing', flush=True); sys.exit(3)"]
+    out = subprocess.run([str(runner), "-np", "2", *fail], capture_output=True, text=True, timeout=60, env=job_env())
+    assert out.returncode == 3 and "horovodrun: job failed\n  root cause: rank " in out.stderr, out.stderr
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\n")
+    discover.chmod(0o755)
+    out = subprocess.run([str(runner), "-np", "1", "--min-np", "1", "--max-np", "1", "--host-discovery-script",
+                          str(discover), "--elastic-timeout", "5", *fail], capture_output=True, text=True, timeout=60,
+                         env=job_env())
+    assert out.returncode != 0 and "horovodrun: elastic job failed" in out.stderr, out.stderr
+    assert "ringcomm-run" not in out.stderr, out.stderr
+
+
 # --------------------------------------------------------------------------- pip's refusal, for real
 
 

@@ -478,6 +478,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = _PROG) -> argparse
     if not args.command:
         parser.error(f"no command given: put the program after the options, e.g. {prog} -np 2 python train.py")
     args.settings_env = settings_env(args)
+    args.prog = prog  # the command the user typed: the launcher's messages start with it
     args.notices = notices(args)
     return args
 

@@ -125,7 +125,7 @@ class ElasticDriver:
     # ------------------------------------------------------------------ helpers
 
     def say(self, text: str) -> None:
-        emit(sys.stderr, f"{_PROG}: {text}")
+        emit(sys.stderr, f"{getattr(self.args, 'prog', _PROG)}: {text}")
 
     def _limit(self) -> int:
         return self.max_np if self.max_np is not None else 1 << 30

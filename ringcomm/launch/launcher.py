@@ -128,8 +128,9 @@ def worker_env(
     return env
 
 
-def _say(text: str) -> None:
-    emit(sys.stderr, f"{_PROG}: {text}")
+def _say(text: str, prog: str = _PROG) -> None:
+    """``text`` on stderr after the command's name (``ringcomm-run``, or ``horovodrun`` as typed)."""
+    emit(sys.stderr, f"{prog}: {text}")
 
 
 class JobHooks(Protocol):
@@ -148,8 +149,13 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
     ``hooks`` (static jobs only) are told the rendezvous address and the job's secret when the
     server is up and again when every worker is gone.
     """
+    prog = getattr(args, "prog", _PROG)
+
+    def say(text: str) -> None:
+        _say(text, prog)
+
     for notice in getattr(args, "notices", []):
-        _say(f"warning: {notice}")
+        say(f"warning: {notice}")
     base_env = {**os.environ, **getattr(args, "settings_env", {})}
     if is_elastic(args):
         from . import elastic_driver as driver
@@ -164,12 +170,12 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
         is_local = {p.host: netaddr.is_local_host(p.host) for p in placements or []}
         bind = rendezvous_host([h for h, local in is_local.items() if not local], interface)
     except InvalidInputError as exc:
-        _say(str(exc))
+        say(str(exc))
         return 2
     try:
         output_dirs = _output_dirs(getattr(args, "output_filename", None), size)
     except OSError as exc:
-        _say(f"cannot create the --output-filename directories under {args.output_filename}: {exc}")
+        say(f"cannot create the --output-filename directories under {args.output_filename}: {exc}")
         return 2
     exits: queue.Queue[Worker] = queue.Queue()
     workers: list[Worker] = []
@@ -185,7 +191,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
             if hooks is not None:
                 hooks.started(server.address, secret)
             if args.verbose:
-                _say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
+                say(f"job {job_id}: {size} workers, rendezvous at {server.address}, command: "
                      f"{shlex.join(args.command)}")
             for rank in range(size):
                 if catcher.received:
@@ -198,19 +204,19 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
                     workers.append(_start_rank(args, rank, host, host != "" and not is_local[host], env, job_id,
                                                exits, output_dirs[rank] if output_dirs else None))
                 except InvalidInputError as exc:
-                    _say(str(exc))
+                    say(str(exc))
                     spawn_status = 2
                     break
                 except OSError as exc:
                     program = args.ssh_command if host and not is_local[host] else shlex.join(args.command[:1])
-                    _say(f"cannot start {program} for rank {rank}{' on ' + host if host else ''}: {exc}")
+                    say(f"cannot start {program} for rank {rank}{' on ' + host if host else ''}: {exc}")
                     spawn_status = 127 if isinstance(exc, FileNotFoundError) else 126
                     break
                 if args.verbose:
                     where = f" on {host}" + (" (ssh)" if workers[-1].remote else "") if host else ""
-                    _say(f"rank {rank}: pid {workers[-1].pid}{where}")
+                    say(f"rank {rank}: pid {workers[-1].pid}{where}")
             first_failure = _wait_for_end(workers, exits, catcher, stop_early=spawn_status != 0,
-                                          lost=lost, reports=server.lost_reports)
+                                          lost=lost, reports=server.lost_reports, say=say)
             lost.update(server.lost_reports(), time.monotonic())  # a rank tells before it exits: all are in
             leftovers = [w for w in workers if w.exited.is_set() and w.group_alive()]
         finally:
@@ -231,19 +237,19 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
 
     if args.verbose:
         for worker in leftovers:
-            _say(f"rank {worker.rank} (pid {worker.pid}) exited but left processes in its group; stopped them")
+            say(f"rank {worker.rank} (pid {worker.pid}) exited but left processes in its group; stopped them")
     if first_failure is not None:
         first_failure = _root_cause(first_failure, workers, lost.reports)
-        _report_failure(first_failure, workers, lost.reports)
+        _report_failure(first_failure, workers, lost.reports, prog)
         return exit_status(first_failure.returncode or 0) or 1
     if catcher.received:
         signum = catcher.received[0]
-        _say(f"received {signal.Signals(signum).name}; stopped all {len(workers)} workers")
+        say(f"received {signal.Signals(signum).name}; stopped all {len(workers)} workers")
         return 128 + signum
     if spawn_status:
         return spawn_status
     if args.verbose:
-        _say(f"job {job_id}: all {size} ranks exited with code 0")
+        say(f"job {job_id}: all {size} ranks exited with code 0")
     return 0
 
 
@@ -287,6 +293,7 @@ def _output_dirs(directory: str | None, size: int) -> list[str] | None:
 def _wait_for_end(
     workers: list[Worker], exits: "queue.Queue[Worker]", catcher: SignalCatcher, stop_early: bool,
     lost: LostRanks | None = None, reports: Callable[[], dict[int, int]] | None = None,
+    say: Callable[[str], None] = _say,
 ) -> Worker | None:
     """Block until every worker exited 0 (-> None), one failed (-> the first), or a signal came.
 
@@ -296,7 +303,7 @@ def _wait_for_end(
     finished = 0
     while finished < len(workers) and not stop_early and not catcher.received:
         if lost is not None and reports is not None:
-            _stop_lost(workers, lost, reports())
+            _stop_lost(workers, lost, reports(), say)
         try:
             worker = exits.get(timeout=0.1)
         except queue.Empty:
@@ -314,12 +321,13 @@ def _wait_for_end(
     return None
 
 
-def _stop_lost(workers: list[Worker], lost: LostRanks, reports: dict[int, int]) -> None:
+def _stop_lost(workers: list[Worker], lost: LostRanks, reports: dict[int, int],
+               say: Callable[[str], None] = _say) -> None:
     """Stop the ranks the job lost (:func:`~.supervise.stop_lost`), saying who lost which."""
     by_rank = {w.rank: w for w in workers}
     for rank, frozen in stop_lost(lost, by_rank, reports):
         reporters = lost.reporters_of(rank)
-        _say(f"rank{'s' if len(reporters) > 1 else ''} {', '.join(map(str, reporters))} lost "
+        say(f"rank{'s' if len(reporters) > 1 else ''} {', '.join(map(str, reporters))} lost "
              f"{by_rank[rank].describe()}{' (its process is stopped)' if frozen else ''}; stopping it")
 
 
@@ -382,7 +390,8 @@ def link_lost_between(root: Worker, workers: list[Worker]) -> Worker | None:
     return other
 
 
-def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, int] | None = None) -> None:
+def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, int] | None = None,
+                    prog: str = _PROG) -> None:
     """Print the torchrun-style root-cause block to stderr."""
     reports = reports or {}
     blaming = [w for w in workers if w is not root and (blamed_rank(w) == root.rank or reports.get(w.rank) == root.rank)]
@@ -399,13 +408,13 @@ def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, i
                  f"a host that stopped routing); rank {root.rank} {describe_exit(root.returncode or 0)}, rank "
                  f"{other.rank} {describe_exit(other.returncode or 0)}")
     elif reporters and root.stopped_by_launcher:
-        cause = f"stopped answering ({because}); {_PROG} then stopped it ({describe_exit(root.returncode or 0)})"
+        cause = f"stopped answering ({because}); {prog} then stopped it ({describe_exit(root.returncode or 0)})"
     elif reporters:
         cause = f"{describe_exit(root.returncode or 0)}; {because}"
     else:
         cause = describe_exit(root.returncode or 0)
     lines = [
-        f"{_PROG}: job failed",
+        f"{prog}: job failed",
         f"  root cause: {root.describe()} {cause}",
         f"  last lines of rank {root.rank}:",
     ]
@@ -416,7 +425,7 @@ def _report_failure(root: Worker, workers: list[Worker], reports: Mapping[int, i
             lines.append(f"  also failed: {worker.describe()} {describe_exit(worker.returncode)}")
     stopped = [str(w.rank) for w in workers if w.stopped_by_launcher]
     if stopped:
-        lines.append(f"  stopped by {_PROG}: rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}")
+        lines.append(f"  stopped by {prog}: rank{'s' if len(stopped) > 1 else ''} {', '.join(stopped)}")
     emit(sys.stderr, "\n".join(lines))
 
 
