@@ -180,7 +180,12 @@ def _serve(path: str) -> tuple[dict, list[int]] | None:
         for key, _ in sel.select():
             if key.data == "accept":
                 conn, _ = listener.accept()
-                request, fds = _read_request(conn)
+                try:
+                    request, fds = _read_request(conn)
+                except (OSError, ValueError, struct.error) as exc:  # a client gone before it asked
+                    print(f"preload server: dropped a request: {exc!r}", file=sys.stderr, flush=True)
+                    conn.close()
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -224,16 +229,29 @@ def _serve(path: str) -> tuple[dict, list[int]] | None:
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The client's request and its three streams; raises if the client leaves before it is whole."""
     fds = array.array("i")
+    conn.settimeout(30)  # a client that stops half-way must not hold up the others
     data, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    (size,) = struct.unpack("!I", data[:4])
-    body = data[4:]
-    while len(body) < size:
-        body += conn.recv(size - len(body))
-    return json.loads(body), list(fds)
+    try:
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+        (size,) = struct.unpack("!I", data[:4])
+        body = data[4:]
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ValueError("the client closed the connection mid-request")
+            body += chunk
+        conn.settimeout(None)
+        return json.loads(body), list(fds)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _become(request: dict, fds: list[int]) -> None:

@@ -4,6 +4,7 @@ client, and a string-hash seed of their own per rank index."""
 
 from __future__ import annotations
 
+import array
 import os
 import signal
 import subprocess
@@ -104,3 +105,21 @@ def test_the_client_imports_nothing_heavy() -> None:
     proc = subprocess.run([sys.executable, "-X", "importtime", *rank_python(2)[1:], "-c", "pass"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "numpy" not in proc.stderr and "torch" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_client_that_leaves_half_way_does_not_stop_the_server() -> None:
+    import socket
+
+    import _preload
+
+    path = rank_python(2)[3].split(":")[0]
+    server = _preload._servers[0][0]
+    for payload in (b"", b"\x00\x00\x10\x00{"):  # nothing at all; a request cut short
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            if payload:
+                sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    time.sleep(0.5)
+    assert server.poll() is None, "the preload server died"
+    assert run("print('still serving')").stdout == "still serving\n"
+    assert _preload._servers[0][0] is server
