@@ -27,6 +27,7 @@ SIGTERM of a launcher's stop: it ends with the worker.
 from __future__ import annotations
 
 import ctypes
+import errno
 import importlib.util
 import os
 import signal
@@ -150,6 +151,20 @@ def _watch(worker: int, launcher: int, reclaim: str | None) -> None:
     os._exit(0)
 
 
+def _cannot_start(program: str, exc: OSError, rank: str | None) -> str:
+    """Why ``program`` could not be started, for the rank's own stderr (the launcher, ``ringcomm-run``
+    or ``horovodrun``, then reports the rank's exit).
+
+    >>> _cannot_start("./train.py", OSError(8, "Exec format error"), "1")
+    "rank 1: cannot start ./train.py: [Errno 8] Exec format error; give the script a '#!' line, or run it through its interpreter (e.g. python ./train.py)"
+    """
+    who = f"rank {rank}: " if rank else ""
+    hint = ""
+    if exc.errno == errno.ENOEXEC:
+        hint = f"; give the script a '#!' line, or run it through its interpreter (e.g. python {program})"
+    return f"{who}cannot start {program}: {exc}{hint}"
+
+
 def main(argv: list[str]) -> int:
     reclaim = None
     if len(argv) > 2 and argv[1] == "--reclaim":
@@ -172,7 +187,7 @@ def main(argv: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as exc:
-        print(f"ringcomm-run: cannot start {command[0]}: {exc}", file=sys.stderr)
+        print(_cannot_start(command[0], exc, os.environ.get("RINGCOMM_RANK")), file=sys.stderr)
         return 127 if isinstance(exc, FileNotFoundError) else 126
     return 0  # pragma: no cover - execvp does not return
 

@@ -237,6 +237,19 @@ def test_missing_program_is_reported():
     assert "cannot start /nonexistent/ringcomm-test-program" in result.stderr
 
 
+@pytest.mark.timeout(30)
+def test_a_script_without_a_shebang_line_is_reported_by_rank_with_the_fix(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")  # executable, but no '#!' line: exec fails with ENOEXEC
+    script.chmod(0o755)
+    result, _ = run_launcher("-np", "2", str(script))
+    assert result.returncode == 126, result.stderr
+    for rank in (0, 1):
+        assert (f"[{rank}]<stderr>:rank {rank}: cannot start {script}: [Errno 8] Exec format error; give the "
+                f"script a '#!' line, or run it through its interpreter (e.g. python {script})") in result.stderr
+    assert "ringcomm-run: job failed" in result.stderr and "never" not in result.stdout
+
+
 SPAWN_CHILD = """
 import os, subprocess, sys, time
 rank = int(os.environ["RINGCOMM_RANK"])
