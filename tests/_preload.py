@@ -65,6 +65,8 @@ def rank_python(np_: int) -> list[str]:
 
 
 def _start(np_: int) -> None:
+    from conftest import job_env
+
     if not _folder:
         _folder.append(tempfile.mkdtemp(prefix="ringcomm-tests-preload-"))
         atexit.register(_stop_all)
@@ -75,9 +77,8 @@ def _start(np_: int) -> None:
         path = os.path.join(_folder[0], f"server-{i}.sock")
         if os.path.exists(path):
             os.unlink(path)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_") and k != "OMP_NUM_THREADS"}
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        env = job_env()
+        env.pop("OMP_NUM_THREADS", None)  # each child sets torch's threads from its own environment
         log = open(os.path.join(_folder[0], f"server-{i}.log"), "ab")
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from _launcher_helpers import wait_gone
 from _preload import enabled, rank_python
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
@@ -78,10 +79,7 @@ def test_a_signal_to_the_client_reaches_the_program_and_a_killed_client_takes_it
     child = int(proc.stdout.readline())
     proc.kill()
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 20
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child), f"the program (pid {child}) outlived its killed client"
+    assert not wait_gone([child], timeout=20), f"the program (pid {child}) outlived its killed client"
 
 
 def test_ranks_of_one_job_have_their_own_hash_seeds_and_torch_threads_follow_omp() -> None:
@@ -91,14 +89,6 @@ def test_ranks_of_one_job_have_their_own_hash_seeds_and_torch_threads_follow_omp
             for r in (0, 1)]
     assert outs[0][1] == outs[1][1] == "1"
     assert outs[0][0] != outs[1][0], "ranks 0 and 1 share a string-hash seed"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_the_client_imports_nothing_heavy() -> None:
