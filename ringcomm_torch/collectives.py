@@ -29,12 +29,13 @@ from ringcomm.core.ops import ReduceOp
 from ringcomm.handles import GroupHandle
 
 from .basics import check_process_set, global_process_set, rank
+from .device_arena import arena_for
 from .handles import Handle, completed, poll, synchronize
 from .tensors import Staged, begin, empty_result, stage, stageable_dtype
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
-    "allreduce_async", "allreduce_async_", "allreduce_",
+    "allreduce_async", "allreduce_async_", "allreduce_", "staged_allreduce",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
     "allgather_async", "grouped_allgather_async",
     "broadcast_async", "broadcast_async_", "broadcast_",
@@ -153,8 +154,28 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
     cname = core_name("allreduce", name)
     with refusing("allreduce", cname, process_set):
         op = resolve_op(op, average, stacklevel=4)  # the warning names the caller of allreduce_async
-        s = stage(tensor, reduce=True, what=what)
-    out, result = _reduced_into(tensor, s, output is tensor)
+        arena = arena_for(tensor, op, process_set)
+        if arena is None:
+            s = stage(tensor, reduce=True, what=what)
+    if arena is not None:  # CUDA, on one host: reduced on the GPUs when every rank has room
+        return arena.allreduce(
+            tensor, in_place=output is tensor, core_name=cname or _rc.api.reserve_name("allreduce", process_set),
+            name=name, average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
+            fallback=lambda nm: staged_allreduce(tensor, stage(tensor, reduce=True, what=what), output is tensor,
+                                                 name, nm, op, prescale_factor, postscale_factor, process_set))
+    return staged_allreduce(tensor, s, output is tensor, name, cname, op, prescale_factor, postscale_factor,
+                            process_set)
+
+
+def staged_allreduce(tensor: torch.Tensor, s: Staged, in_place: bool, name: str | None, cname: str | None, op: Any,
+                     prescale_factor: float, postscale_factor: float, process_set: Any,
+                     consumer: Any = None) -> Handle:
+    """Allreduce ``tensor``, staged as ``s``, under core name ``cname`` (None: numbered by the
+    core), into itself (``in_place``) or a new tensor; ``consumer``: the stream that uses a device
+    result (default: the current one in ``synchronize()``)."""
+    if consumer is not None:
+        s.consumer = consumer
+    out, result = _reduced_into(tensor, s, in_place)
     core = _start([s], "allreduce", cname, process_set,
                   lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, out=out, process_set=process_set))

@@ -43,7 +43,7 @@ from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["choose_path", "IpcBucket", "share_buckets", "log_once"]
+__all__ = ["choose_path", "shard_bounds", "sum_shard", "agree", "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
@@ -84,10 +84,46 @@ def log_once(use: bool, reason: str) -> None:
                   "on the device through CUDA IPC" if use else "through pinned host memory", reason)
 
 
-def _agree(name: str, process_set: Any) -> Any:
+def agree(name: str, process_set: Any) -> Any:
     """A one-element allreduce that completes once every rank has submitted it (returns at once)."""
     token = np.zeros(1, dtype=np.int32)
     return _rc.allreduce_async(token, op=Sum, name=name, out=token, process_set=process_set)
+
+
+def shard_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` of a flat buffer whose sum ``rank`` computes (pure).
+
+    >>> [shard_bounds(10, r, 3) for r in range(3)]
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    q, r = divmod(numel, size)
+    lo = rank * q + min(rank, r)
+    return lo, lo + q + (1 if rank < r else 0)
+
+
+def sum_shard(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: int, prescale: float,
+              postscale: float, average: bool) -> None:
+    """Queue on ``side``: the sum of ``views[k][lo:hi]`` over every rank ``k`` **in rank order** (so
+    whichever rank computes it, the bits are the same), each term times ``prescale``, the sum times
+    ``postscale`` and divided by the ranks for Average (as the host path does), then its copy into
+    every rank's view.  Half-precision terms are summed in float32 and rounded once."""
+    if hi <= lo:
+        return
+    dtype = views[0].dtype
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    with ops.on(side), torch.no_grad():
+        acc = views[0][lo:hi].to(wide, copy=True)
+        if prescale != 1.0:
+            acc.mul_(prescale)
+        for view in views[1:]:
+            term = view[lo:hi].to(wide)
+            acc.add_(term * prescale if prescale != 1.0 else term)
+        if postscale != 1.0:
+            acc.mul_(postscale)
+        if average:
+            acc.div_(len(views))
+    for view in views:
+        ops.copy(view[lo:hi], acc, side)
 
 
 class IpcBucket(DeviceBucket):
@@ -124,11 +160,6 @@ class IpcBucket(DeviceBucket):
         self.posted = [self._own[0] if k == rank else ipc.open_event(h[1], dev) for k, h in enumerate(handles)]
         self.done = [self._own[1] if k == rank else ipc.open_event(h[2], dev) for k, h in enumerate(handles)]
 
-    def _shard(self) -> tuple[int, int]:
-        q, r = divmod(self.numel, self.size)
-        lo = self.rank * q + min(self.rank, r)
-        return lo, lo + q + (1 if self.rank < r else 0)
-
     def start(self, grads: list[torch.Tensor], *, name: str, op: Any, compression: Any, prescale: float,
               postscale: float, process_set: Any) -> Handle:
         """Queue the pack and *posted*, submit the agreement; returns at once (module docstring)."""
@@ -139,28 +170,18 @@ class IpcBucket(DeviceBucket):
         grads, back_into = self._become_views(grads)
         ops.record(self.posted[self.rank], side)
         core_name = f"allreduce.{name}"
-        lo, hi = self._shard()
+        lo, hi = shard_bounds(self.numel, self.rank, self.size)
         average = op == Average
 
         def reduce(_raw: Any) -> Any:  # on a return thread, once every rank has posted
             for k, ev in enumerate(self.posted):
                 if k != self.rank:
                     ops.stream_wait(side, ev)
-            if hi > lo:
-                with ops.on(side), torch.no_grad():
-                    acc = self.peers[0][lo:hi] * prescale if prescale != 1.0 else self.peers[0][lo:hi].clone()
-                    for peer in self.peers[1:]:  # rank order: every rank's shard sums alike
-                        acc.add_(peer[lo:hi] * prescale if prescale != 1.0 else peer[lo:hi])
-                    if postscale != 1.0:
-                        acc.mul_(postscale)
-                    if average:
-                        acc.div_(self.size)
-                for peer in self.peers:
-                    ops.copy(peer[lo:hi], acc, side)
+            sum_shard(ops, side, self.peers, lo, hi, prescale, postscale, average)
             ops.record(self.done[self.rank], side)
-            return _agree(f"{core_name}.done", process_set)
+            return agree(f"{core_name}.done", process_set)
 
-        returning = svc.then(_agree(f"{core_name}.posted", process_set), reduce, core_name)
+        returning = svc.then(agree(f"{core_name}.posted", process_set), reduce, core_name)
 
         def finish(done: Any) -> list[torch.Tensor]:  # synchronize(): every rank queued its shards
             done.wait()

@@ -155,9 +155,13 @@ _fakes: "weakref.WeakKeyDictionary[FakeOps, FakeIpc]" = weakref.WeakKeyDictionar
 _cuda = CudaIpc()
 
 
-def ipc_for(ops: DeviceOps) -> CudaIpc | FakeIpc:
-    """The IPC of ``ops``: the fake's own for a :class:`FakeOps`, else CUDA's."""
+def ipc_for(ops: DeviceOps, own: bool = False) -> CudaIpc | FakeIpc:
+    """The IPC of ``ops``: the fake's own for a :class:`FakeOps`, else CUDA's.  ``own``: a fake IPC
+    of its own, whose :meth:`FakeIpc.opened` unlinks only the files it made (a caller that shares
+    at its own pace, not with the optimizer's buckets)."""
     if isinstance(ops, FakeOps):
+        if own:
+            return FakeIpc(ops)
         fake = _fakes.get(ops)
         if fake is None:
             fake = _fakes[ops] = FakeIpc(ops)

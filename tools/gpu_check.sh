@@ -49,10 +49,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
     >"$SUMMARY" 2>&1
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/torch/test_cuda.py tests/torch/test_device_buckets.py
-       tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py)
-step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
+       tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py
+       tests/torch/test_device_arena.py)
+# an 8 MiB arena: the tests' large tensor then takes 8 MiB, not 256, on each rank's fake device
+RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
 for np in 2 4; do
-    step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
+    RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
 done
 for np in 1 2 4; do  # one log for the three
     { echo "=== np $np"; cat "$OUT/cuda-tests-np$np.log"; } >>"$OUT/cuda-tests.log" && rm "$OUT/cuda-tests-np$np.log"

@@ -75,6 +75,11 @@ class Settings:
     #: every rank's bucket (``ringcomm_torch/device_ipc.py``); 0: always through pinned host memory.
     #: Off by default until the path has been measured on GPUs (the fake device checks its logic).
     device_ipc: bool = False
+    #: With the device path on, each rank shares one device buffer of this many bytes with the other
+    #: ranks of its host, once, at its first CUDA allreduce (``ringcomm_torch/device_arena.py``):
+    #: per-tensor allreduces (``hvd.allreduce``, SyncBatchNorm, the ``"ringcomm"`` backend) that fit in
+    #: what is free reduce there; the others go through pinned host memory.
+    device_ipc_arena_bytes: int = 256 * 1024 * 1024
     #: The torch layer's new CPU tensors of 4 MiB and more (out-of-place results, converting copies)
     #: come from blocks it reuses once their tensors are gone, as torch's CUDA allocator does: a
     #: fresh block's pages are mapped at first write (a 1 GiB result took 1.6x the allreduce itself).
@@ -274,6 +279,9 @@ class Settings:
         if self.host_cache_bytes < 0:
             raise InvalidInputError(f"RINGCOMM_HOST_CACHE_BYTES must be >= 0 (0: keep no blocks), got "
                                     f"{self.host_cache_bytes}")
+        if self.device_ipc_arena_bytes < 0:
+            raise InvalidInputError(f"RINGCOMM_DEVICE_IPC_ARENA_BYTES must be >= 0 (0: every per-tensor CUDA allreduce "
+                                    f"through pinned host memory), got {self.device_ipc_arena_bytes}")
         if self.segment_bytes < 1024:
             raise InvalidInputError(f"RINGCOMM_SEGMENT_BYTES must be >= 1024, got {self.segment_bytes}")
         if self.stream_min_bytes < 0:

@@ -28,6 +28,8 @@ import ringcomm as rc
 from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
+from ..collectives import staged_allreduce
+from ..device_arena import Arena, arena_for
 from ..tensors import Staged, begin, host_memory, stage
 from .work import RingcommWork, as_backend_error, completer
 
@@ -148,6 +150,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._allreduce_list(tensors, op, "allreduce_coalesced")
 
     def _allreduce_list(self, tensors: list[torch.Tensor], op: _ops.ReduceOp, what: str) -> RingcommWork:
+        arena = arena_for(tensors[0], op, self._pset) if len(tensors) == 1 else None
+        if arena is not None:  # one CUDA tensor (a DDP bucket), on one host: reduced on the GPUs
+            return self._device_allreduce(arena, tensors[0], op, what)
         staged = [stage(t, reduce=True, what=what) for t in tensors]
         name = self._name("ar")
 
@@ -163,6 +168,22 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 s.write_back(t)
             return tensors
         return self._start(what, submit, finish, staged)
+
+    def _device_allreduce(self, arena: Arena, t: torch.Tensor, op: _ops.ReduceOp, what: str) -> RingcommWork:
+        """:meth:`allreduce` of one device tensor through the host's shared arenas
+        (:mod:`ringcomm_torch.device_arena`); the result is ordered before later work of the
+        stream current here, as on the pinned path."""
+        name = self._name("ar")
+        consumer = arena.service.current()
+        try:
+            handle = arena.allreduce(
+                t, in_place=True, core_name=name, name=name, average=op is rc.Average, prescale=1.0, postscale=1.0,
+                consumer=consumer,
+                fallback=lambda nm: staged_allreduce(t, stage(t, reduce=True, what=what), True, name, nm, op, 1.0,
+                                                     1.0, self._pset, consumer))
+        except BaseException as exc:
+            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
+        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: [t])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         op = reduce_op(opts.reduceOp, "reduce")

@@ -54,6 +54,39 @@ def test_pinned_buffers_are_reused():
     assert pool.allocations == before
 
 
+def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
+    """With RINGCOMM_DEVICE_IPC=1 and every rank on this host (as tools/gpu_check.sh runs it): the
+    arena is shared, and a float allreduce is right, alike on every rank and ordered on the current
+    stream (a result read right after the call sees the kernels queued before it)."""
+    import time
+
+    from ringcomm_torch import device_arena
+
+    t = torch.zeros(1 << 16, device="cuda")
+    arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
+    if arena is None:
+        pytest.skip("the device path is off here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
+    arena.start()
+    deadline = time.monotonic() + 60
+    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
+        assert time.monotonic() < deadline, arena.state
+        time.sleep(0.01)
+    assert arena.state == "ready", arena.reason
+    before = device.service_for(t).pool.allocations
+    n = hvd.size()
+    for step in range(1, 6):
+        t.fill_(float(hvd.rank() + step))  # queued on the current stream before the op's copy
+        out = hvd.allreduce(t, op=hvd.Sum)
+        hvd.allreduce_(t, op=hvd.Average)
+        assert float(out[-1]) == n * step + n * (n - 1) / 2
+        assert float(t[0]) == step + (n - 1) / 2
+    half = torch.randn(4097, device="cuda", generator=torch.Generator("cuda").manual_seed(hvd.rank())).half()
+    got = hvd.allreduce(half, op=hvd.Sum)
+    rows = hvd.allgather(got.reshape(1, -1))
+    assert all(torch.equal(rows[0], row) for row in rows)  # one rank sums each shard: the same bits
+    assert device.service_for(t).pool.allocations == before  # nothing went through pinned host memory
+
+
 def test_results_are_ordered_on_the_current_stream():
     t = torch.zeros(1 << 20, device="cuda")
     for _ in range(5):

@@ -113,15 +113,17 @@ def test_the_device_test_files_pass_under_the_launcher():
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("np_,setting", [(2, "1"), (3, "1"), (2, "0")], ids=["np2", "np3", "np2-off"])
-def test_buckets_reduce_on_the_device_through_the_fake_ipc(np_, setting):
-    """tests/torch/test_device_ipc.py under the launcher: bitwise alike on every rank and the pinned
-    path's results within rounding; no wait for a peer in backward; RINGCOMM_DEVICE_IPC=0 falls back."""
-    env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting)
+def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np_, setting):
+    """tests/torch/test_device_ipc.py and test_device_arena.py under the launcher (a 1 MiB arena):
+    bitwise alike on every rank and the pinned path's results within rounding; no wait for a peer
+    in backward or in the call; RINGCOMM_DEVICE_IPC=0 falls back."""
+    env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting, RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), "-m", "pytest", "-q",
-           "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py"]
+           "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py",
+           "tests/torch/test_device_arena.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("3 passed, 1 skipped") == np_, out[-3000:]
+    assert out.count("15 passed, 1 skipped" if setting == "1" else "11 passed, 5 skipped") == np_, out[-3000:]
 

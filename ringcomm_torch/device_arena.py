@@ -1,0 +1,349 @@
+"""Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's,
+the ``"ringcomm"`` backend's) reduced on the device among one host's ranks through CUDA IPC, as
+:mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory.
+
+Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
+interprocess events (*posted*, *done*).  At the first CUDA allreduce that may take this path the
+ranks share them without waiting: one allgather of every rank's handles, opened on a return
+thread, then one allgather of whether every rank opened every peer's.  Until that is settled, and
+whenever a tensor does not fit in what is free, a rank offers no room.  Each op, for ``n`` ranks:
+
+1. the caller's thread takes a range of its arena (:class:`Slots`), queues the tensor's copy into
+   it on the side stream, records *posted*, and submits the op's agreement: an allgather of its
+   range's offset, or -1 when it has no room.  It returns at once;
+2. on a return thread, once every rank has offered: if any offered -1, every rank reduces the op
+   through pinned host memory instead (the same result; the caller's ``fallback``).  Otherwise
+   the side stream waits for every peer's *posted* event, sums this rank's shard of the tensor
+   over every rank's range in rank order (so every rank gets the same bits; Horovod's prescale,
+   postscale and Average as on the host), copies the sum into every rank's range, records
+   *done*, and submits a second agreement: whether each rank queued its shard;
+3. ``synchronize()`` waits for that agreement, makes the side stream wait for every peer's
+   *done*, copies the range into the result on the side stream, and makes the stream that
+   consumes the result wait for that copy.  The range is free again at once: whatever writes into
+   it next is queued on the same side stream, after those waits.
+
+Both agreements are ordinary core ops named after the op, so a rank that submits something else
+under that name (a host tensor, another dtype) fails the op on every rank with a
+``MismatchError``, as a mismatch does on the pinned path.  Stream waits capture an event's latest
+record, and every record a wait refers to was queued before the wait, so no two side streams can
+wait for each other.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import ringcomm as _rc
+from ringcomm.core.ops import Average, Sum
+from ringcomm.core.process_sets import global_process_set
+from ringcomm.errors import HorovodInternalError
+
+from .device import DeviceService, FakeOps, service_for
+from .device_ipc import choose_path, shard_bounds, sum_shard
+from .device_ipc_ops import ipc_for
+from .handles import Handle
+
+__all__ = ["Slots", "Arena", "arena_for", "ARENA_ALIGN"]
+
+_log = logging.getLogger(__name__)
+
+#: Every range of an arena starts at a multiple of this many bytes (CUDA's own allocations do).
+ARENA_ALIGN = 256
+
+
+class Slots:
+    """Ranges of an arena of ``capacity`` bytes, first fit (pure, no I/O).
+
+    >>> s = Slots(1024, align=256)
+    >>> s.take(100), s.take(300), s.take(700)
+    (0, 256, None)
+    >>> s.give(0); s.take(200)
+    0
+    """
+
+    def __init__(self, capacity: int, align: int = ARENA_ALIGN) -> None:
+        self.capacity = capacity
+        self.align = align
+        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity > 0 else []  # (start, length), sorted
+        self._taken: dict[int, int] = {}
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def take(self, nbytes: int) -> int | None:
+        """The start of a free range of at least ``nbytes`` (rounded up to the alignment), or None."""
+        need = max(self.align, -(-nbytes // self.align) * self.align)
+        for i, (start, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + need, length - need)
+                self._taken[start] = need
+                return start
+        return None
+
+    def give(self, start: int) -> None:
+        """Free the range that :meth:`take` returned at ``start``, merged with free neighbours."""
+        length = self._taken.pop(start)
+        free = self._free
+        i = 0
+        while i < len(free) and free[i][0] < start:
+            i += 1
+        free.insert(i, (start, length))
+        if i + 1 < len(free) and start + length == free[i + 1][0]:
+            free[i] = (start, length + free.pop(i + 1)[1])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
+            prev = free.pop(i - 1)
+            free[i - 1] = (prev[0], prev[1] + free[i - 1][1])
+
+
+class _Range:
+    """One op's range of this rank's arena, given back once (by whichever comes first)."""
+
+    __slots__ = ("arena", "offset")
+
+    def __init__(self, arena: Arena, offset: int) -> None:
+        self.arena, self.offset = arena, offset
+
+    def give(self) -> None:
+        if self.offset >= 0:
+            offset, self.offset = self.offset, -1
+            self.arena.give(offset)
+
+
+class _OnDevice:
+    """A reduction queued on the device: the agreement that every rank queued its shard."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, done: Any, error: BaseException | None) -> None:
+        self.done, self.error = done, error
+
+
+class Arena:
+    """One rank's shared device buffer for the per-tensor allreduces of the global process set
+    (see the module docstring).  ``state``: ``"new"``, ``"sharing"``, ``"ready"`` or ``"off"``."""
+
+    def __init__(self, service: DeviceService, settings: Any, rank: int, size: int, local_size: int) -> None:
+        self.service = service
+        self.ops = service.ops
+        self.settings = settings  # the job this arena belongs to (a new job makes a new arena)
+        self.rank, self.size, self.local_size = rank, size, local_size
+        self.ipc = ipc_for(service.ops, own=True)
+        self.slots = Slots(int(settings.device_ipc_arena_bytes))
+        self.state = "new"
+        self.reason = ""
+        self._lock = threading.Lock()
+        self.flat: torch.Tensor | None = None
+        self.peers: list[torch.Tensor] = []  # every rank's arena, in rank order (this one's own)
+        self.posted: list[Any] = []
+        self.done: list[Any] = []
+        self._own: tuple[Any, Any] = (None, None)
+
+    # -- sharing, once ---------------------------------------------------------------
+
+    def _share(self) -> None:
+        """Offer this rank's arena and events to the others (returns at once; see the module docstring)."""
+        ipc, svc = self.ipc, self.service
+        mine: Any = None
+        problem = None
+        try:
+            self.flat = ipc.shared_flat(self.slots.capacity, torch.uint8, svc.device)
+            self._own = (ipc.event(), ipc.event())
+            for ev in self._own:
+                self.ops.record(ev, svc.side)  # created on the device, so that it has a handle
+            mine = (ipc.share(self.flat), ipc.event_handle(self._own[0]), ipc.event_handle(self._own[1]),
+                    svc.device.index or 0)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it and keeps the pinned path
+            problem = f"{type(exc).__name__}: {exc}"
+        blob = np.frombuffer(pickle.dumps((mine, problem)), dtype=np.uint8).copy()
+        try:
+            every = _rc.allgather_async(blob, name="device_arena.share")
+        except Exception as exc:  # noqa: BLE001 - e.g. the job is ending: the pinned path stays
+            self._settle(False, f"sharing the arenas failed ({type(exc).__name__}: {exc})")
+            return
+        svc.then(every, self._guarded(self._open), "device_arena.share")
+
+    def _guarded(self, step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(raw: Any) -> Any:
+            try:
+                return step(raw)
+            except BaseException as exc:  # noqa: BLE001 - the sharing failed: the pinned path stays
+                self._settle(False, f"sharing the arenas failed ({type(exc).__name__}: {exc})")
+                return None
+        return run
+
+    def _open(self, raw: Any) -> None:
+        """On a return thread: every rank's handles are here; decide the path alike, open the peers'."""
+        data = io.BytesIO(np.asarray(raw, dtype=np.uint8).tobytes())
+        every = [pickle.load(data) for _ in range(self.size)]  # each rank's pickle, in rank order
+        for k, (_, problem) in enumerate(every):
+            if problem is not None:
+                self._settle(False, f"rank {k} could not share its arena ({problem})")
+                return
+        devices = [int(m[3]) for m, _ in every]
+        reachable = [[self.ipc.peer_access(a, b) for b in devices] for a in devices]
+        use, reason = choose_path(True, self.size, self.local_size, devices, reachable, True, True)
+        if not use:
+            self._settle(False, reason)
+            return
+        problem = None
+        try:
+            dev = self.service.device
+            assert self.flat is not None
+            self.peers = [self.flat if k == self.rank else self.ipc.open_shared(m[0], dev)
+                          for k, (m, _) in enumerate(every)]
+            self.posted = [self._own[0] if k == self.rank else self.ipc.open_event(m[1], dev)
+                           for k, (m, _) in enumerate(every)]
+            self.done = [self._own[1] if k == self.rank else self.ipc.open_event(m[2], dev)
+                         for k, (m, _) in enumerate(every)]
+        except Exception as exc:  # noqa: BLE001
+            problem = f"{type(exc).__name__}: {exc}"
+            _log.warning("rank %d could not open a peer's arena through CUDA IPC: %s", self.rank, problem)
+        status = np.array([0 if problem is None else 1], dtype=np.int8)
+        opened = _rc.allgather_async(status, name="device_arena.opened")
+        self.service.then(opened, self._guarded(lambda r: self._opened(r, reason)), "device_arena.opened")
+
+    def _opened(self, raw: Any, reason: str) -> None:
+        failed = [k for k, v in enumerate(np.asarray(raw).reshape(-1)) if v]
+        if failed:
+            self._settle(False, f"rank(s) {failed} could not open the others' arenas through CUDA IPC")
+        else:
+            self._settle(True, reason)
+
+    def _settle(self, use: bool, reason: str) -> None:
+        with self._lock:
+            self.state, self.reason = ("ready" if use else "off"), reason
+        self.ipc.opened()  # every rank has opened every handle, or given up
+        level = logging.INFO if use or "RINGCOMM_DEVICE_IPC" in reason else logging.WARNING
+        _log.log(level, "rank %d: per-tensor CUDA allreduces go %s: %s%s", self.rank,
+                 "through the GPUs (CUDA IPC)" if use else "through pinned host memory", reason,
+                 "" if use else "; set RINGCOMM_DEVICE_IPC=0 to skip trying")
+
+    # -- ranges -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start sharing this arena with the other ranks, unless that started already (returns at once)."""
+        with self._lock:
+            if self.state != "new":
+                return
+            self.state = "sharing"
+        self._share()
+
+    def offer(self, t: torch.Tensor) -> int:
+        """The offset of a range of this arena for ``t``, or -1 (not shared yet, another device, or
+        full); the first call starts the sharing."""
+        with self._lock:
+            state = self.state
+            if state == "ready" and t.device == self.service.device:
+                offset = self.slots.take(t.numel() * t.element_size())
+                return -1 if offset is None else offset
+        if state == "new":
+            self.start()
+        return -1
+
+    def give(self, offset: int) -> None:
+        with self._lock:
+            self.slots.give(offset)
+
+    def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
+        """Rank ``k``'s range at ``offset``, flat, in ``t``'s dtype."""
+        nbytes = t.numel() * t.element_size()
+        return self.peers[k][offset:offset + nbytes].view(t.dtype)
+
+    # -- one op -------------------------------------------------------------------------
+
+    def allreduce(self, t: torch.Tensor, *, in_place: bool, core_name: str, name: str | None, average: bool,
+                  prescale: float, postscale: float, fallback: Callable[[str], Handle],
+                  consumer: Any = None) -> Handle:
+        """Start reducing ``t`` (see the module docstring); ``fallback(core_name)`` starts the same op
+        through pinned host memory and returns its handle.  ``consumer``: the stream that uses the
+        result (default: the current one in ``synchronize()``).  Returns at once."""
+        ops, svc = self.ops, self.service
+        offset = self.offer(t)
+        held = _Range(self, offset)
+        # t's producers have finished before anything on the side stream reads it, here or, on the
+        # pinned path, on the return thread
+        side = svc.after(svc.current())
+        if offset >= 0:
+            ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
+            ops.record(self.posted[self.rank], side)
+        agreement = _rc.allgather_async(np.array([offset], dtype=np.int64), name=core_name)
+
+        def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
+            offsets = [int(v) for v in np.asarray(raw).reshape(-1)]
+            if min(offsets) < 0:
+                held.give()  # nobody reads it: the op goes through host memory on every rank
+                return fallback(f"{core_name}.host")
+            error = None
+            try:
+                for k, ev in enumerate(self.posted):
+                    if k != self.rank:
+                        ops.stream_wait(side, ev)
+                lo, hi = shard_bounds(t.numel(), self.rank, self.size)
+                views = [self._view(k, off, t) for k, off in enumerate(offsets)]
+                sum_shard(ops, side, views, lo, hi, prescale, postscale, average)
+                ops.record(self.done[self.rank], side)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
+                error = exc
+            status = np.array([0 if error is None else 1], dtype=np.int8)
+            return _OnDevice(_rc.allgather_async(status, name=f"{core_name}.done"), error)
+
+        returning = svc.then(agreement, reduce, core_name)
+
+        def finish(result: Any) -> torch.Tensor:  # synchronize()
+            if isinstance(result, Handle):
+                return result.wait()
+            failed = [k for k, v in enumerate(np.asarray(result.done.wait()).reshape(-1)) if v]
+            if failed:
+                raise HorovodInternalError(
+                    f"allreduce {core_name!r} on rank {self.rank}: rank(s) {failed} could not reduce their "
+                    f"shard on the GPU ({result.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to "
+                    "reduce through pinned host memory") from result.error
+            for k, ev in enumerate(self.done):
+                if k != self.rank:
+                    ops.stream_wait(side, ev)
+            target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            ops.copy(target, self._view(self.rank, held.offset, t).view(t.shape), side)
+            ops.stream_wait(svc.current() if consumer is None else consumer, svc.mark())
+            return target
+
+        return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
+
+
+_arenas: dict[int, Arena] = {}
+_arenas_lock = threading.Lock()
+
+
+def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
+    """This rank's arena when an allreduce of ``t`` with ``op`` over ``process_set`` takes the
+    agreement of the module docstring, else None.  Every input is alike on every rank of a valid
+    op (the settings, the job's layout, the op, the set, the dtype), so every rank decides alike."""
+    settings = _rc.api.current_settings()
+    if not settings.device_ipc or op not in (Sum, Average) or not isinstance(t, torch.Tensor):
+        return None
+    if t.layout is not torch.strided or not t.is_floating_point() or t.numel() == 0:
+        return None
+    if process_set is not global_process_set and getattr(process_set, "process_set_id", None) != 0:
+        return None
+    svc = service_for(t)
+    if svc is None or (isinstance(svc.ops, FakeOps) and not svc.ops.ipc):
+        return None
+    n = _rc.api.size()
+    if n < 2 or _rc.api.local_size() != n:
+        return None
+    with _arenas_lock:
+        arena = _arenas.get(id(svc.ops))
+        if arena is None or arena.settings is not settings:
+            arena = _arenas[id(svc.ops)] = Arena(svc, settings, _rc.api.rank(), n, n)
+        return arena

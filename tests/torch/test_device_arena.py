@@ -1,0 +1,241 @@
+"""Per-tensor CUDA allreduces reduced on the device among one host's ranks (CUDA IPC, through each
+rank's shared arena), run on CPU through the fake device's model of IPC: the arena is a
+shared-memory CPU tensor the peer processes map, events are counters in shared memory that stay
+not happened while the recording rank's fake is held, and a stream's wait for a peer's event
+blocks where it is queued.
+
+Runs alone (one rank: no arena, the pinned path) or under the launcher at np 2 and 3 with
+``RINGCOMM_DEVICE_IPC=1`` and a 1 MiB arena, and at np 2 with the setting off (test_torch_jobs.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import ringcomm_torch as hvd  # noqa: E402
+from ringcomm import api as core_api  # noqa: E402
+from ringcomm.errors import MismatchError  # noqa: E402
+from ringcomm_torch import device, device_arena  # noqa: E402
+from ringcomm_torch.device_ipc_ops import FakeIpcEvent  # noqa: E402
+from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvd.init()
+    yield
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """One fake device with IPC for the whole module: its arena is shared once, as a GPU's is."""
+    fake = device.FakeOps(ipc=True)
+    with device.override(fake):
+        yield fake
+
+
+def on_device() -> bool:
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and hvd.local_size() == hvd.size()
+
+
+def settled(t: torch.Tensor) -> device_arena.Arena | None:
+    """This rank's arena once every rank's has settled (shared or given up), or None (no arena)."""
+    arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
+    if arena is None:
+        return None
+    arena.start()  # where no op started the sharing yet
+    deadline = time.monotonic() + 60
+    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
+        assert time.monotonic() < deadline, arena.state
+        time.sleep(0.01)
+    return arena
+
+
+def mine(n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + hvd.rank())
+    return torch.randn(n, generator=g).to(dtype)
+
+
+def alike_on_every_rank(t: torch.Tensor) -> bool:
+    with device.override(None):  # on the host: staged through nothing
+        rows = hvd.allgather(t.detach().reshape(1, -1).float())
+    return all(torch.equal(rows[0], row) for row in rows)
+
+
+def test_the_arena_is_shared_once_and_taken_only_where_every_rank_has_room(ops):
+    arena = settled(mine(4))
+    if not on_device():
+        assert arena is None
+        return
+    assert arena.state == "ready", arena.reason
+    assert arena.slots.capacity == core_api.current_settings().device_ipc_arena_bytes
+    assert device_arena.arena_for(mine(4), hvd.Min, hvd.global_process_set) is None  # only Sum and Average
+    assert device_arena.arena_for(torch.ones(4, dtype=torch.int32), hvd.Sum, hvd.global_process_set) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rounding(ops, dtype):
+    settled(mine(4))
+    pinned_before = ops.pinned_allocations
+    x = mine(1000, dtype, seed=1)
+    cases = [dict(op=hvd.Sum), dict(op=hvd.Average), dict(op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+             dict(op=hvd.Average, prescale_factor=2.0)]
+    for kw in cases:
+        got = hvd.allreduce(x, **kw)
+        with device.override(None):  # the host path, for reference
+            want = hvd.allreduce(x.float(), **kw).to(dtype)
+        assert alike_on_every_rank(got), kw
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype in (torch.float16, torch.bfloat16) else dict(rtol=1e-5, atol=1e-6)
+        assert torch.allclose(got.float(), want.float(), **tol), (kw, (got.float() - want.float()).abs().max())
+        assert got.dtype is dtype and got.shape == x.shape
+    if on_device():
+        assert ops.pinned_allocations == pinned_before  # nothing went through host memory
+
+
+def test_in_place_async_and_non_contiguous_tensors(ops):
+    settled(mine(4))
+    size = hvd.size()
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + hvd.rank()
+    strided = base.t()  # not contiguous
+    h = hvd.allreduce_async_(strided, op=hvd.Sum, name="arena.strided")
+    x = mine(37, seed=2)
+    out = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Average, name="arena.out"))
+    assert hvd.synchronize(h) is strided
+    want = (torch.arange(24, dtype=torch.float32).reshape(4, 6) * size + size * (size - 1) / 2).t()
+    assert torch.equal(strided, want)
+    assert torch.equal(base.t(), want)  # written through the view into its base
+    assert alike_on_every_rank(out)
+    assert torch.allclose(out, hvd.allreduce(x.clone(), op=hvd.Average, name="arena.ref"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_larger_than_what_is_free_goes_through_pinned_memory_on_every_rank(ops):
+    arena = settled(mine(4))
+    if not on_device():
+        pytest.skip("no arena here")
+    cap = arena.slots.capacity
+    pinned_before = ops.pinned_allocations
+    big = mine(cap // 4 + 8, seed=3)  # one float32 more than fits
+    assert torch.allclose(hvd.allreduce(big, op=hvd.Sum), hvd.allreduce(big.clone(), op=hvd.Sum, name="r"),
+                          rtol=1e-5, atol=1e-6)
+    assert ops.pinned_allocations > pinned_before
+    # two in flight that fit one at a time: the second finds no room on any rank and takes the pinned path
+    half = mine(cap // 4 // 2 + 64, seed=4)
+    h1 = hvd.allreduce_async(half, op=hvd.Sum, name="arena.first")
+    h2 = hvd.allreduce_async(half, op=hvd.Sum, name="arena.second")
+    a, b = hvd.synchronize(h1), hvd.synchronize(h2)
+    assert alike_on_every_rank(a) and alike_on_every_rank(b)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # the arena's and the engine's sums, in their orders
+    assert arena.slots.free_bytes == cap  # every range is free again
+
+
+def test_no_wait_for_a_peer_on_the_callers_thread_even_while_a_peers_device_is_held(ops, monkeypatch):
+    if not on_device():
+        pytest.skip("no arena here")
+    settled(mine(4))
+    waits: list[str] = []
+    real = FakeIpcEvent.on_stream_wait
+
+    def noted(self):
+        if self.foreign:
+            waits.append(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    held = hvd.rank() == hvd.size() - 1
+    x = mine(300, seed=5)
+    if held:
+        ops.hold()  # its posted event and its copies wait for fire()
+    started = time.monotonic()
+    h = hvd.allreduce_async(x, op=hvd.Sum, name="arena.held")
+    took = time.monotonic() - started
+    me = threading.current_thread().name
+    assert me not in waits, waits
+    assert took < 5.0, took
+    if held:
+        time.sleep(0.5)  # the other ranks' return threads wait for this rank's posted event meanwhile
+        ops.fire()
+    out = hvd.synchronize(h)
+    assert not torch.isnan(out).any()
+    assert alike_on_every_rank(out)
+    assert torch.allclose(out, hvd.allreduce(x.clone(), op=hvd.Sum, name="arena.held.ref"), rtol=1e-5, atol=1e-6)
+    assert RETURN_THREAD in waits
+
+
+def test_a_peers_result_is_read_only_after_every_rank_wrote_its_shard_into_it(ops):
+    """The last rank holds its device after posting: its shards reach the others' ranges only at
+    fire(), poison until then, and nobody copies its result out before."""
+    if not on_device():
+        pytest.skip("no arena here")
+    settled(mine(4))
+    held = hvd.rank() == hvd.size() - 1
+    x = mine(300, seed=9)
+    if not held:
+        time.sleep(0.3)  # the held rank posts, then holds, before anyone can agree
+    h = hvd.allreduce_async(x, op=hvd.Sum, name="arena.done-held")
+    if held:
+        ops.hold()
+        time.sleep(0.8)  # its return thread queues its shard's copies (deferred, poison) meanwhile
+        ops.fire()
+    out = hvd.synchronize(h)
+    assert not torch.isnan(out).any()
+    assert alike_on_every_rank(out)
+    assert torch.allclose(out, hvd.allreduce(x.clone(), op=hvd.Sum, name="arena.done-held.ref"), rtol=1e-5,
+                          atol=1e-6)
+
+
+def test_a_rank_that_submits_another_kind_under_the_name_fails_the_op_on_every_rank(ops):
+    if not on_device():
+        pytest.skip("no arena here")
+    settled(mine(4))
+    odd = hvd.rank() == 0
+    t = torch.ones(8, dtype=torch.int32) if odd else torch.ones(8)  # int32 takes the pinned path
+    with pytest.raises(MismatchError):
+        hvd.allreduce(t, op=hvd.Sum, name="arena.mixed")
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="arena.after"), torch.full((3,), float(hvd.size())))
+
+
+def test_sync_batch_norm_on_the_device_matches_the_pinned_path(ops):
+    settled(mine(4))
+    torch.manual_seed(0)
+    bn = hvd.SyncBatchNorm(5)
+    ref = hvd.SyncBatchNorm(5)
+    ref.load_state_dict(bn.state_dict())
+    x = mine(4 * 5 * 3, seed=6).reshape(4, 5, 3).requires_grad_()
+    y = bn(x)
+    y.square().sum().backward()
+    with device.override(None):
+        xr = x.detach().clone().requires_grad_()
+        yr = ref(xr)
+        yr.square().sum().backward()
+    assert torch.allclose(y, yr, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(bn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+
+
+def test_the_ringcomm_backend_reduces_a_device_tensor_through_the_arena(ops):
+    import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
+
+    settled(mine(4))
+    if not dist.is_initialized():
+        # the job is running already: the group adopts it (the store is only for torch's own use)
+        dist.init_process_group("ringcomm", store=dist.HashStore(), rank=hvd.rank(), world_size=hvd.size())
+    pinned_before = ops.pinned_allocations
+    t = mine(500, seed=7)
+    want = hvd.allreduce(t.clone(), op=hvd.Sum, name="arena.backend.ref")
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    assert alike_on_every_rank(t)
+    assert torch.allclose(t, want, rtol=1e-5, atol=1e-6)
+    u = mine(64, seed=8)
+    dist.all_reduce(u, op=dist.ReduceOp.AVG)
+    assert alike_on_every_rank(u)
+    if on_device():
+        assert ops.pinned_allocations == pinned_before
