@@ -4,14 +4,14 @@ the ``"ringcomm"`` backend's) reduced on the device among one host's ranks throu
 
 Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
 interprocess events (*posted*, *done*).  At the first CUDA allreduce that may take this path the
-ranks share them without waiting: one allgather of every rank's handles, opened on a return
-thread, then one allgather of whether every rank opened every peer's.  Until that is settled, and
-whenever a tensor does not fit in what is free, a rank offers no room.  Each op, for ``n`` ranks:
+ranks share them without waiting: one allreduce of a row per rank holding its pickled handles,
+which a return thread opens.  A rank offers ranges once it has opened every peer's arena.  Until
+then, and whenever a tensor does not fit in what is free, it offers none.  Each op, for ``n`` ranks:
 
 1. the caller's thread takes a range of its arena (:class:`Slots`), queues the tensor's copy into
-   it on the side stream, records *posted*, and submits the op's agreement: an allgather of its
-   range's offset, or -1 when it has no room.  It returns at once;
-2. on a return thread, once every rank has offered: if any offered -1, every rank reduces the op
+   it on the side stream, records *posted*, and submits the op's agreement: an allreduce of one
+   entry per rank, its range's offset plus one, or 0 when it has no room.  It returns at once;
+2. on a return thread, once every rank has offered: if any offered none, every rank reduces the op
    through pinned host memory instead (the same result; the caller's ``fallback``).  Otherwise
    the side stream waits for every peer's *posted* event, sums this rank's shard of the tensor
    over every rank's range in rank order (so every rank gets the same bits; Horovod's prescale,
@@ -22,6 +22,10 @@ whenever a tensor does not fit in what is free, a rank offers no room.  Each op,
    consumes the result wait for that copy.  The range is free again at once: whatever writes into
    it next is queued on the same side stream, after those waits.
 
+The agreements are allreduces because after ``hvd.join()`` only allreduces proceed: a rank that
+has joined adds zeros, which read as "no room" (the op then takes the pinned path, where that rank
+adds zeros, as Horovod has it) or, in the sharing, as "try again at the next op".
+
 Both agreements are ordinary core ops named after the op, so a rank that submits something else
 under that name (a host tensor, another dtype) fails the op on every rank with a
 ``MismatchError``, as a mismatch does on the pinned path.  Stream waits capture an event's latest
@@ -31,7 +35,6 @@ wait for each other.
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 import threading
@@ -57,6 +60,8 @@ _log = logging.getLogger(__name__)
 
 #: Every range of an arena starts at a multiple of this many bytes (CUDA's own allocations do).
 ARENA_ALIGN = 256
+#: Bytes each rank has for its pickled handles in the sharing op (CUDA's take well under 1 KiB).
+SHARE_ROW_BYTES = 4096
 
 
 class Slots:
@@ -149,6 +154,7 @@ class Arena:
         self.posted: list[Any] = []
         self.done: list[Any] = []
         self._own: tuple[Any, Any] = (None, None)
+        self._unlinked = False
 
     # -- sharing, once ---------------------------------------------------------------
 
@@ -158,17 +164,23 @@ class Arena:
         mine: Any = None
         problem = None
         try:
-            self.flat = ipc.shared_flat(self.slots.capacity, torch.uint8, svc.device)
-            self._own = (ipc.event(), ipc.event())
-            for ev in self._own:
-                self.ops.record(ev, svc.side)  # created on the device, so that it has a handle
+            if self.flat is None:  # made once, even if the sharing is tried again
+                self.flat = ipc.shared_flat(self.slots.capacity, torch.uint8, svc.device)
+                self._own = (ipc.event(), ipc.event())
+                for ev in self._own:
+                    self.ops.record(ev, svc.side)  # created on the device, so that it has a handle
             mine = (ipc.share(self.flat), ipc.event_handle(self._own[0]), ipc.event_handle(self._own[1]),
                     svc.device.index or 0)
         except Exception as exc:  # noqa: BLE001 - every rank learns it and keeps the pinned path
             problem = f"{type(exc).__name__}: {exc}"
-        blob = np.frombuffer(pickle.dumps((mine, problem)), dtype=np.uint8).copy()
-        try:
-            every = _rc.allgather_async(blob, name="device_arena.share")
+        rows = np.zeros((self.size, SHARE_ROW_BYTES), dtype=np.uint8)
+        blob = pickle.dumps((mine, problem))
+        if len(blob) > SHARE_ROW_BYTES - 4:
+            blob = pickle.dumps((None, f"its handles take {len(blob)} bytes, more than {SHARE_ROW_BYTES - 4}"))
+        rows[self.rank, :4] = np.frombuffer(len(blob).to_bytes(4, "little"), dtype=np.uint8)
+        rows[self.rank, 4:4 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        try:  # an allreduce, as each op's agreement is: a rank that has joined adds an empty row
+            every = _rc.allreduce_async(rows, op=Sum, name="device_arena.share", out=rows)
         except Exception as exc:  # noqa: BLE001 - e.g. the job is ending: the pinned path stays
             self._settle(False, f"sharing the arenas failed ({type(exc).__name__}: {exc})")
             return
@@ -184,9 +196,19 @@ class Arena:
         return run
 
     def _open(self, raw: Any) -> None:
-        """On a return thread: every rank's handles are here; decide the path alike, open the peers'."""
-        data = io.BytesIO(np.asarray(raw, dtype=np.uint8).tobytes())
-        every = [pickle.load(data) for _ in range(self.size)]  # each rank's pickle, in rank order
+        """On a return thread: every rank's handles are here; decide the path alike, open the peers'.
+
+        No rank waits for the others to have opened: this rank offers ranges once it has opened
+        every peer's arena, and an op takes the device path only when every rank offered one."""
+        rows = np.asarray(raw, dtype=np.uint8).reshape(self.size, SHARE_ROW_BYTES)
+        every: list[tuple[Any, str | None]] = []
+        for k in range(self.size):
+            n = int.from_bytes(rows[k, :4].tobytes(), "little")
+            if n == 0:  # a rank that had joined: try again at the next op
+                with self._lock:
+                    self.state = "new"
+                return
+            every.append(pickle.loads(rows[k, 4:4 + n].tobytes()))
         for k, (_, problem) in enumerate(every):
             if problem is not None:
                 self._settle(False, f"rank {k} could not share its arena ({problem})")
@@ -194,37 +216,23 @@ class Arena:
         devices = [int(m[3]) for m, _ in every]
         reachable = [[self.ipc.peer_access(a, b) for b in devices] for a in devices]
         use, reason = choose_path(True, self.size, self.local_size, devices, reachable, True, True)
-        if not use:
-            self._settle(False, reason)
-            return
-        problem = None
-        try:
-            dev = self.service.device
-            assert self.flat is not None
-            self.peers = [self.flat if k == self.rank else self.ipc.open_shared(m[0], dev)
-                          for k, (m, _) in enumerate(every)]
-            self.posted = [self._own[0] if k == self.rank else self.ipc.open_event(m[1], dev)
-                           for k, (m, _) in enumerate(every)]
-            self.done = [self._own[1] if k == self.rank else self.ipc.open_event(m[2], dev)
-                         for k, (m, _) in enumerate(every)]
-        except Exception as exc:  # noqa: BLE001
-            problem = f"{type(exc).__name__}: {exc}"
-            _log.warning("rank %d could not open a peer's arena through CUDA IPC: %s", self.rank, problem)
-        status = np.array([0 if problem is None else 1], dtype=np.int8)
-        opened = _rc.allgather_async(status, name="device_arena.opened")
-        self.service.then(opened, self._guarded(lambda r: self._opened(r, reason)), "device_arena.opened")
-
-    def _opened(self, raw: Any, reason: str) -> None:
-        failed = [k for k, v in enumerate(np.asarray(raw).reshape(-1)) if v]
-        if failed:
-            self._settle(False, f"rank(s) {failed} could not open the others' arenas through CUDA IPC")
-        else:
-            self._settle(True, reason)
+        if use:
+            try:
+                dev = self.service.device
+                assert self.flat is not None
+                self.peers = [self.flat if k == self.rank else self.ipc.open_shared(m[0], dev)
+                              for k, (m, _) in enumerate(every)]
+                self.posted = [self._own[0] if k == self.rank else self.ipc.open_event(m[1], dev)
+                               for k, (m, _) in enumerate(every)]
+                self.done = [self._own[1] if k == self.rank else self.ipc.open_event(m[2], dev)
+                             for k, (m, _) in enumerate(every)]
+            except Exception as exc:  # noqa: BLE001 - this rank offers no range: every op takes the pinned path
+                use, reason = False, f"rank {self.rank} could not open a peer's arena ({type(exc).__name__}: {exc})"
+        self._settle(use, reason)
 
     def _settle(self, use: bool, reason: str) -> None:
         with self._lock:
             self.state, self.reason = ("ready" if use else "off"), reason
-        self.ipc.opened()  # every rank has opened every handle, or given up
         level = logging.INFO if use or "RINGCOMM_DEVICE_IPC" in reason else logging.WARNING
         _log.log(level, "rank %d: per-tensor CUDA allreduces go %s: %s%s", self.rank,
                  "through the GPUs (CUDA IPC)" if use else "through pinned host memory", reason,
@@ -256,6 +264,12 @@ class Arena:
         with self._lock:
             self.slots.give(offset)
 
+    def _row(self, value: int, dtype: Any) -> np.ndarray:
+        """``value`` at this rank's index, zeros elsewhere: summed over the ranks, every rank's."""
+        row = np.zeros(self.size, dtype=dtype)
+        row[self.rank] = value
+        return row
+
     def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
         """Rank ``k``'s range at ``offset``, flat, in ``t``'s dtype."""
         nbytes = t.numel() * t.element_size()
@@ -278,13 +292,16 @@ class Arena:
         if offset >= 0:
             ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
             ops.record(self.posted[self.rank], side)
-        agreement = _rc.allgather_async(np.array([offset], dtype=np.int64), name=core_name)
+        agreement = _rc.allreduce_async(self._row(offset + 1, np.int64), op=Sum, name=core_name)
 
         def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
-            offsets = [int(v) for v in np.asarray(raw).reshape(-1)]
+            offsets = [int(v) - 1 for v in np.asarray(raw).reshape(-1)]  # a rank that has joined: -1
             if min(offsets) < 0:
                 held.give()  # nobody reads it: the op goes through host memory on every rank
                 return fallback(f"{core_name}.host")
+            if not self._unlinked:  # every rank has opened every arena: the fake's files may go
+                self._unlinked = True
+                self.ipc.opened()
             error = None
             try:
                 for k, ev in enumerate(self.posted):
@@ -296,8 +313,8 @@ class Arena:
                 ops.record(self.done[self.rank], side)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
                 error = exc
-            status = np.array([0 if error is None else 1], dtype=np.int8)
-            return _OnDevice(_rc.allgather_async(status, name=f"{core_name}.done"), error)
+            status = self._row(0 if error is None else 1, np.int32)
+            return _OnDevice(_rc.allreduce_async(status, op=Sum, name=f"{core_name}.done"), error)
 
         returning = svc.then(agreement, reduce, core_name)
 

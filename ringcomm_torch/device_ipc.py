@@ -173,7 +173,9 @@ class IpcBucket(DeviceBucket):
         lo, hi = shard_bounds(self.numel, self.rank, self.size)
         average = op == Average
 
-        def reduce(_raw: Any) -> Any:  # on a return thread, once every rank has posted
+        def reduce(raw: Any) -> Any:  # on a return thread, once every rank has posted
+            if not np.asarray(raw).all():  # a rank has joined (it adds zeros): the pinned path, on every rank
+                return self._through_host(side, f"{core_name}.host", op, prescale, postscale, process_set)
             for k, ev in enumerate(self.posted):
                 if k != self.rank:
                     ops.stream_wait(side, ev)
@@ -181,19 +183,53 @@ class IpcBucket(DeviceBucket):
             ops.record(self.done[self.rank], side)
             return agree(f"{core_name}.done", process_set)
 
-        returning = svc.then(agree(f"{core_name}.posted", process_set), reduce, core_name)
+        posted = np.zeros(self.size, dtype=np.int32)
+        posted[self.rank] = 1  # summed over the ranks: 0 where a rank has joined
+        returning = svc.then(_rc.allreduce_async(posted, op=Sum, name=f"{core_name}.posted", out=posted,
+                                                 process_set=process_set), reduce, core_name)
 
         def finish(done: Any) -> list[torch.Tensor]:  # synchronize(): every rank queued its shards
-            done.wait()
-            for k, ev in enumerate(self.done):
-                if k != self.rank:
-                    ops.stream_wait(side, ev)
+            if isinstance(done, _Home):  # the flat buffer came back from the host on the side stream
+                ops.stream_wait(side, done.back.wait())
+            else:
+                done.wait()
+                for k, ev in enumerate(self.done):
+                    if k != self.rank:
+                        ops.stream_wait(side, ev)
             if back_into:
                 ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
             ops.stream_wait(svc.current(), svc.mark())
             return grads
 
         return Handle("allreduce", name, returning, finish, None, int(flat.numel() * flat.element_size()))
+
+
+    def _through_host(self, side: Any, name: str, op: Any, prescale: float, postscale: float,
+                      process_set: Any) -> _Home:
+        """On a return thread: reduce the flat buffer through its pinned buffer, as a
+        :class:`DeviceBucket` does (the copies on the side stream, the op on the stager)."""
+        ops, svc = self.ops, self.service
+        flat, host = self._buffers(self.dtype)
+        ops.copy(host, flat, side)
+        array = host.numpy()
+        staging = svc.start(svc.mark(), lambda: _rc.allreduce_async(
+            array, op=op, name=name, prescale_factor=prescale, postscale_factor=postscale, out=array,
+            process_set=process_set), name)
+
+        def home(_raw: Any) -> Any:
+            ops.copy(flat, host, side)
+            return svc.mark()
+        return _Home(svc.then(staging, home, name))
+
+
+class _Home:
+    """A bucket reduced through host memory instead (a rank had joined): ``back`` gives the event
+    of the copy home."""
+
+    __slots__ = ("back",)
+
+    def __init__(self, back: Any) -> None:
+        self.back = back
 
 
 def share_buckets(buckets: Sequence[IpcBucket], rank: int, size: int, local_size: int, enabled: bool,

@@ -109,6 +109,7 @@ class FakeIpc:
         self._count = itertools.count()
         self._made: list[str] = []
         self._handles: dict[int, tuple[str, int, str]] = {}
+        weakref.finalize(self, _unlink, self._made)  # files nobody opened go at exit at the latest
 
     def _file(self, nbytes: int) -> str:
         path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{id(self)}-{next(self._count)}"
@@ -143,12 +144,16 @@ class FakeIpc:
         return self._capable
 
     def opened(self) -> None:
-        for path in self._made:
-            try:
-                os.unlink(path)  # the mappings stay
-            except FileNotFoundError:
-                pass
-        self._made.clear()
+        _unlink(self._made)
+
+
+def _unlink(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)  # the mappings stay
+        except FileNotFoundError:
+            pass
+    paths.clear()
 
 
 _fakes: "weakref.WeakKeyDictionary[FakeOps, FakeIpc]" = weakref.WeakKeyDictionary()

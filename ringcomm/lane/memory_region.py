@@ -69,14 +69,11 @@ class MemoryLane:
         return self._board.read[rank] & _M32
 
     def all_read_below(self, index: int) -> int:
-        """The first index at or after ``index`` that some rank has not finished reading."""
-        lo = 0x80000000
-        for count in self._board.read:
-            ahead = (count - index) & _M32
-            if ahead >= 0x80000000:
-                return index
-            lo = min(lo, ahead)
-        return index + lo
+        """The first index at or after ``index`` that some rank may still read (:func:`lane.first_unread`)."""
+        board = self._board
+        with board.changed:
+            counters = list(zip(board.read, board.posted, board.off))
+        return lane.first_unread(index, [(r & _M32, p & _M32, off) for r, p, off in counters])
 
     def set_read_below(self, count: int) -> None:
         self._board.read[self.rank] = count & _M32

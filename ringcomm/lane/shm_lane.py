@@ -128,13 +128,12 @@ class ShmLane(shm.MappedFile):
     def all_read_below(self, index: int) -> int:
         """The first index at or after ``index`` that some rank has not finished reading (``index``
         itself when a rank has not finished it): every rank has finished every index below it."""
-        words, lo = self._words, 0x80000000
-        for at in range(_READ, self.size * _LINE_WORDS, _LINE_WORDS):
-            ahead = (words[at] - index) & 0xFFFFFFFF  # a rank that finished index is ahead by >= 1
-            if ahead >= 0x80000000:
-                return index
-            lo = min(lo, ahead)
-        return index + lo
+        words = self._words
+        counters = []
+        for at in range(0, self.size * _LINE_WORDS, _LINE_WORDS):
+            off = bool(words[at + _OFF])  # read before posted: a rank that is off never posts again
+            counters.append((words[at + _READ], words[at + _POSTED], off))
+        return lane.first_unread(index, counters)
 
     def set_read_below(self, count: int) -> None:
         self._words[self.rank * _LINE_WORDS + _READ] = count & 0xFFFFFFFF

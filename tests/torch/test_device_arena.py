@@ -202,6 +202,31 @@ def test_a_rank_that_submits_another_kind_under_the_name_fails_the_op_on_every_r
     assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="arena.after"), torch.full((3,), float(hvd.size())))
 
 
+def test_an_allreduce_while_a_rank_has_joined_adds_zeros_for_it_and_the_sharing_waits_for_it(ops):
+    """A rank that has joined offers no range (the op takes the pinned path, where it adds zeros), and
+    an arena first shared meanwhile is shared again once every rank takes part."""
+    settled(mine(4))
+    size = hvd.size()
+    fresh = device.FakeOps(ipc=True)  # a second device: its arena is not shared yet
+    x = torch.full((50,), float(hvd.rank()))
+    if hvd.rank() == 0:
+        hvd.join()
+    else:
+        out = hvd.allreduce(x, op=hvd.Sum, name="arena.joined")
+        assert torch.equal(out, torch.full((50,), float(sum(range(1, size)))))
+        with device.override(fresh):
+            out = hvd.allreduce(x, op=hvd.Sum, name="arena.joined.fresh")  # starts the sharing: rank 0 is away
+        assert torch.equal(out, torch.full((50,), float(sum(range(1, size)))))
+        hvd.join()
+    with device.override(fresh):
+        arena = settled(x)
+        if on_device():
+            assert arena is not None and arena.state == "ready", arena and arena.reason
+        out = hvd.allreduce(x, op=hvd.Sum, name="arena.after-join")
+    assert torch.equal(out, torch.full((50,), float(sum(range(size)))))
+    assert alike_on_every_rank(out)
+
+
 def test_sync_batch_norm_on_the_device_matches_the_pinned_path(ops):
     settled(mine(4))
     torch.manual_seed(0)

@@ -133,3 +133,20 @@ def test_the_setting_off_keeps_the_pinned_path_and_says_why(caplog):
     with caplog.at_level(logging.INFO):
         device_ipc.log_once(False, "again")  # once per process: nothing more
     assert "again" not in caplog.text
+
+
+def test_while_a_rank_has_joined_the_buckets_take_the_pinned_path_where_it_adds_zeros():
+    model, opt, _ = make(ipc=True, op=hvd.Sum)
+    twin_model, twin_opt, _ = make(ipc=False, op=hvd.Sum)
+    x = batch()
+    for step in range(2):  # every rank steps once (its buffer then holds gradients); then rank 0 runs dry
+        if step == 1 and hvd.rank() == 0:
+            hvd.join()
+            return
+        for m, o in ((model, opt), (twin_model, twin_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.synchronize()
+    for (name, p), q in zip(model.named_parameters(), twin_model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), f"{name}.grad differs from the pinned path"
+    hvd.join()

@@ -7,7 +7,7 @@ sweep     rank 1 posts every op as an engine entry (a tiny lane limit); rank 0 l
           unwaited while it blocks on another op that rank 1 reaches only after the first
 reorder   the ranks submit two async ops in opposite orders
 mismatch  one name, different shapes: every rank gets the mismatch error, then goes on
-join      ranks run different numbers of allreduces, then join
+join      ranks run different numbers of allreduces (9 more per rank), then join
 timeline  rank 0 writes a timeline while small ops run
 threads   four threads per rank run blocking small ops at once, each under its own names
 stalljoin rank 0 gives up a lonely op on a stall (its lane goes off), then every rank joins and goes on
@@ -122,8 +122,10 @@ def join() -> None:
     r = rc.rank()
     out = {}
     for epoch in range(2):  # uneven data, then join, every epoch; the lane starts again after each join
+        # each rank runs more ops after the one before it joined than the lane has slots: the joined
+        # rank's slots must not hold the others back
         results = [rc.allreduce(np.full(4, float(r + 1)), op=rc.Sum, name=f"e{epoch}.s{i}")[0]
-                   for i in range(3 + 2 * r)]
+                   for i in range(3 + 9 * r)]
         last = rc.join()
         after = [rc.allreduce(np.full(2, float(r + i)), op=rc.Sum, name=f"e{epoch}.after{i}")[0] for i in range(5)]
         out[str(epoch)] = {"results": results, "last": last, "after": after}
