@@ -135,24 +135,25 @@ def reached(count: int, index: int) -> bool:
     return (count - (index + 1)) & 0xFFFFFFFF < 0x80000000
 
 
-def first_unread(index: int, counters: Sequence[tuple[int, int, bool]]) -> int:
+def first_unread(index: int, reads: Sequence[int], posts: Sequence[int], offs: Sequence[int]) -> int:
     """The first index at or after ``index`` that some rank may still read (``index`` itself when
-    one may read it), from each rank's ``(read_below, posted, off)`` 32-bit counters: every rank
-    has finished every index below it, so the slots of those indices may be written again.
+    one may read it), from each rank's 32-bit counters: ``reads[r]`` (it has finished every index
+    below it), ``posts[r]`` and whether it is off (``offs[r]``).  Every rank has finished every index
+    below the answer, so the slots of those indices may be written again.
 
     A rank that is off (it has joined, stopped or closed) posts no more, and it reads only indices
     it posted itself, so an index at or past its last post is one it never reads: without this,
     the ranks still working would wait forever for a slot after ``slots`` more posts.
 
-        first_unread(4, [(6, 6, False), (5, 5, False)]) -> 5
-        first_unread(4, [(3, 5, False), (9, 9, False)]) -> 4        (rank 0 has not finished index 3)
-        first_unread(7, [(9, 9, False), (3, 3, True)])  -> 9        (rank 1 went off after index 2)
+        first_unread(4, [6, 5], [6, 5], [0, 0]) -> 5
+        first_unread(4, [3, 9], [5, 9], [0, 0]) -> 4       (rank 0 has not finished index 3)
+        first_unread(7, [9, 3], [9, 3], [0, 1]) -> 9       (rank 1 went off after index 2)
     """
     lo = 0x80000000
-    for read_below, posted, off in counters:
-        ahead = (read_below - index) & 0xFFFFFFFF  # a rank that finished index is ahead by >= 1
+    for r in range(len(reads)):
+        ahead = (reads[r] - index) & 0xFFFFFFFF  # a rank that finished index is ahead by >= 1
         if ahead == 0 or ahead >= 0x80000000:
-            if off and not reached(posted, index):
+            if offs[r] and not reached(posts[r], index):  # off read first: then the post count is final
                 continue  # it never posted index, and never will: it never reads it
             return index
         lo = min(lo, ahead)

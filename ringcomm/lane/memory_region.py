@@ -72,8 +72,8 @@ class MemoryLane:
         """The first index at or after ``index`` that some rank may still read (:func:`lane.first_unread`)."""
         board = self._board
         with board.changed:
-            counters = list(zip(board.read, board.posted, board.off))
-        return lane.first_unread(index, [(r & _M32, p & _M32, off) for r, p, off in counters])
+            reads, posts, offs = list(board.read), list(board.posted), list(board.off)
+        return lane.first_unread(index, [r & _M32 for r in reads], [p & _M32 for p in posts], offs)
 
     def set_read_below(self, count: int) -> None:
         self._board.read[self.rank] = count & _M32

@@ -128,12 +128,9 @@ class ShmLane(shm.MappedFile):
     def all_read_below(self, index: int) -> int:
         """The first index at or after ``index`` that some rank has not finished reading (``index``
         itself when a rank has not finished it): every rank has finished every index below it."""
-        words = self._words
-        counters = []
-        for at in range(0, self.size * _LINE_WORDS, _LINE_WORDS):
-            off = bool(words[at + _OFF])  # read before posted: a rank that is off never posts again
-            counters.append((words[at + _READ], words[at + _POSTED], off))
-        return lane.first_unread(index, counters)
+        words = self._words  # every rank's counters, one line each: strided views, no copies
+        return lane.first_unread(index, words[_READ::_LINE_WORDS], words[_POSTED::_LINE_WORDS],
+                                 words[_OFF::_LINE_WORDS])
 
     def set_read_below(self, count: int) -> None:
         self._words[self.rank * _LINE_WORDS + _READ] = count & 0xFFFFFFFF

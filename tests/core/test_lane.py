@@ -218,12 +218,12 @@ def test_still_missing_lists_the_ranks_not_yet_posted_and_gives_up_at_a_mismatch
 
 def test_a_rank_that_is_off_holds_back_only_the_slots_of_indices_it_posted() -> None:
     # rank 1 joined after posting indices 0..2 and reading them all: index 7's slot is free of it
-    assert lane.first_unread(7, [(9, 9, False), (3, 3, True)]) == 9
+    assert lane.first_unread(7, [9, 3], [9, 3], [0, 1]) == 9
     # ...but not while it still reads an index it posted (it is resolving index 1 as it closes)
-    assert lane.first_unread(1, [(9, 9, False), (1, 3, True)]) == 1
+    assert lane.first_unread(1, [9, 1], [9, 3], [0, 1]) == 1
     # a rank that is still on holds back every index it has not finished, posted or not
-    assert lane.first_unread(7, [(9, 9, False), (3, 3, False)]) == 7
-    assert lane.first_unread(2**32 - 1, [(1, 1, False), (2**32 - 1, 2**32 - 1, True)]) == 2**32 + 1  # wraps
+    assert lane.first_unread(7, [9, 3], [9, 3], [0, 0]) == 7
+    assert lane.first_unread(2**32 - 1, [1, 2**32 - 1], [1, 2**32 - 1], [0, 1]) == 2**32 + 1  # counters wrap
 
 
 @given(st.integers(0, 2**32 - 1), st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans()),
@@ -231,12 +231,14 @@ def test_a_rank_that_is_off_holds_back_only_the_slots_of_indices_it_posted() -> 
 def test_first_unread_is_the_first_index_some_rank_may_read(index, ranks) -> None:
     """A model: rank r may read index i unless it has finished it (read_below > i) or it is off and
     never posted i.  Counters sit near ``index`` (offsets), and wrap at 32 bits."""
-    counters = [((index + rd) & 0xFFFFFFFF, (index + max(rd, ps)) & 0xFFFFFFFF, off) for rd, ps, off in ranks]
+    reads = [(index + rd) & 0xFFFFFFFF for rd, _, _ in ranks]
+    posts = [(index + max(rd, ps)) & 0xFFFFFFFF for rd, ps, _ in ranks]
+    offs = [int(off) for _, _, off in ranks]
 
     def may_read(rd: int, ps: int, off: bool, i: int) -> bool:  # offsets from index
         return not (rd > i or (off and ps <= i))
 
     first = next((i for i in range(42) if any(may_read(rd, max(rd, ps), off, i) for rd, ps, off in ranks)), None)
-    ahead = (lane.first_unread(index, counters) - index) % 2**32
+    ahead = (lane.first_unread(index, reads, posts, offs) - index) % 2**32
     assert first is None or ahead <= first  # safe: no rank may still read an index below the answer
     assert (ahead >= 1) == (first != 0)  # progress: the answer moves past index once nobody reads it
