@@ -264,3 +264,32 @@ def test_the_ringcomm_backend_reduces_a_device_tensor_through_the_arena(ops):
     assert alike_on_every_rank(u)
     if on_device():
         assert ops.pinned_allocations == pinned_before
+
+
+def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkeypatch):
+    import copy
+
+    import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
+
+    settled(mine(4))
+    if not dist.is_initialized():
+        dist.init_process_group("ringcomm", store=dist.HashStore(), rank=hvd.rank(), world_size=hvd.size())
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = mine(8 * 6, seed=10).reshape(6, 8)
+    grads = []
+    through: list[int] = []
+    real = device_arena.Arena.allreduce
+    monkeypatch.setattr(device_arena.Arena, "allreduce", lambda *a, **k: through.append(1) or real(*a, **k))
+    for fake in (ops, None):  # the arena, then the host path
+        with device.override(fake):
+            model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.001)
+            pinned_before = ops.pinned_allocations
+            model(x).square().mean().backward()
+            if fake is not None and on_device():
+                assert ops.pinned_allocations == pinned_before  # DDP's buckets reduced in the arena
+                assert through  # DDP's bucket went to the arena
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g, h in zip(*grads):
+        assert alike_on_every_rank(g)
+        assert torch.allclose(g, h, rtol=1e-5, atol=1e-6)
