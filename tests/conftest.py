@@ -179,3 +179,23 @@ def lane_pair():
         mine.close()
         if os.path.exists(path):
             os.unlink(path)
+
+
+@pytest.fixture
+def foreign_waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that queue a wait for a peer's event on the fake device (its IPC),
+    in order, from now until the test ends."""
+    import threading
+
+    from ringcomm_torch.device_ipc_ops import FakeIpcEvent
+
+    waits: list[str] = []
+    real = FakeIpcEvent.on_stream_wait
+
+    def noted(self: FakeIpcEvent) -> None:
+        if self.foreign:
+            waits.append(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    return waits

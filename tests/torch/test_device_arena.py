@@ -22,7 +22,6 @@ import ringcomm_torch as hvd  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena  # noqa: E402
-from ringcomm_torch.device_ipc_ops import FakeIpcEvent  # noqa: E402
 from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,19 +135,11 @@ def test_a_tensor_larger_than_what_is_free_goes_through_pinned_memory_on_every_r
     assert arena.slots.free_bytes == cap  # every range is free again
 
 
-def test_no_wait_for_a_peer_on_the_callers_thread_even_while_a_peers_device_is_held(ops, monkeypatch):
+def test_no_wait_for_a_peer_on_the_callers_thread_even_while_a_peers_device_is_held(ops, foreign_waits):
     if not on_device():
         pytest.skip("no arena here")
     settled(mine(4))
-    waits: list[str] = []
-    real = FakeIpcEvent.on_stream_wait
-
-    def noted(self):
-        if self.foreign:
-            waits.append(threading.current_thread().name)
-        real(self)
-
-    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    waits = foreign_waits
     held = hvd.rank() == hvd.size() - 1
     x = mine(300, seed=5)
     if held:

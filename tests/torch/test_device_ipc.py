@@ -22,7 +22,6 @@ import ringcomm_torch as hvd  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm_torch import device, device_ipc  # noqa: E402
 from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
-from ringcomm_torch.device_ipc_ops import FakeIpcEvent  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,19 +85,11 @@ def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rou
         assert ops.pinned_allocations == 0  # nothing went through host memory
 
 
-def test_no_wait_for_a_peer_in_backward_even_while_a_peers_device_is_held(monkeypatch):
+def test_no_wait_for_a_peer_in_backward_even_while_a_peers_device_is_held(foreign_waits):
     if not on_device():
         pytest.skip("the pinned path (one rank, or RINGCOMM_DEVICE_IPC=0): nothing is shared")
     model, opt, ops = make(ipc=True)
-    waits: list[str] = []
-    real = FakeIpcEvent.on_stream_wait
-
-    def noted(self):
-        if self.foreign:
-            waits.append(threading.current_thread().name)
-        real(self)
-
-    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    waits = foreign_waits
     x = batch()
     seen: list[str] = []
     for _ in range(2):
