@@ -284,3 +284,28 @@ def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkey
     for g, h in zip(*grads):
         assert alike_on_every_rank(g)
         assert torch.allclose(g, h, rtol=1e-5, atol=1e-6)
+
+
+def test_threads_of_one_rank_reduce_through_the_arena_at_once(ops):
+    settled(mine(4))
+    size = hvd.size()
+    errors: list[BaseException] = []
+
+    def run(tag: str) -> None:
+        try:
+            for i in range(15):
+                x = torch.full((100 + i,), float(hvd.rank() + i))
+                out = hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name=f"arena.{tag}.{i}"))
+                assert torch.equal(out, torch.full((100 + i,), float(size * i + size * (size - 1) / 2))), (tag, i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    arena = device_arena.arena_for(mine(4), hvd.Sum, hvd.global_process_set)
+    if arena is not None:
+        assert arena.slots.free_bytes == arena.slots.capacity
