@@ -1,5 +1,5 @@
-"""Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's,
-the ``"ringcomm"`` backend's) reduced on the device among one host's ranks through CUDA IPC, as
+"""Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's
+backward sums, the ``"ringcomm"`` backend's) reduced on the device among one host's ranks through CUDA IPC, as
 :mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory.
 
 Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two

@@ -105,8 +105,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_bias = sum_dy.to(weight.dtype if weight is not None else cdtype) \
             if ctx.has_bias and ctx.needs_input_grad[2] else None
         # every rank takes part, whatever it needs: the sums over all ranks' samples
-        both = torch.cat([sum_dy, sum_dy_xmu]).to(torch.float64).cpu()
-        both = synchronize(allreduce_async(both, op=Sum, process_set=ctx.process_set)).to(x.device)
+        # on the tensors' device: a CUDA job's sums go through the device service (or, on one host
+        # with RINGCOMM_DEVICE_IPC=1, the GPUs' shared arenas), not through a blocking copy here
+        both = torch.cat([sum_dy, sum_dy_xmu]).to(torch.float64)
+        both = synchronize(allreduce_async(both, op=Sum, process_set=ctx.process_set))
         mean_dy = (both[:channels] / ctx.total).to(cdtype)
         mean_dy_xmu = (both[channels:] / ctx.total).to(cdtype)
         grad_input = None

@@ -87,6 +87,20 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
     assert device.service_for(t).pool.allocations == before  # nothing went through pinned host memory
 
 
+def test_sync_batch_norm_on_cuda_matches_the_host():
+    import copy
+
+    torch.manual_seed(0)
+    ref = hvd.SyncBatchNorm(4)
+    bn = copy.deepcopy(ref).cuda()
+    x = torch.randn(3 + hvd.rank(), 4, 5, generator=torch.Generator().manual_seed(hvd.rank()))
+    xc, xh = x.cuda().requires_grad_(), x.clone().requires_grad_()
+    bn(xc).square().sum().backward()  # its backward sums stay on the GPU (the device service)
+    ref(xh).square().sum().backward()
+    assert torch.allclose(xc.grad.cpu(), xh.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(bn.running_var.cpu(), ref.running_var, rtol=1e-5, atol=1e-6)
+
+
 def test_results_are_ordered_on_the_current_stream():
     t = torch.zeros(1 << 20, device="cuda")
     for _ in range(5):
