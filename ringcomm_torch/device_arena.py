@@ -50,7 +50,7 @@ from ringcomm.core.process_sets import global_process_set
 from ringcomm.errors import HorovodInternalError
 
 from .device import DeviceService, FakeOps, service_for
-from .device_ipc import choose_path, shard_bounds, sum_shard
+from .device_ipc import choose_path, rank_row, shard_bounds, sum_shard
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
@@ -264,12 +264,6 @@ class Arena:
         with self._lock:
             self.slots.give(offset)
 
-    def _row(self, value: int, dtype: Any) -> np.ndarray:
-        """``value`` at this rank's index, zeros elsewhere: summed over the ranks, every rank's."""
-        row = np.zeros(self.size, dtype=dtype)
-        row[self.rank] = value
-        return row
-
     def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
         """Rank ``k``'s range at ``offset``, flat, in ``t``'s dtype."""
         nbytes = t.numel() * t.element_size()
@@ -292,7 +286,7 @@ class Arena:
         if offset >= 0:
             ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
             ops.record(self.posted[self.rank], side)
-        agreement = _rc.allreduce_async(self._row(offset + 1, np.int64), op=Sum, name=core_name)
+        agreement = _rc.allreduce_async(rank_row(self.rank, self.size, offset + 1, np.int64), op=Sum, name=core_name)
 
         def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
             offsets = [int(v) - 1 for v in np.asarray(raw).reshape(-1)]  # a rank that has joined: -1
@@ -313,7 +307,7 @@ class Arena:
                 ops.record(self.done[self.rank], side)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
                 error = exc
-            status = self._row(0 if error is None else 1, np.int32)
+            status = rank_row(self.rank, self.size, 0 if error is None else 1)
             return _OnDevice(_rc.allreduce_async(status, op=Sum, name=f"{core_name}.done"), error)
 
         returning = svc.then(agreement, reduce, core_name)

@@ -43,7 +43,7 @@ from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["choose_path", "shard_bounds", "sum_shard", "agree", "IpcBucket", "share_buckets", "log_once"]
+__all__ = ["choose_path", "rank_row", "shard_bounds", "sum_shard", "agree", "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
@@ -88,6 +88,18 @@ def agree(name: str, process_set: Any) -> Any:
     """A one-element allreduce that completes once every rank has submitted it (returns at once)."""
     token = np.zeros(1, dtype=np.int32)
     return _rc.allreduce_async(token, op=Sum, name=name, out=token, process_set=process_set)
+
+
+def rank_row(rank: int, size: int, value: int, dtype: Any = np.int32) -> np.ndarray:
+    """``value`` at ``rank``'s index, zeros elsewhere: summed over the ranks (an allreduce), every
+    rank's value, and 0 for a rank that has joined (it adds zeros).
+
+    >>> rank_row(1, 3, 7).tolist()
+    [0, 7, 0]
+    """
+    row = np.zeros(size, dtype=dtype)
+    row[rank] = value
+    return row
 
 
 def shard_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
@@ -183,8 +195,7 @@ class IpcBucket(DeviceBucket):
             ops.record(self.done[self.rank], side)
             return agree(f"{core_name}.done", process_set)
 
-        posted = np.zeros(self.size, dtype=np.int32)
-        posted[self.rank] = 1  # summed over the ranks: 0 where a rank has joined
+        posted = rank_row(self.rank, self.size, 1)
         returning = svc.then(_rc.allreduce_async(posted, op=Sum, name=f"{core_name}.posted", out=posted,
                                                  process_set=process_set), reduce, core_name)
 
