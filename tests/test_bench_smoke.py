@@ -275,6 +275,19 @@ def test_a_job_that_times_out_says_where_its_worker_waited() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_whose_imports_were_slow_still_shows_its_stacks_before_the_timeout() -> None:
+    """The worker's deadline counts from its start, not from the end of its imports (``import torch``
+    takes seconds on a loaded machine): the stacks come out before the bench stops the job."""
+    from ringcomm.bench import _procs, _timing
+
+    timeout = 8.0
+    code = ("import time; time.sleep(4); from ringcomm.bench._timing import start_watchdog; "
+            f"start_watchdog({_timing.worker_deadline(timeout)}); time.sleep(60)")
+    result = _procs.run_job([[sys.executable, "-c", code]], _util.worker_env(False), timeout)
+    assert result.timed_out and "every thread's stack follows" in result.describe(), result.describe()
+
+
+@pytest.mark.timeout(60)
 def test_a_benchmark_worker_stuck_holding_the_gil_still_ends_after_its_deadline() -> None:
     # ctypes.PyDLL keeps the GIL through the C call, as a backend stuck in C++ may: the watchdog
     # thread cannot run, and faulthandler's timer (a C thread) must end the process instead.

@@ -99,10 +99,23 @@ def print_stacks() -> None:
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
+def process_age() -> float:
+    """Seconds since this process started (0 where /proc does not say): a worker's imports (torch's
+    take seconds on a loaded machine) come out of its deadline too."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            started = int(f.read().rpartition(b")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", "rb") as f:
+            return max(0.0, float(f.read().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def start_watchdog(seconds: float) -> None:
     """Exit the process (status 124) after ``seconds``, or as soon as its parent is gone; print every
     thread's stack shortly before the job's own timeout (``seconds`` less :data:`DEADLINE_MARGIN`)."""
     parent = os.getppid()
+    seconds -= process_age()  # the job's clock started when this process did, before its imports
     deadline = time.monotonic() + seconds
     stacks_at = seconds - DEADLINE_MARGIN - STACKS_BEFORE_TIMEOUT
     if stacks_at > 0:

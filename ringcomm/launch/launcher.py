@@ -316,6 +316,10 @@ def _wait_for_end(
             deadline = time.monotonic() + SETTLE_SECONDS
             while time.monotonic() < deadline and not all(w.exited.is_set() for w in workers):
                 time.sleep(0.05)
+            if lost is not None and reports is not None:
+                # the ranks that failed may have reported a lost rank just before they exited: it is
+                # stopped as a lost rank (and said so), not only as one of the rest
+                _stop_lost(workers, lost, reports(), say)
             failed = [w for w in workers if w.exited.is_set() and w.returncode != 0]
             return min(failed, key=lambda w: w.exited_at or 0.0)
     return None

@@ -71,9 +71,9 @@ def test_a_dead_creators_file_is_reclaimed_and_a_live_ones_is_not() -> None:
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 def test_an_unnamed_file_leaves_nothing_when_its_creator_is_killed_and_is_whole_once_named() -> None:
     path = _path()
-    before = set(os.listdir(names.SHM_DIR))
     _kill(_holder(path, named=False))
-    assert set(os.listdir(names.SHM_DIR)) - before == set()
+    # only this test's names: jobs of tests running beside it come and go in the same folder
+    assert [n for n in os.listdir(names.SHM_DIR) if n.startswith(os.path.basename(path))] == []
     f = shm.MappedFile(path, 8192, create=True, named=False)
     try:
         f.unlink()  # not its name yet: nothing to remove, and nothing removed
@@ -181,17 +181,18 @@ def test_a_job_started_without_the_launcher_removes_what_a_killed_one_left() -> 
     init() removes it."""
     job = [sys.executable, "-c", "import ringcomm, time; ringcomm.init(); print('up', flush=True); time.sleep(60)"]
     port = str(29000 + secrets.randbelow(2000))
-    before = set(glob.glob(os.path.join(names.SHM_DIR, "ringcomm-*")))
-    procs = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=job_env(
-        RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port)) for r in range(2)]
+    envs = [job_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port) for r in range(2)]
+    procs = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env) for env in envs]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "up"
     finally:
         for p in procs:
             _kill(p)
-    left = set(glob.glob(os.path.join(names.SHM_DIR, "ringcomm-*"))) - before
+    from ringcomm.job import topology
+
+    left = _job_files(topology.from_env(envs[0]).job_id)  # only its own: other tests' jobs may run beside it
     assert left, "the killed job left no file: nothing to check"
     out = launch(2, ["-c", "import ringcomm; ringcomm.init(); ringcomm.shutdown()"], timeout=50,
                  RINGCOMM_LOG_LEVEL="INFO")
