@@ -112,21 +112,29 @@ def _stop_all() -> None:
 def _client(paths: str, program: list[str]) -> None:
     rank = int(os.environ.get("RINGCOMM_RANK") or os.environ.get("RANK") or 0)
     choices = paths.split(":")
+    child: list[int] = []  # the program's pid, once the server says it
+    early: list[int] = []  # signals that came before that: the program may run (and print) before then
+
+    def forward(signum: int, frame: object) -> None:
+        if not child:
+            early.append(signum)
+            return
+        try:
+            os.kill(child[0], signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(choices[rank % len(choices)])
     request = json.dumps({"argv": program, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     sock.sendmsg([struct.pack("!I", len(request)) + request],
                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
     pid = struct.unpack("!i", _recv_exactly(sock, 4))[0]
-
-    def forward(signum: int, frame: object) -> None:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
+    child.append(pid)
+    for signum in early:
+        forward(signum, None)
     reply = _recv_exactly(sock, 4)
     if len(reply) < 4:
         sys.stderr.write("preload server: the connection closed before the rank ended\n")

@@ -173,32 +173,48 @@ def test_files_of_dead_jobs_are_swept_whatever_their_name_and_live_ones_stay(tmp
         _kill(holder)
 
 
+_KILLED_THEN_NEXT = """
+import glob, json, os, secrets, signal, subprocess, sys
+from ringcomm.job import names, topology
+root = sys.argv[1]
+job = [sys.executable, "-c", "import ringcomm, time; ringcomm.init(); print('up', flush=True); time.sleep(60)"]
+port = str(29000 + secrets.randbelow(2000))
+envs = [dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+             MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+procs = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True, cwd=root, env=env) for env in envs]
+up = [p.stdout.readline().strip() == "up" for p in procs]
+for p in procs:
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+left = glob.glob(os.path.join(names.SHM_DIR, names.prefix(topology.from_env(envs[0]).job_id) + "*"))
+out = subprocess.run([sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, "-c",
+                      "import ringcomm; ringcomm.init(); ringcomm.shutdown()"], capture_output=True, text=True,
+                     timeout=40, cwd=root, env=dict(os.environ, RINGCOMM_LOG_LEVEL="INFO"))
+print(json.dumps({"up": up, "left": left, "still": [p for p in left if os.path.exists(p)],
+                  "rc": out.returncode, "stderr": out.stderr}))
+"""
+
+
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
 @pytest.mark.timeout(60)
 def test_a_job_started_without_the_launcher_removes_what_a_killed_one_left() -> None:
     """Two ranks started as torchrun starts them, both killed with SIGKILL once they have met: the
     lane's region keeps its name until every rank has posted, so it is left; the next job's
-    init() removes it."""
-    job = [sys.executable, "-c", "import ringcomm, time; ringcomm.init(); print('up', flush=True); time.sleep(60)"]
-    port = str(29000 + secrets.randbelow(2000))
-    envs = [job_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port) for r in range(2)]
-    procs = [subprocess.Popen(job, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env) for env in envs]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "up"
-    finally:
-        for p in procs:
-            _kill(p)
-    from ringcomm.job import topology
+    init() removes it, and says so.  Any job's init() on the host would: where it can, the scenario
+    runs with a /dev/shm of its own (``unshare -m``), so that jobs of tests beside it do not."""
+    import json
+    import shutil
 
-    left = _job_files(topology.from_env(envs[0]).job_id)  # only its own: other tests' jobs may run beside it
-    assert left, "the killed job left no file: nothing to check"
-    out = launch(2, ["-c", "import ringcomm; ringcomm.init(); ringcomm.shutdown()"], timeout=50,
-                 RINGCOMM_LOG_LEVEL="INFO")
-    assert out.returncode == 0, out.stderr
-    assert not any(os.path.exists(p) for p in left)
-    assert "[0]<stderr>:" in out.stderr and "that jobs killed on this host had left" in out.stderr
+    argv = [sys.executable, "-c", _KILLED_THEN_NEXT, str(ROOT)]
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        argv = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64m tmpfs {names.SHM_DIR} && exec \"$@\"",
+                "-", *argv]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=55, env=job_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["up"] == [True, True] and seen["left"], f"the killed job left no file: nothing to check {seen}"
+    assert seen["rc"] == 0 and seen["still"] == [], seen
+    assert "[0]<stderr>:" in seen["stderr"] and "that jobs killed on this host had left" in seen["stderr"], seen
 
 
 @pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm")
