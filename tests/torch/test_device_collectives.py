@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 import ringcomm as rc  # noqa: E402
 import ringcomm_torch as hvd  # noqa: E402
 from ringcomm_torch import device  # noqa: E402
-from ringcomm_torch.device_threads import RETURN_THREADS, STAGER_THREAD, returns  # noqa: E402
+from ringcomm_torch.device_threads import RETURN_THREAD, RETURN_THREADS, STAGER_THREAD, returns  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -171,6 +171,9 @@ def test_one_service_per_device_and_the_optimizer_shares_it_with_the_collectives
 
 
 def test_the_return_threads_are_bounded_whatever_the_number_of_ops_in_flight():
+    # a pool of another test in this process may have left threads of the same name
+    before = {t.ident for t in threading.enumerate() if t.name == RETURN_THREAD}
+    started_before = returns.threads
     ops = device.FakeOps()
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
     with device.override(ops):
@@ -181,9 +184,9 @@ def test_the_return_threads_are_bounded_whatever_the_number_of_ops_in_flight():
     model(torch.ones(2, 8)).sum().backward()
     ops.fire()
     opt.step()
-    names = [t.name for t in threading.enumerate()]
-    assert 1 <= names.count("ringcomm-torch-device-return") <= RETURN_THREADS
-    assert returns.threads <= RETURN_THREADS
+    new = {t.ident for t in threading.enumerate() if t.name == RETURN_THREAD} - before
+    assert len(new) == returns.threads - started_before  # every return thread started is the pool's
+    assert 1 <= returns.threads <= RETURN_THREADS
 
 
 
