@@ -22,7 +22,9 @@ streams, exit status).
 - Use it only where a test checks what the program does, not what the process is: the rank's pid is
   the child's; a signal that cannot be caught (SIGSTOP, SIGKILL) sent to the client does not reach
   it; and the child lives in the server's namespaces (mount, network), resource limits and cgroup,
-  so a job in a small ``/dev/shm`` or in a network namespace must not use it.
+  so a job in a small ``/dev/shm`` or in a network namespace must not use it.  The child also has
+  torch's thread from the start: a signal sent to the process may land there, and Python then runs
+  the handler when the main thread next runs, not while it waits in one long call.
   ``TESTS_PRELOAD=0`` in pytest's environment turns it off (plain ``python``).
 """
 
