@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _util
-from ._timing import start_watchdog
+from ._timing import exit_now, start_watchdog
 
 #: Exit status when ringcomm_torch (or Horovod) or its DistributedOptimizer is not there.
 EXIT_NO_RINGCOMM_TORCH = 3
@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     elif args.mode in ("ringcomm", "lockstep", "horovod"):
         importlib.import_module("horovod.torch" if args.mode == "horovod" else "ringcomm_torch").shutdown()
+    exit_now(0)  # here, while the model (and DDP's reducer) is still alive: see exit_now
     return 0
 
 
