@@ -38,6 +38,7 @@ from .runtime import (  # re-exported: the public API is ringcomm.api's names
     cross_size as cross_size,
     current,
     current_settings as current_settings,
+    hostname as hostname,
     init as init,
     is_initialized as is_initialized,
     local_rank as local_rank,

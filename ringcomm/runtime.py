@@ -248,6 +248,11 @@ def cross_size() -> int:
     return layout("cross_size").topo.cross_size
 
 
+def hostname() -> str:
+    """This rank's host, as the job names it (``RINGCOMM_HOSTNAME``, the launcher's name, or the system's)."""
+    return layout("hostname").topo.hostname
+
+
 use_rank_source(rank)
 
 

@@ -1,5 +1,5 @@
 """Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's
-backward sums, the ``"ringcomm"`` backend's) reduced on the device among one host's ranks through CUDA IPC, as
+backward sums, the ``"ringcomm"`` backend's) reduced on the device among each host's ranks through CUDA IPC, as
 :mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory.
 
 Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
@@ -17,6 +17,11 @@ then, and whenever a tensor does not fit in what is free, it offers none.  Each 
    over every rank's range in rank order (so every rank gets the same bits; Horovod's prescale,
    postscale and Average as on the host), copies the sum into every rank's range, records
    *done*, and submits a second agreement: whether each rank queued its shard;
+   In a job that spans hosts, each rank sums its shard over its own host's ranges only, and
+   that shard alone goes to pinned memory: one allreduce of every rank sums each host's
+   shards (:meth:`Arena._across_hosts`), the shard comes back to this rank's range, and
+   from there to the host's other ranges on the device.  The device-to-host and
+   host-to-device bytes fall by the host's number of ranks;
 3. ``synchronize()`` waits for that agreement, makes the side stream wait for every peer's
    *done*, copies the range into the result on the side stream, and makes the stream that
    consumes the result wait for that copy.  The range is free again at once: whatever writes into
@@ -50,7 +55,7 @@ from ringcomm.core.process_sets import global_process_set
 from ringcomm.errors import HorovodInternalError
 
 from .device import DeviceService, FakeOps, service_for
-from .device_ipc import choose_path, rank_row, shard_bounds, sum_shard
+from .device_ipc import choose_path, host_groups, partial_sum, rank_row, shard_bounds, sum_shard, wide_dtype
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
@@ -139,18 +144,21 @@ class Arena:
     """One rank's shared device buffer for the per-tensor allreduces of the global process set
     (see the module docstring).  ``state``: ``"new"``, ``"sharing"``, ``"ready"`` or ``"off"``."""
 
-    def __init__(self, service: DeviceService, settings: Any, rank: int, size: int, local_size: int) -> None:
+    def __init__(self, service: DeviceService, settings: Any, rank: int, size: int) -> None:
         self.service = service
         self.ops = service.ops
         self.settings = settings  # the job this arena belongs to (a new job makes a new arena)
-        self.rank, self.size, self.local_size = rank, size, local_size
+        self.rank, self.size = rank, size
+        self.local: tuple[int, ...] = ()  # the ranks on this rank's host (set once shared)
+        self.staged_bytes = 0  # bytes this rank copied to pinned host memory for ops across hosts
         self.ipc = ipc_for(service.ops, own=True)
         self.slots = Slots(int(settings.device_ipc_arena_bytes))
         self.state = "new"
         self.reason = ""
         self._lock = threading.Lock()
         self.flat: torch.Tensor | None = None
-        self.peers: list[torch.Tensor] = []  # every rank's arena, in rank order (this one's own)
+        # every rank's arena and events, in rank order (this one's own; None for another host's rank)
+        self.peers: list[torch.Tensor | None] = []
         self.posted: list[Any] = []
         self.done: list[Any] = []
         self._own: tuple[Any, Any] = (None, None)
@@ -170,7 +178,7 @@ class Arena:
                 for ev in self._own:
                     self.ops.record(ev, svc.side)  # created on the device, so that it has a handle
             mine = (ipc.share(self.flat), ipc.event_handle(self._own[0]), ipc.event_handle(self._own[1]),
-                    svc.device.index or 0)
+                    svc.device.index or 0, _rc.api.hostname())
         except Exception as exc:  # noqa: BLE001 - every rank learns it and keeps the pinned path
             problem = f"{type(exc).__name__}: {exc}"
         rows = np.zeros((self.size, SHARE_ROW_BYTES), dtype=np.uint8)
@@ -213,19 +221,30 @@ class Arena:
             if problem is not None:
                 self._settle(False, f"rank {k} could not share its arena ({problem})")
                 return
-        devices = [int(m[3]) for m, _ in every]
+        groups = host_groups([str(m[4]) for m, _ in every])
+        local = next(g for g in groups if self.rank in g)
+        devices = [int(every[k][0][3]) for k in local]
         reachable = [[self.ipc.peer_access(a, b) for b in devices] for a in devices]
-        use, reason = choose_path(True, self.size, self.local_size, devices, reachable, True, True)
+        if len(groups) == self.size:
+            use, reason = False, f"every one of the {self.size} ranks is alone on its host"
+        elif len(local) == 1:
+            use, reason = True, "it is the only rank on its host"
+        else:
+            use, reason = choose_path(True, len(local), len(local), devices, reachable, True, True)
+        if use and len(groups) > 1:
+            reason += (f"; the job spans {len(groups)} hosts: each rank's shard of its host's sum goes through "
+                       "pinned memory and the network, the rest stays on the GPUs")
         if use:
             try:
                 dev = self.service.device
                 assert self.flat is not None
-                self.peers = [self.flat if k == self.rank else self.ipc.open_shared(m[0], dev)
+                self.peers = [self.flat if k == self.rank else self.ipc.open_shared(m[0], dev) if k in local else None
                               for k, (m, _) in enumerate(every)]
-                self.posted = [self._own[0] if k == self.rank else self.ipc.open_event(m[1], dev)
-                               for k, (m, _) in enumerate(every)]
-                self.done = [self._own[1] if k == self.rank else self.ipc.open_event(m[2], dev)
-                             for k, (m, _) in enumerate(every)]
+                self.posted = [self._own[0] if k == self.rank else self.ipc.open_event(m[1], dev) if k in local
+                               else None for k, (m, _) in enumerate(every)]
+                self.done = [self._own[1] if k == self.rank else self.ipc.open_event(m[2], dev) if k in local
+                             else None for k, (m, _) in enumerate(every)]
+                self.local = local
             except Exception as exc:  # noqa: BLE001 - this rank offers no range: every op takes the pinned path
                 use, reason = False, f"rank {self.rank} could not open a peer's arena ({type(exc).__name__}: {exc})"
         self._settle(use, reason)
@@ -265,9 +284,11 @@ class Arena:
             self.slots.give(offset)
 
     def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
-        """Rank ``k``'s range at ``offset``, flat, in ``t``'s dtype."""
+        """Rank ``k``'s range at ``offset`` (``k`` on this host), flat, in ``t``'s dtype."""
         nbytes = t.numel() * t.element_size()
-        return self.peers[k][offset:offset + nbytes].view(t.dtype)
+        peer = self.peers[k]
+        assert peer is not None, f"rank {k} is on another host"
+        return peer[offset:offset + nbytes].view(t.dtype)
 
     # -- one op -------------------------------------------------------------------------
 
@@ -296,6 +317,8 @@ class Arena:
             if not self._unlinked:  # every rank has opened every arena: the fake's files may go
                 self._unlinked = True
                 self.ipc.opened()
+            if len(self.local) < self.size:
+                return self._across_hosts(t, offsets, side, core_name, prescale, postscale, average)
             error = None
             try:
                 for k, ev in enumerate(self.posted):
@@ -307,14 +330,15 @@ class Arena:
                 ops.record(self.done[self.rank], side)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
                 error = exc
-            status = rank_row(self.rank, self.size, 0 if error is None else 1)
-            return _OnDevice(_rc.allreduce_async(status, op=Sum, name=f"{core_name}.done"), error)
+            return self._agree_done(core_name, error)
 
         returning = svc.then(agreement, reduce, core_name)
 
         def finish(result: Any) -> torch.Tensor:  # synchronize()
             if isinstance(result, Handle):
                 return result.wait()
+            if not isinstance(result, _OnDevice):  # across hosts: the hosts' allreduce comes first
+                result = result.wait()
             failed = [k for k, v in enumerate(np.asarray(result.done.wait()).reshape(-1)) if v]
             if failed:
                 raise HorovodInternalError(
@@ -322,7 +346,7 @@ class Arena:
                     f"shard on the GPU ({result.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to "
                     "reduce through pinned host memory") from result.error
             for k, ev in enumerate(self.done):
-                if k != self.rank:
+                if k != self.rank and ev is not None:
                     ops.stream_wait(side, ev)
             target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             ops.copy(target, self._view(self.rank, held.offset, t).view(t.shape), side)
@@ -330,6 +354,75 @@ class Arena:
             return target
 
         return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
+
+    def _agree_done(self, core_name: str, error: BaseException | None) -> _OnDevice:
+        """Submit the second agreement: whether this rank queued its shard (no wait)."""
+        status = rank_row(self.rank, self.size, 0 if error is None else 1)
+        return _OnDevice(_rc.allreduce_async(status, op=Sum, name=f"{core_name}.done"), error)
+
+    def _across_hosts(self, t: torch.Tensor, offsets: list[int], side: Any, core_name: str, prescale: float,
+                      postscale: float, average: bool) -> Any:
+        """On a return thread, for a job that spans hosts: sum this rank's shard of its host's ranges
+        on the device, then reduce that shard across the hosts through pinned memory, and copy the
+        result into every range of the host.  Returns at once (what ``finish`` waits for).
+
+        The host buffer holds the whole tensor (in :func:`wide_dtype`), zeros but for this rank's
+        shard, and goes through one allreduce of every rank: every element is then the sum of one
+        shard per host, whichever path the engine takes (across hosts, the hierarchical one moves
+        only the shards).  Only the shard crosses to and from the device."""
+        ops, svc, local = self.ops, self.service, self.local
+        me = local.index(self.rank)
+        lo, hi = shard_bounds(t.numel(), me, len(local))
+        wide = wide_dtype(t.dtype)
+        nbytes = t.numel() * torch.empty((), dtype=wide).element_size()
+        buf = svc.pool.acquire(nbytes)
+        host = buf[:nbytes].view(wide)
+        error: BaseException | None = None
+        views: list[torch.Tensor] = []
+        try:
+            for k in local:
+                if k != self.rank:
+                    ops.stream_wait(side, self.posted[k])
+            views = [self._view(k, offsets[k], t) for k in local]
+            if hi > lo:
+                ops.copy(host[lo:hi], partial_sum(ops, side, views, lo, hi, prescale), side)
+                self.staged_bytes += (hi - lo) * host.element_size()
+        except Exception as exc:  # noqa: BLE001 - this rank adds zeros; the second agreement reports it
+            error = exc
+        with torch.no_grad():  # host memory the device does not touch: the rest of the tensor adds nothing
+            if error is not None:
+                host.zero_()
+            else:
+                host[:lo].zero_()
+                host[hi:].zero_()
+        ready = svc.mark()
+        arr = host.numpy()
+        name = f"{core_name}.hosts"
+        staging = svc.start(ready, lambda: _rc.allreduce_async(arr, op=Sum, name=name, out=arr), name)
+
+        def back(_raw: Any) -> _OnDevice:  # on a return thread, once every host's shards are summed
+            err = error
+            try:
+                if err is None and hi > lo:
+                    part = host[lo:hi]  # the same bits on every rank: scaled alike, once per shard
+                    with torch.no_grad():
+                        if postscale != 1.0:
+                            part.mul_(postscale)
+                        if average:
+                            part.div_(self.size)
+                    own = views[me][lo:hi]
+                    ops.copy(own, part, side)  # the shard back to the device, once
+                    for k, view in zip(local, views):
+                        if k != self.rank:
+                            ops.copy(view[lo:hi], own, side)  # and to the host's other ranks, device to device
+                if err is None:
+                    ops.record(self.done[self.rank], side)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
+                err = exc
+            svc.release(buf)
+            return self._agree_done(core_name, err)
+
+        return svc.then(staging, back, core_name)
 
 
 _arenas: dict[int, Arena] = {}
@@ -351,10 +444,10 @@ def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
     if svc is None or (isinstance(svc.ops, FakeOps) and not svc.ops.ipc):
         return None
     n = _rc.api.size()
-    if n < 2 or _rc.api.local_size() != n:
+    if n < 2 or _rc.api.cross_size() == n:  # one rank per host: nothing to sum on a device
         return None
     with _arenas_lock:
         arena = _arenas.get(id(svc.ops))
         if arena is None or arena.settings is not settings:
-            arena = _arenas[id(svc.ops)] = Arena(svc, settings, _rc.api.rank(), n, n)
+            arena = _arenas[id(svc.ops)] = Arena(svc, settings, _rc.api.rank(), n)
         return arena

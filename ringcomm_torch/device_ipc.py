@@ -43,7 +43,8 @@ from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["choose_path", "rank_row", "shard_bounds", "sum_shard", "agree", "IpcBucket", "share_buckets", "log_once"]
+__all__ = ["choose_path", "rank_row", "shard_bounds", "sum_shard", "partial_sum", "wide_dtype", "host_groups", "agree",
+           "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
@@ -113,16 +114,17 @@ def shard_bounds(numel: int, rank: int, size: int) -> tuple[int, int]:
     return lo, lo + q + (1 if rank < r else 0)
 
 
-def sum_shard(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: int, prescale: float,
-              postscale: float, average: bool) -> None:
-    """Queue on ``side``: the sum of ``views[k][lo:hi]`` over every rank ``k`` **in rank order** (so
-    whichever rank computes it, the bits are the same), each term times ``prescale``, the sum times
-    ``postscale`` and divided by the ranks for Average (as the host path does), then its copy into
-    every rank's view.  Half-precision terms are summed in float32 and rounded once."""
-    if hi <= lo:
-        return
-    dtype = views[0].dtype
-    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums of ``dtype`` are made in: float32 for the half types, else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def partial_sum(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: int,
+                prescale: float) -> torch.Tensor:
+    """Queue on ``side`` and return: the sum of ``views[k][lo:hi]`` over ``views`` **in their order**
+    (so whichever rank computes it, the bits are the same), each term times ``prescale``, in
+    :func:`wide_dtype` (half-precision terms are summed in float32)."""
+    wide = wide_dtype(views[0].dtype)
     with ops.on(side), torch.no_grad():
         acc = views[0][lo:hi].to(wide, copy=True)
         if prescale != 1.0:
@@ -130,12 +132,36 @@ def sum_shard(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: i
         for view in views[1:]:
             term = view[lo:hi].to(wide)
             acc.add_(term * prescale if prescale != 1.0 else term)
+    return acc
+
+
+def sum_shard(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: int, prescale: float,
+              postscale: float, average: bool) -> None:
+    """Queue on ``side``: the :func:`partial_sum` of every rank's view (in rank order) times
+    ``postscale`` and divided by the ranks for Average (as the host path does), then its copy into
+    every rank's view.  Half-precision terms are summed in float32 and rounded once."""
+    if hi <= lo:
+        return
+    acc = partial_sum(ops, side, views, lo, hi, prescale)
+    with ops.on(side), torch.no_grad():
         if postscale != 1.0:
             acc.mul_(postscale)
         if average:
             acc.div_(len(views))
     for view in views:
         ops.copy(view[lo:hi], acc, side)
+
+
+def host_groups(hosts: Sequence[str]) -> list[tuple[int, ...]]:
+    """The ranks of each host (``hosts[r]``: rank r's), hosts in order of their first rank (pure).
+
+    >>> host_groups(["a", "b", "a", "b", "c"])
+    [(0, 2), (1, 3), (4,)]
+    """
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return [tuple(g) for g in groups.values()]
 
 
 class IpcBucket(DeviceBucket):

@@ -1,4 +1,5 @@
-"""The device arena's ranges (:class:`ringcomm_torch.device_arena.Slots`): pure, in memory."""
+"""The device arena's ranges (:class:`ringcomm_torch.device_arena.Slots`), its shards and its
+grouping of ranks by host: pure, in memory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 pytest.importorskip("torch")
 
 from ringcomm_torch.device_arena import Slots  # noqa: E402
-from ringcomm_torch.device_ipc import shard_bounds  # noqa: E402
+from ringcomm_torch.device_ipc import host_groups, shard_bounds  # noqa: E402
 
 ALIGN = 256
 
@@ -71,3 +72,23 @@ def test_the_shards_cover_the_buffer_once_in_rank_order(numel, size):
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("abcd"), min_size=1, max_size=12), st.integers(0, 500))
+def test_across_hosts_each_element_is_summed_once_per_host_and_every_rank_reads_the_same_grouping(hosts, numel):
+    """What the arena's allreduce across hosts relies on: each host's ranks split the tensor into
+    shards that cover it once, so the hosts' buffers (a shard each, zeros elsewhere) sum to one
+    term per host for every element."""
+    groups = host_groups(hosts)
+    assert sorted(r for g in groups for r in g) == list(range(len(hosts)))
+    assert len(groups) == len(set(hosts))
+    for g in groups:
+        assert list(g) == sorted(g) and len({hosts[r] for r in g}) == 1
+        terms = [0] * numel
+        for index in range(len(g)):
+            lo, hi = shard_bounds(numel, index, len(g))
+            for i in range(lo, hi):
+                terms[i] += 1
+        assert terms == [1] * numel
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # hosts in order of their first rank

@@ -5,11 +5,15 @@ not happened while the recording rank's fake is held, and a stream's wait for a 
 blocks where it is queued.
 
 Runs alone (one rank: no arena, the pinned path) or under the launcher at np 2 and 3 with
-``RINGCOMM_DEVICE_IPC=1`` and a 1 MiB arena, and at np 2 with the setting off (test_torch_jobs.py).
+``RINGCOMM_DEVICE_IPC=1`` and a 1 MiB arena, at np 2 with the setting off, and at np 4 as two
+hosts of two ranks each, interleaved (``ARENA_TEST_HOSTS=2``: each rank names its host before
+``init``), where only each rank's shard of its host's sum goes through host memory
+(test_torch_jobs.py).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -21,14 +25,20 @@ dist = pytest.importorskip("torch.distributed")
 import ringcomm_torch as hvd  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import MismatchError  # noqa: E402
-from ringcomm_torch import device, device_arena  # noqa: E402
+from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
 from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 
+#: Hosts the job's ranks name (rank r on host r % HOSTS), as the engine and the arena see them.
+HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _init():
+    if HOSTS > 1:
+        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
     hvd.init()
     yield
 
@@ -42,7 +52,31 @@ def ops():
 
 
 def on_device() -> bool:
-    return core_api.current_settings().device_ipc and hvd.size() > 1 and hvd.local_size() == hvd.size()
+    """Whether the job's CUDA allreduces take the arena (alike on every rank): some host has two ranks."""
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and min(HOSTS, hvd.size()) < hvd.size()
+
+
+def spans_hosts() -> bool:
+    return min(HOSTS, hvd.size()) > 1
+
+
+class HostBytes:
+    """What one op moved through host memory on this rank: on one host nothing (no pinned buffer
+    taken, nothing staged); across hosts only this rank's shard of the tensor, in the sum's dtype."""
+
+    def __init__(self, ops, arena: device_arena.Arena | None) -> None:
+        self.ops, self.arena = ops, arena
+        self.pinned = ops.pinned_allocations
+        self.staged = 0 if arena is None else arena.staged_bytes
+
+    def only_the_shard(self, numel: int, dtype) -> bool:
+        assert self.arena is not None
+        staged = self.arena.staged_bytes - self.staged
+        if not spans_hosts():
+            return staged == 0 and self.ops.pinned_allocations == self.pinned
+        local = self.arena.local
+        lo, hi = device_ipc.shard_bounds(numel, local.index(hvd.rank()), len(local))
+        return staged == (hi - lo) * torch.empty((), dtype=device_ipc.wide_dtype(dtype)).element_size()
 
 
 def settled(t: torch.Tensor) -> device_arena.Arena | None:
@@ -76,27 +110,29 @@ def test_the_arena_is_shared_once_and_taken_only_where_every_rank_has_room(ops):
         return
     assert arena.state == "ready", arena.reason
     assert arena.slots.capacity == core_api.current_settings().device_ipc_arena_bytes
+    assert arena.local == tuple(r for r in range(hvd.size()) if r % HOSTS == hvd.rank() % HOSTS)
+    assert ("spans 2 hosts" in arena.reason) == spans_hosts(), arena.reason
     assert device_arena.arena_for(mine(4), hvd.Min, hvd.global_process_set) is None  # only Sum and Average
     assert device_arena.arena_for(torch.ones(4, dtype=torch.int32), hvd.Sum, hvd.global_process_set) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rounding(ops, dtype):
-    settled(mine(4))
-    pinned_before = ops.pinned_allocations
+    arena = settled(mine(4))
     x = mine(1000, dtype, seed=1)
     cases = [dict(op=hvd.Sum), dict(op=hvd.Average), dict(op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
              dict(op=hvd.Average, prescale_factor=2.0)]
     for kw in cases:
+        moved = HostBytes(ops, arena)
         got = hvd.allreduce(x, **kw)
+        if on_device():
+            assert moved.only_the_shard(x.numel(), dtype), kw
         with device.override(None):  # the host path, for reference
             want = hvd.allreduce(x.float(), **kw).to(dtype)
         assert alike_on_every_rank(got), kw
         tol = dict(rtol=1e-2, atol=1e-2) if dtype in (torch.float16, torch.bfloat16) else dict(rtol=1e-5, atol=1e-6)
         assert torch.allclose(got.float(), want.float(), **tol), (kw, (got.float() - want.float()).abs().max())
         assert got.dtype is dtype and got.shape == x.shape
-    if on_device():
-        assert ops.pinned_allocations == pinned_before  # nothing went through host memory
 
 
 def test_in_place_async_and_non_contiguous_tensors(ops):
@@ -239,22 +275,22 @@ def test_sync_batch_norm_on_the_device_matches_the_pinned_path(ops):
 def test_the_ringcomm_backend_reduces_a_device_tensor_through_the_arena(ops):
     import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
 
-    settled(mine(4))
+    arena = settled(mine(4))
     if not dist.is_initialized():
         # the job is running already: the group adopts it (the store is only for torch's own use)
         dist.init_process_group("ringcomm", store=dist.HashStore(), rank=hvd.rank(), world_size=hvd.size())
-    pinned_before = ops.pinned_allocations
     t = mine(500, seed=7)
     want = hvd.allreduce(t.clone(), op=hvd.Sum, name="arena.backend.ref")
+    moved = HostBytes(ops, arena)
     work = dist.all_reduce(t, async_op=True)
     work.wait()
+    if on_device():
+        assert moved.only_the_shard(t.numel(), t.dtype)
     assert alike_on_every_rank(t)
     assert torch.allclose(t, want, rtol=1e-5, atol=1e-6)
     u = mine(64, seed=8)
     dist.all_reduce(u, op=dist.ReduceOp.AVG)
     assert alike_on_every_rank(u)
-    if on_device():
-        assert ops.pinned_allocations == pinned_before
 
 
 def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkeypatch):
@@ -278,7 +314,8 @@ def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkey
             pinned_before = ops.pinned_allocations
             model(x).square().mean().backward()
             if fake is not None and on_device():
-                assert ops.pinned_allocations == pinned_before  # DDP's buckets reduced in the arena
+                if not spans_hosts():
+                    assert ops.pinned_allocations == pinned_before  # DDP's buckets reduced in the arena
                 assert through  # DDP's bucket went to the arena
         grads.append([p.grad.clone() for p in model.parameters()])
     for g, h in zip(*grads):
