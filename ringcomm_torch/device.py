@@ -161,9 +161,8 @@ class FakeOps:
     """:class:`DeviceOps` on CPU tensors, for tests; ``calls`` lists ``(call, thread name)``.
 
     While :meth:`hold` is on, copies and unpacks are deferred, in order (their destinations hold
-    NaN meanwhile; a copy reads a source that a deferred copy writes when it runs, after that one),
-    and recorded events stay not ready until :meth:`fire`; packs and torch operations under
-    :meth:`on` run at once.  ``pinned_allocations`` counts buffers;
+    NaN meanwhile), and recorded events stay not ready until :meth:`fire`; packs and torch
+    operations under :meth:`on` run at once.  ``pinned_allocations`` counts buffers;
     ``count(call, buffer=flat)`` counts the packs and unpacks (batched or in parts) of one
     bucket's flat buffer, and the copies into or out of it."""
 
@@ -174,7 +173,6 @@ class FakeOps:
         self.pinned_allocations = 0
         self._held = False
         self._deferred: list[Callable[[], None]] = []
-        self._pending: set[int] = set()  # storages that deferred copies write
         self._events: list[FakeEvent] = []
         self._lock = threading.Lock()
 
@@ -202,7 +200,6 @@ class FakeOps:
             self._held = False
             deferred, self._deferred = self._deferred, []
             events, self._events = self._events, []
-            self._pending.clear()
         for run in deferred:
             run()
         for ev in events:
@@ -279,11 +276,7 @@ class FakeOps:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self._note("copy", dst, src)
-        with self._lock:
-            # a source that a deferred copy still writes is read when this copy runs, after that one
-            # (stream order); any other is read now, as the copy's own queued moment
-            live = self._held and src.untyped_storage().data_ptr() in self._pending
-        snapshot = src if live else src.detach().clone()
+        snapshot = src.detach().clone()
 
         def run() -> None:
             with torch.no_grad():
@@ -293,7 +286,6 @@ class FakeOps:
                 if dst.is_floating_point() or dst.dtype is torch.uint8:
                     dst.view(torch.uint8).fill_(0xFF)  # all ones: NaN in every float dtype
                 self._deferred.append(run)
-                self._pending.add(dst.untyped_storage().data_ptr())
                 return
         run()
 

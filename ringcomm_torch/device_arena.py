@@ -55,7 +55,8 @@ from ringcomm.core.process_sets import global_process_set
 from ringcomm.errors import HorovodInternalError
 
 from .device import DeviceService, FakeOps, service_for
-from .device_ipc import choose_path, host_groups, partial_sum, rank_row, shard_bounds, sum_shard, wide_dtype
+from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, rank_row, shard_bounds,
+                         sum_shard, wide_dtype)
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
@@ -129,15 +130,6 @@ class _Range:
         if self.offset >= 0:
             offset, self.offset = self.offset, -1
             self.arena.give(offset)
-
-
-class _OnDevice:
-    """A reduction queued on the device: the agreement that every rank queued its shard."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self, done: Any, error: BaseException | None) -> None:
-        self.done, self.error = done, error
 
 
 class Arena:
@@ -221,19 +213,10 @@ class Arena:
             if problem is not None:
                 self._settle(False, f"rank {k} could not share its arena ({problem})")
                 return
-        groups = host_groups([str(m[4]) for m, _ in every])
-        local = next(g for g in groups if self.rank in g)
-        devices = [int(every[k][0][3]) for k in local]
-        reachable = [[self.ipc.peer_access(a, b) for b in devices] for a in devices]
-        if len(groups) == self.size:
-            use, reason = False, f"every one of the {self.size} ranks is alone on its host"
-        elif len(local) == 1:
-            use, reason = True, "it is the only rank on its host"
-        else:
-            use, reason = choose_path(True, len(local), len(local), devices, reachable, True, True)
-        if use and len(groups) > 1:
-            reason += (f"; the job spans {len(groups)} hosts: each rank's shard of its host's sum goes through "
-                       "pinned memory and the network, the rest stays on the GPUs")
+        hosts = [str(m[4]) for m, _ in every]
+        use, reason = choose_path(True, hosts, self.rank, [int(m[3]) for m, _ in every], self.ipc.peer_access,
+                                  True, True)
+        local = next(g for g in host_groups(hosts) if self.rank in g)
         if use:
             try:
                 dev = self.service.device
@@ -330,16 +313,16 @@ class Arena:
                 ops.record(self.done[self.rank], side)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
                 error = exc
-            return self._agree_done(core_name, error)
+            return agree_done(self.rank, self.size, f"{core_name}.done", error, global_process_set)
 
         returning = svc.then(agreement, reduce, core_name)
 
         def finish(result: Any) -> torch.Tensor:  # synchronize()
             if isinstance(result, Handle):
                 return result.wait()
-            if not isinstance(result, _OnDevice):  # across hosts: the hosts' allreduce comes first
+            if not isinstance(result, OnDevice):  # across hosts: the hosts' allreduce comes first
                 result = result.wait()
-            failed = [k for k, v in enumerate(np.asarray(result.done.wait()).reshape(-1)) if v]
+            failed = result.failed()
             if failed:
                 raise HorovodInternalError(
                     f"allreduce {core_name!r} on rank {self.rank}: rank(s) {failed} could not reduce their "
@@ -355,74 +338,26 @@ class Arena:
 
         return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
 
-    def _agree_done(self, core_name: str, error: BaseException | None) -> _OnDevice:
-        """Submit the second agreement: whether this rank queued its shard (no wait)."""
-        status = rank_row(self.rank, self.size, 0 if error is None else 1)
-        return _OnDevice(_rc.allreduce_async(status, op=Sum, name=f"{core_name}.done"), error)
-
     def _across_hosts(self, t: torch.Tensor, offsets: list[int], side: Any, core_name: str, prescale: float,
                       postscale: float, average: bool) -> Any:
-        """On a return thread, for a job that spans hosts: sum this rank's shard of its host's ranges
-        on the device, then reduce that shard across the hosts through pinned memory, and copy the
-        result into every range of the host.  Returns at once (what ``finish`` waits for).
-
-        The host buffer holds the whole tensor (in :func:`wide_dtype`), zeros but for this rank's
-        shard, and goes through one allreduce of every rank: every element is then the sum of one
-        shard per host, whichever path the engine takes (across hosts, the hierarchical one moves
-        only the shards).  Only the shard crosses to and from the device."""
-        ops, svc, local = self.ops, self.service, self.local
-        me = local.index(self.rank)
-        lo, hi = shard_bounds(t.numel(), me, len(local))
+        """On a return thread, in a job that spans hosts: :func:`~.device_ipc.across_hosts` over this
+        host's ranges, through a pinned buffer of the pool (returns at once)."""
+        svc, local = self.service, self.local
         wide = wide_dtype(t.dtype)
         nbytes = t.numel() * torch.empty((), dtype=wide).element_size()
         buf = svc.pool.acquire(nbytes)
-        host = buf[:nbytes].view(wide)
-        error: BaseException | None = None
-        views: list[torch.Tensor] = []
-        try:
+        me = local.index(self.rank)
+        lo, hi = shard_bounds(t.numel(), me, len(local))
+        self.staged_bytes += (hi - lo) * (nbytes // max(1, t.numel()))
+
+        def prepare() -> list[torch.Tensor]:
             for k in local:
                 if k != self.rank:
-                    ops.stream_wait(side, self.posted[k])
-            views = [self._view(k, offsets[k], t) for k in local]
-            if hi > lo:
-                ops.copy(host[lo:hi], partial_sum(ops, side, views, lo, hi, prescale), side)
-                self.staged_bytes += (hi - lo) * host.element_size()
-        except Exception as exc:  # noqa: BLE001 - this rank adds zeros; the second agreement reports it
-            error = exc
-        with torch.no_grad():  # host memory the device does not touch: the rest of the tensor adds nothing
-            if error is not None:
-                host.zero_()
-            else:
-                host[:lo].zero_()
-                host[hi:].zero_()
-        ready = svc.mark()
-        arr = host.numpy()
-        name = f"{core_name}.hosts"
-        staging = svc.start(ready, lambda: _rc.allreduce_async(arr, op=Sum, name=name, out=arr), name)
+                    self.ops.stream_wait(side, self.posted[k])
+            return [self._view(k, offsets[k], t) for k in local]
 
-        def back(_raw: Any) -> _OnDevice:  # on a return thread, once every host's shards are summed
-            err = error
-            try:
-                if err is None and hi > lo:
-                    part = host[lo:hi]  # the same bits on every rank: scaled alike, once per shard
-                    with torch.no_grad():
-                        if postscale != 1.0:
-                            part.mul_(postscale)
-                        if average:
-                            part.div_(self.size)
-                    own = views[me][lo:hi]
-                    ops.copy(own, part, side)  # the shard back to the device, once
-                    for k, view in zip(local, views):
-                        if k != self.rank:
-                            ops.copy(view[lo:hi], own, side)  # and to the host's other ranks, device to device
-                if err is None:
-                    ops.record(self.done[self.rank], side)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
-                err = exc
-            svc.release(buf)
-            return self._agree_done(core_name, err)
-
-        return svc.then(staging, back, core_name)
+        return across_hosts(svc, side, prepare, me, buf[:nbytes].view(wide), prescale, postscale, average, self.rank,
+                            self.size, self.done[self.rank], core_name, global_process_set, lambda: svc.release(buf))
 
 
 _arenas: dict[int, Arena] = {}

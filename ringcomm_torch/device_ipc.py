@@ -1,15 +1,16 @@
-"""Reducing DistributedOptimizer's CUDA buckets on the device among the ranks of one host, through
+"""Reducing DistributedOptimizer's CUDA buckets on the device among the ranks of each host, through
 CUDA IPC, instead of through pinned host memory.
 
-At set-up (the optimizer's construction) the ranks of a job that all share one host gather each
-other's GPU (one ``allgather_object``) and decide the path together (:func:`choose_path`, pure):
-the device path where every pair of GPUs is the same or has peer access
-(``torch.cuda.can_device_access_peer``), the op is Sum or Average, the compression leaves the
-bucket as it is and ``RINGCOMM_DEVICE_IPC`` is on; the pinned path otherwise.  The choice and its
-reason are logged once.  On the device path each bucket's flat buffer and two interprocess events
-(*posted*, *done*) are shared once (torch's own sharing: ``reduce_tensor`` and its rebuild,
-``Event(interprocess=True)``, ``ipc_handle()``, ``Event.from_ipc_handle``), the handles exchanged
-with a second ``allgather_object``.  Then, each step, for a bucket of ``n`` ranks:
+At set-up (the optimizer's construction) the ranks gather each other's GPU and host (one
+``allgather_object``), each decides for its host (:func:`choose_path`, pure given the peer-access
+query): the device path where every pair of its host's GPUs is the same or has peer access
+(``torch.cuda.can_device_access_peer``), some host has two ranks or more, the op is Sum or Average,
+the compression leaves the bucket as it is and ``RINGCOMM_DEVICE_IPC`` is on; the pinned path
+otherwise.  A second gather makes the choice the same on every rank; it and its reason are logged
+once.  On the device path each bucket's flat buffer and two interprocess events (*posted*,
+*done*) are shared once with the host's other ranks (torch's own sharing: ``reduce_tensor`` and
+its rebuild, ``Event(interprocess=True)``, ``ipc_handle()``, ``Event.from_ipc_handle``), the
+handles exchanged with a third ``allgather_object``.  Then, each step, for a bucket of ``n`` ranks:
 
 1. the hook packs the gradients into the flat buffer on the side stream, records *posted* and
    submits a one-element agreement op (the lane's or the engine's allreduce): it returns at once;
@@ -17,19 +18,20 @@ with a second ``allgather_object``.  Then, each step, for a bucket of ``n`` rank
    stream: a wait for each peer's *posted* event (a stream wait, not a host wait), the sum of
    this rank's shard over every rank's buffer **in rank order** (so every rank gets the same
    bits), Horovod's prescale, postscale and Average, a copy of the summed shard into every
-   rank's buffer, and *done*; then it submits a second agreement op;
+   rank's buffer, and *done*; then it submits a second agreement op.  In a job that spans hosts
+   the shard is summed over the host's buffers, and only it goes through pinned memory, where one
+   allreduce of every rank sums the hosts' shards (:func:`across_hosts`);
 3. ``synchronize()`` waits for that agreement (every rank has queued its shards) and makes the
    side stream wait for every rank's *done*, then the current stream for the side stream.
 
 The current stream of every rank thus waits for every rank's *done* before the next backward
 writes into its buffer, so no rank reads or writes a buffer that another still uses.
 """
-
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,45 +39,66 @@ import torch
 
 import ringcomm as _rc
 from ringcomm.core.ops import Average, Sum
+from ringcomm.errors import HorovodInternalError
 
 from .buckets import DeviceBucket
 from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["choose_path", "rank_row", "shard_bounds", "sum_shard", "partial_sum", "wide_dtype", "host_groups", "agree",
+__all__ = ["refusal", "choose_path", "OnDevice", "agree_done", "across_hosts", "rank_row", "shard_bounds", "sum_shard", "partial_sum", "wide_dtype", "host_groups", "agree",
            "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
 
 
-def choose_path(enabled: bool, size: int, local_size: int, devices: Sequence[int],
-                reachable: Sequence[Sequence[bool]], op_ok: bool, flat_ok: bool) -> tuple[bool, str]:
-    """Whether the ranks reduce their buckets on the device, and why (pure; every rank decides
-    alike from the same gathered values).
-
-    >>> choose_path(True, 2, 2, [0, 0], [[True, True], [True, True]], True, True)
-    (True, 'the 2 ranks share a host, and their GPUs are one or have peer access')
-    >>> choose_path(False, 2, 2, [0, 0], [[True] * 2] * 2, True, True)[1]
-    'RINGCOMM_DEVICE_IPC=0'
-    """
+def refusal(enabled: bool, size: int) -> str | None:
+    """Why no job of ``size`` ranks with the setting ``enabled`` reduces on the device, if so."""
     if not enabled:
-        return False, "RINGCOMM_DEVICE_IPC=0"
+        return "RINGCOMM_DEVICE_IPC=0"
     if size < 2:
-        return False, "a job of one rank"
-    if local_size != size:
-        return False, f"the ranks span hosts ({local_size} of {size} on this one)"
+        return "a job of one rank"
+    return None
+
+
+def choose_path(enabled: bool, hosts: Sequence[str], rank: int, devices: Sequence[int],
+                reachable: Callable[[int, int], bool], op_ok: bool, flat_ok: bool) -> tuple[bool, str]:
+    """Whether ``rank`` reduces on the device with the ranks of its host, and why (pure given
+    ``reachable``; the ranks of a host decide alike from the same gathered values).
+
+    ``hosts[k]`` and ``devices[k]`` are rank k's host and GPU; ``reachable(a, b)`` whether GPU ``a``
+    can access GPU ``b`` on this host.  Across hosts, each rank's shard of its host's sum goes
+    through pinned memory; a host with one rank takes part with its whole tensor as its shard.
+
+    >>> choose_path(True, ["h", "h"], 0, [0, 0], lambda a, b: True, True, True)
+    (True, 'the 2 ranks share a host, and their GPUs are one or have peer access')
+    >>> choose_path(True, ["a", "b", "a", "b"], 1, [0] * 4, lambda a, b: True, True, True)[1][:40]
+    'the job spans 2 hosts: the ranks of each'
+    >>> choose_path(True, ["a", "b"], 0, [0, 0], lambda a, b: True, True, True)[1]
+    'each of the 2 ranks is alone on its host'
+    """
+    why = refusal(enabled, len(hosts))
+    if why is not None:
+        return False, why
+    groups = host_groups(hosts)
+    if len(groups) == len(hosts):
+        return False, f"each of the {len(hosts)} ranks is alone on its host"
     if not op_ok:
         return False, "the op is neither Sum nor Average"
     if not flat_ok:
         return False, "the compression changes the buckets' dtype"
-    for i, row in enumerate(reachable):
-        for j, ok in enumerate(row):
-            if not ok:
+    local = next(g for g in groups if rank in g)
+    for i in local:
+        for j in local:
+            if not reachable(devices[i], devices[j]):
                 return False, (f"GPU {devices[i]} of rank {i} cannot access GPU {devices[j]} of rank {j} "
                                "(torch.cuda.can_device_access_peer)")
-    return True, f"the {size} ranks share a host, and their GPUs are one or have peer access"
+    if len(groups) == 1:
+        return True, f"the {len(hosts)} ranks share a host, and their GPUs are one or have peer access"
+    return True, (f"the job spans {len(groups)} hosts: the ranks of each host sum on their GPUs (one GPU or "
+                  "peer access), and only each rank's shard of its host's sum goes through pinned memory "
+                  "and the network")
 
 
 def log_once(use: bool, reason: str) -> None:
@@ -152,6 +175,87 @@ def sum_shard(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: i
         ops.copy(view[lo:hi], acc, side)
 
 
+class OnDevice:
+    """A reduction queued on the device: ``done``, the agreement that every rank queued its shard
+    (a row per rank, 1 where it failed), and ``error``, this rank's failure, if any."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, done: Any, error: BaseException | None) -> None:
+        self.done, self.error = done, error
+
+    def failed(self) -> list[int]:
+        """Wait for the agreement; the ranks that could not queue their shard."""
+        return [k for k, v in enumerate(np.asarray(self.done.wait()).reshape(-1)) if v]
+
+
+def agree_done(rank: int, size: int, name: str, error: BaseException | None, process_set: Any) -> OnDevice:
+    """Submit the agreement that ends a reduction on the device (returns at once)."""
+    status = rank_row(rank, size, 0 if error is None else 1)
+    return OnDevice(_rc.allreduce_async(status, op=Sum, name=name, process_set=process_set), error)
+
+
+def across_hosts(svc: DeviceService, side: Any, prepare: Callable[[], list[torch.Tensor]], me: int,
+                 host: torch.Tensor, prescale: float, postscale: float, average: bool, rank: int, size: int,
+                 done: Any, name: str, process_set: Any, release: Callable[[], None]) -> Any:
+    """On a return thread, in a job that spans hosts: reduce one tensor whose host's copies are
+    ``prepare()`` (this host's ranks' flat views, in rank order, once the side stream waits for
+    their *posted* events; this rank's is ``[me]``).  Returns at once: what ``wait()`` turns into the
+    :class:`OnDevice` of the op.
+
+    This rank sums its shard over the host's views on the device (:func:`partial_sum`) and copies
+    only that shard into ``host`` (pinned, the tensor's size, in :func:`wide_dtype`), whose other
+    elements are zeros; one allreduce of every rank (named ``name``.hosts) then sums one shard per
+    host into every element, whichever path the engine takes.  Back on a return thread, the shard
+    is scaled on the host (Horovod's postscale and Average, the same bits on every rank), copied
+    into this rank's view, from there into the host's other views on the device, and *done* is
+    recorded.  ``release()`` runs once the copies from ``host`` are queued."""
+    ops = svc.ops
+    error: BaseException | None = None
+    views: list[torch.Tensor] = []
+    lo = hi = 0
+    try:
+        views = prepare()
+        lo, hi = shard_bounds(views[me].numel(), me, len(views))
+        if hi > lo:
+            ops.copy(host[lo:hi], partial_sum(ops, side, views, lo, hi, prescale), side)
+    except Exception as exc:  # noqa: BLE001 - this rank adds zeros; the agreement reports it
+        error = exc
+    with torch.no_grad():  # host memory the device does not touch: the rest of the tensor adds nothing
+        if error is not None:
+            host.zero_()
+        else:
+            host[:lo].zero_()
+            host[hi:].zero_()
+    arr = host.numpy()
+    staging = svc.start(svc.mark(), lambda: _rc.allreduce_async(arr, op=Sum, name=f"{name}.hosts", out=arr,
+                                                                  process_set=process_set), f"{name}.hosts")
+
+    def back(_raw: Any) -> OnDevice:  # on a return thread, once every host's shards are summed
+        err = error
+        try:
+            if err is None and hi > lo:
+                part = host[lo:hi]
+                with torch.no_grad():
+                    if postscale != 1.0:
+                        part.mul_(postscale)
+                    if average:
+                        part.div_(size)
+                own = views[me][lo:hi]
+                ops.copy(own, part, side)  # the shard back to the device, once
+                for k, view in enumerate(views):
+                    if k != me:
+                        ops.copy(view[lo:hi], own, side)  # and to the host's other ranks, device to device
+            if err is None:
+                ops.record(done, side)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the agreement
+            err = exc
+        release()
+        return agree_done(rank, size, f"{name}.done", err, process_set)
+
+    return svc.then(staging, back, name)
+
+
 def host_groups(hosts: Sequence[str]) -> list[tuple[int, ...]]:
     """The ranks of each host (``hosts[r]``: rank r's), hosts in order of their first rank (pure).
 
@@ -174,9 +278,13 @@ class IpcBucket(DeviceBucket):
         self._own: tuple[Any, Any] = (None, None)
         self.rank = 0
         self.size = 1
-        self.peers: list[torch.Tensor] = []  # every rank's flat buffer, in rank order (this one's own)
-        self.posted: list[Any] = []  # every rank's events, in rank order
+        self.local: tuple[int, ...] = ()  # the ranks on this rank's host
+        # every rank's flat buffer and events, in rank order (this one's own; None for another host's rank)
+        self.peers: list[torch.Tensor | None] = []
+        self.posted: list[Any] = []
         self.done: list[Any] = []
+        self._wide: torch.Tensor | None = None  # the pinned buffer of the reductions across hosts
+        self.staged_bytes = 0  # bytes this rank copied to pinned host memory for them
 
     def _allocate(self) -> torch.Tensor:
         return self.ipc.shared_flat(self.numel, self.dtype, self.device)
@@ -190,13 +298,17 @@ class IpcBucket(DeviceBucket):
             self.ops.record(ev, side)  # created on the device, so that it has a handle
         return ipc.share(flat), ipc.event_handle(self._own[0]), ipc.event_handle(self._own[1])
 
-    def open(self, rank: int, handles: Sequence[tuple[Any, Any, Any]]) -> None:
-        """Open every other rank's buffer and events (``handles``: every rank's :meth:`mine`)."""
+    def open(self, rank: int, local: tuple[int, ...], handles: Sequence[tuple[Any, Any, Any] | None]) -> None:
+        """Open the buffer and events of every other rank of ``local`` (this host's ranks;
+        ``handles``: every rank's :meth:`mine`, None for another host's)."""
         ipc, dev = self.ipc, self.device
-        self.rank, self.size = rank, len(handles)
-        self.peers = [self._flat_buffer() if k == rank else ipc.open_shared(h[0], dev) for k, h in enumerate(handles)]
-        self.posted = [self._own[0] if k == rank else ipc.open_event(h[1], dev) for k, h in enumerate(handles)]
-        self.done = [self._own[1] if k == rank else ipc.open_event(h[2], dev) for k, h in enumerate(handles)]
+        self.rank, self.size, self.local = rank, len(handles), local
+
+        def opened(k: int, h: Any, i: int, own: Any, open_: Callable[[Any, torch.device], Any]) -> Any:
+            return own if k == rank else open_(h[i], dev) if k in local else None
+        self.peers = [opened(k, h, 0, self._flat_buffer(), ipc.open_shared) for k, h in enumerate(handles)]
+        self.posted = [opened(k, h, 1, self._own[0], ipc.open_event) for k, h in enumerate(handles)]
+        self.done = [opened(k, h, 2, self._own[1], ipc.open_event) for k, h in enumerate(handles)]
 
     def start(self, grads: list[torch.Tensor], *, name: str, op: Any, compression: Any, prescale: float,
               postscale: float, process_set: Any) -> Handle:
@@ -214,10 +326,12 @@ class IpcBucket(DeviceBucket):
         def reduce(raw: Any) -> Any:  # on a return thread, once every rank has posted
             if not np.asarray(raw).all():  # a rank has joined (it adds zeros): the pinned path, on every rank
                 return self._through_host(side, f"{core_name}.host", op, prescale, postscale, process_set)
+            if len(self.local) < self.size:
+                return self._across_hosts(side, core_name, prescale, postscale, average, process_set)
             for k, ev in enumerate(self.posted):
                 if k != self.rank:
                     ops.stream_wait(side, ev)
-            sum_shard(ops, side, self.peers, lo, hi, prescale, postscale, average)
+            sum_shard(ops, side, self._host_buffers(), lo, hi, prescale, postscale, average)
             ops.record(self.done[self.rank], side)
             return agree(f"{core_name}.done", process_set)
 
@@ -229,9 +343,17 @@ class IpcBucket(DeviceBucket):
             if isinstance(done, _Home):  # the flat buffer came back from the host on the side stream
                 ops.stream_wait(side, done.back.wait())
             else:
-                done.wait()
+                if isinstance(done, _Across):  # the hosts' allreduce came first
+                    result = done.reduced.wait()
+                    if failed := result.failed():
+                        raise HorovodInternalError(
+                            f"allreduce {core_name!r} on rank {self.rank}: rank(s) {failed} could not reduce "
+                            f"their shard on the GPU ({result.error or 'see their log'}); set "
+                            "RINGCOMM_DEVICE_IPC=0 to reduce through pinned host memory") from result.error
+                else:
+                    done.wait()
                 for k, ev in enumerate(self.done):
-                    if k != self.rank:
+                    if k != self.rank and ev is not None:
                         ops.stream_wait(side, ev)
             if back_into:
                 ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
@@ -240,6 +362,32 @@ class IpcBucket(DeviceBucket):
 
         return Handle("allreduce", name, returning, finish, None, int(flat.numel() * flat.element_size()))
 
+
+    def _host_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers of this host's ranks, in rank order."""
+        return [b for k in self.local if (b := self.peers[k]) is not None]
+
+    def _across_hosts(self, side: Any, name: str, prescale: float, postscale: float, average: bool,
+                      process_set: Any) -> _Across:
+        """On a return thread, in a job that spans hosts: :func:`across_hosts` over this host's
+        buffers, through a pinned buffer the bucket keeps (returns at once)."""
+        local, wide = self.local, wide_dtype(self.dtype)
+        nbytes = self.numel * torch.empty((), dtype=wide).element_size()
+        if self._wide is None:
+            self._wide = self.service.pool.allocate(nbytes)  # kept for the bucket's life
+        me = local.index(self.rank)
+        lo, hi = shard_bounds(self.numel, me, len(local))
+        self.staged_bytes += (hi - lo) * (nbytes // max(1, self.numel))
+
+        def prepare() -> list[torch.Tensor]:
+            for k in local:
+                if k != self.rank:
+                    self.ops.stream_wait(side, self.posted[k])
+            return self._host_buffers()
+
+        return _Across(across_hosts(self.service, side, prepare, me, self._wide[:nbytes].view(wide), prescale,
+                                    postscale, average, self.rank, self.size, self.done[self.rank], name,
+                                    process_set, lambda: None))
 
     def _through_host(self, side: Any, name: str, op: Any, prescale: float, postscale: float,
                       process_set: Any) -> _Home:
@@ -259,6 +407,15 @@ class IpcBucket(DeviceBucket):
         return _Home(svc.then(staging, home, name))
 
 
+class _Across:
+    """A bucket reduced across hosts: ``reduced.wait()`` gives its :class:`OnDevice`."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, reduced: Any) -> None:
+        self.reduced = reduced
+
+
 class _Home:
     """A bucket reduced through host memory instead (a rank had joined): ``back`` gives the event
     of the copy home."""
@@ -269,23 +426,35 @@ class _Home:
         self.back = back
 
 
-def share_buckets(buckets: Sequence[IpcBucket], rank: int, size: int, local_size: int, enabled: bool,
-                  op_ok: bool, flat_ok: bool, process_set: Any) -> bool:
-    """Set-up, on every rank of the job at once: decide the path (:func:`choose_path`, logged
-    once) and, for the device path, share every bucket's buffer and events.  Returns the choice."""
+def share_buckets(buckets: Sequence[IpcBucket], rank: int, size: int, op_ok: bool, flat_ok: bool,
+                  process_set: Any) -> bool:
+    """Set-up, on every rank of the job at once: decide the path (:func:`choose_path` on each host,
+    then every rank's verdict: all take it or none; logged once) and, for the device path, share
+    every bucket's buffer and events with the ranks of its host.  Returns the choice."""
     svc = buckets[0].service if buckets else None
     device = -1 if svc is None else (svc.device.index or 0)
-    devices = [int(d) for d in _rc.allgather_object(device, name="device_ipc.devices", process_set=process_set)]
-    counts = _rc.allgather_object(len(buckets), name="device_ipc.buckets", process_set=process_set)
+    every_rank = _rc.allgather_object((device, _rc.api.hostname(), len(buckets)), name="device_ipc.devices",
+                                      process_set=process_set)
+    devices = [int(d) for d, _, _ in every_rank]
+    hosts = [str(h) for _, h, _ in every_rank]
+    counts = [int(c) for _, _, c in every_rank]
     ipc = ipc_for(svc.ops) if svc is not None else None
-    reachable = [[ipc is not None and min(devices) >= 0 and ipc.peer_access(a, b) for b in devices]
-                 for a in devices]
-    use, reason = choose_path(enabled, size, local_size, devices, reachable, op_ok, flat_ok)
+
+    def reachable(a: int, b: int) -> bool:
+        return ipc is not None and min(a, b) >= 0 and ipc.peer_access(a, b)
+
+    use, reason = choose_path(True, hosts, rank, devices, reachable, op_ok, flat_ok)
     if use and len(set(counts)) != 1:
         use, reason = False, f"the ranks form different numbers of CUDA buckets ({counts})"
+    verdicts = _rc.allgather_object((use, reason), name="device_ipc.verdicts", process_set=process_set)
+    refused = [(k, why) for k, (ok, why) in enumerate(verdicts) if not ok]
+    if refused:  # the same choice on every rank: the ops' names differ between the two paths
+        k, why = refused[0]
+        use, reason = False, why if all(w == why for _, w in verdicts) else f"rank {k}: {why}"
     log_once(use, reason)
     if not use:
         return False
+    local = next(g for g in host_groups(hosts) if rank in g)
     # a rank that cannot share or open a handle says so, and every rank keeps the pinned path
     mine: Any = None
     try:
@@ -301,7 +470,7 @@ def share_buckets(buckets: Sequence[IpcBucket], rank: int, size: int, local_size
     problem = None
     try:
         for i, b in enumerate(buckets):
-            b.open(rank, [every[k][0][i] for k in range(size)])
+            b.open(rank, local, [every[k][0][i] if k in local else None for k in range(size)])
     except Exception as exc:  # noqa: BLE001
         problem = f"{type(exc).__name__}: {exc}"
     opened = _rc.allgather_object((None, problem), name="device_ipc.opened", process_set=process_set)

@@ -106,13 +106,14 @@ class FakeIpc:
 
     def __init__(self, ops: FakeOps) -> None:
         self._capable = ops.ipc
-        self._count = itertools.count()
         self._made: list[str] = []
         self._handles: dict[int, tuple[str, int, str]] = {}
         weakref.finalize(self, _unlink, self._made)  # files nobody opened go at exit at the latest
 
     def _file(self, nbytes: int) -> str:
-        path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{id(self)}-{next(self._count)}"
+        # numbered per process, not per object: a new object may reuse a freed one's id(), and the
+        # freed one's finalizer would then unlink the new one's files
+        path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{next(_serial)}"
         with open(path, "wb") as f:
             f.truncate(max(nbytes, 16))
         self._made.append(path)
@@ -156,6 +157,7 @@ def _unlink(paths: list[str]) -> None:
     paths.clear()
 
 
+_serial = itertools.count()
 _fakes: "weakref.WeakKeyDictionary[FakeOps, FakeIpc]" = weakref.WeakKeyDictionary()
 _cuda = CudaIpc()
 

@@ -24,11 +24,11 @@ from ringcomm import api as _core_api
 from ringcomm.errors import RingcommError
 from ringcomm.handles import GroupHandle
 
-from .basics import global_process_set, local_size, rank, size
+from .basics import global_process_set, rank, size
 from .buckets import DEVICE_DTYPES, DeviceBucket, GroupKey, HostBucket, bucket_caps, plan_buckets, split_list
 from .collectives import Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_, synchronize
 from .device import ops_for, service
-from .device_ipc import IpcBucket, choose_path, log_once, share_buckets
+from .device_ipc import IpcBucket, log_once, refusal, share_buckets
 from .handles import Handle
 from .sparse import sparse_allreduce_async
 
@@ -90,23 +90,24 @@ class Reducer:
         self._on_device([k for k in self.device_buckets if k not in before])
 
     def _on_device(self, keys: list[Any]) -> None:
-        """Where the ranks of this job share one host and their GPUs can reach each other, the new
-        device buckets ``keys`` become :class:`IpcBucket` (on every rank, or on none; the reason is
-        logged once).  A collective of the job: every rank forms the same buckets."""
+        """Where the ranks of each host can reach each other's GPUs (some host with two ranks or more),
+        the new device buckets ``keys`` become :class:`IpcBucket` (on every rank, or on none; the
+        reason is logged once).  A collective of the job: every rank forms the same buckets."""
         if not keys:
             return
         enabled = _core_api.current_settings().device_ipc
-        n, local = size(), local_size()
+        n = size()
         if self.process_set not in (None, global_process_set):
             log_once(False, "the optimizer reduces over a process set")
             return
-        if not enabled or n < 2 or local != n:
-            log_once(*choose_path(enabled, n, local, [], [], True, True))
+        why = refusal(enabled, n)
+        if why is not None:
+            log_once(False, why)
             return
         probes = [torch.zeros(1, dtype=dt) for dt in {k[0].dtype for k in keys}]
         flat_ok = all(self.compression.compress(probe)[0] is probe for probe in probes)
         candidates = [IpcBucket(k, [self.names[p] for p in k], self.device_buckets[k].service) for k in keys]
-        if share_buckets(candidates, rank(), n, local, True, self.op in (Sum, Average), flat_ok, self.process_set):
+        if share_buckets(candidates, rank(), n, self.op in (Sum, Average), flat_ok, self.process_set):
             for k, bucket in zip(keys, candidates):
                 self.device_buckets[k] = bucket
 

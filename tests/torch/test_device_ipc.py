@@ -10,6 +10,7 @@ with ``RINGCOMM_DEVICE_IPC=0`` (the pinned path) (test_torch_jobs.py).
 from __future__ import annotations
 
 import copy
+import os
 import logging
 import threading
 import time
@@ -26,15 +27,25 @@ from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
+#: Hosts the job's ranks name (rank r on host r % HOSTS; ARENA_TEST_HOSTS, as test_device_arena.py).
+HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _init():
+    if HOSTS > 1:
+        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
     hvd.init()
     yield
 
 
 def on_device() -> bool:
-    """Whether this job takes the device path (every rank on this host, the setting on)."""
-    return core_api.current_settings().device_ipc and hvd.size() > 1 and hvd.local_size() == hvd.size()
+    """Whether this job takes the device path (some host with two ranks, the setting on)."""
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and min(HOSTS, hvd.size()) < hvd.size()
+
+
+def spans_hosts() -> bool:
+    return min(HOSTS, hvd.size()) > 1
 
 
 def make(ipc: bool, **kwargs):
@@ -52,10 +63,19 @@ def batch() -> torch.Tensor:
 
 
 def test_the_path_is_chosen_alike_on_every_rank():
-    assert device_ipc.choose_path(True, 3, 3, [0, 1, 1], [[True, False, True]] * 3, True, True) == (
+    def reach(a: int, b: int) -> bool:
+        return {a, b} != {0, 1}
+
+    one_host = ["h"] * 3
+    assert device_ipc.choose_path(True, one_host, 2, [0, 1, 1], reach, True, True) == (
         False, "GPU 0 of rank 0 cannot access GPU 1 of rank 1 (torch.cuda.can_device_access_peer)")
-    assert device_ipc.choose_path(True, 4, 2, [0] * 4, [], True, True)[1] == "the ranks span hosts (2 of 4 on this one)"
-    assert device_ipc.choose_path(True, 2, 2, [0, 0], [[True] * 2] * 2, False, True)[1] == \
+    # across hosts only a rank's own host counts: host b's GPUs reach each other, host a's do not
+    two = ["a", "b", "a", "b"]
+    assert device_ipc.choose_path(True, two, 1, [0, 1, 1, 1], reach, True, True)[0]
+    assert not device_ipc.choose_path(True, two, 0, [0, 1, 1, 1], reach, True, True)[0]
+    assert device_ipc.choose_path(True, ["a", "b", "c"], 0, [0] * 3, reach, True, True) == (
+        False, "each of the 3 ranks is alone on its host")
+    assert device_ipc.choose_path(True, ["h", "h"], 0, [0, 0], reach, False, True)[1] == \
         "the op is neither Sum nor Average"
     _, opt, _ = make(ipc=True)
     kinds = {type(b) for b in opt.reducer.device_buckets.values()}
@@ -82,7 +102,14 @@ def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rou
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
     if on_device():
         assert all(all(b.views()) for b in opt.reducer.device_buckets.values())
-        assert ops.pinned_allocations == 0  # nothing went through host memory
+        for b in opt.reducer.device_buckets.values():
+            if spans_hosts():  # only each rank's shard of its host's sum, once per step
+                lo, hi = device_ipc.shard_bounds(b.numel, b.local.index(hvd.rank()), len(b.local))
+                assert b.staged_bytes == 3 * (hi - lo) * b.dtype.itemsize, (b.staged_bytes, lo, hi)
+            else:
+                assert b.staged_bytes == 0
+        if not spans_hosts():
+            assert ops.pinned_allocations == 0  # nothing went through host memory
 
 
 def test_no_wait_for_a_peer_in_backward_even_while_a_peers_device_is_held(foreign_waits):
@@ -117,8 +144,8 @@ def test_no_wait_for_a_peer_in_backward_even_while_a_peers_device_is_held(foreig
 def test_the_setting_off_keeps_the_pinned_path_and_says_why(caplog):
     if core_api.current_settings().device_ipc:
         pytest.skip("RINGCOMM_DEVICE_IPC is on in this job")
-    assert device_ipc.choose_path(False, hvd.size(), hvd.local_size(), [], [], True, True) == (
-        False, "RINGCOMM_DEVICE_IPC=0")
+    assert device_ipc.choose_path(False, ["h"] * hvd.size(), hvd.rank(), [0] * hvd.size(), lambda a, b: True,
+                                  True, True) == (False, "RINGCOMM_DEVICE_IPC=0")
     _, opt, ops = make(ipc=True)
     assert not any(isinstance(b, device_ipc.IpcBucket) for b in opt.reducer.device_buckets.values())
     with caplog.at_level(logging.INFO):
