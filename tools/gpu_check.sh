@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (about 8 minutes on one H200): the CUDA tests (and the fake-device
-# tests of the same paths) under ringcomm-run at np 1, 2 and 4, then `bench training --device cuda`
+# tests of the same paths) under ringcomm-run at np 1, 2 and 4, and at np 4 as two named hosts, then `bench training --device cuda`
 # (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on gloo vs DDP on
 # the "ringcomm" backend vs the bound of independent processes with no exchange, alternating
 # rounds), `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs gloo), a
@@ -56,7 +56,11 @@ RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step cuda-tests-np1 90 "$PY" "${TESTS[@]
 for np in 2 4; do
     RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
 done
-for np in 1 2 4; do  # one log for the three
+# four ranks that name two hosts (rank r on host r % 2): each host's ranks share their GPU buffers,
+# and only each rank's shard of its host's sum goes through pinned memory and TCP between the "hosts"
+ARENA_TEST_HOSTS=2 RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step cuda-tests-np4-two-hosts 120 \
+    "$PY" -m ringcomm.launch.launcher -np 4 "$PY" "${TESTS[@]}"
+for np in 1 2 4 4-two-hosts; do  # one log for the four
     { echo "=== np $np"; cat "$OUT/cuda-tests-np$np.log"; } >>"$OUT/cuda-tests.log" && rm "$OUT/cuda-tests-np$np.log"
 done
 grep -h "^===\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 20 >>"$SUMMARY"

@@ -1,10 +1,13 @@
 """CUDA tensors through ringcomm_torch (staged through pinned host memory by the device's one service).
 Skipped without a GPU.
 
-Runs in one process or under ``ringcomm-run`` at any size (tools/gpu_check.sh runs np 1, 2, 4).
+Runs in one process or under ``ringcomm-run`` at any size (tools/gpu_check.sh runs np 1, 2, 4, and np 4
+with ``ARENA_TEST_HOSTS=2``: rank r names host r % 2, so the reductions across hosts run on the GPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -18,8 +21,14 @@ import ringcomm_torch as hvd  # noqa: E402
 from ringcomm_torch import device  # noqa: E402
 
 
+#: Hosts the job's ranks name (rank r on host r % HOSTS), as in test_device_arena.py.
+HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _init():
+    if HOSTS > 1:
+        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
     hvd.init()
     yield
 
@@ -55,12 +64,13 @@ def test_pinned_buffers_are_reused():
 
 
 def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
-    """With RINGCOMM_DEVICE_IPC=1 and every rank on this host (as tools/gpu_check.sh runs it): the
-    arena is shared, and a float allreduce is right, alike on every rank and ordered on the current
-    stream (a result read right after the call sees the kernels queued before it)."""
+    """With RINGCOMM_DEVICE_IPC=1 (as tools/gpu_check.sh runs it): the arena is shared, and a float
+    allreduce is right, alike on every rank and ordered on the current stream (a result read right
+    after the call sees the kernels queued before it).  On one host nothing goes through pinned
+    memory; across named hosts only each rank's shard of its host's sum does."""
     import time
 
-    from ringcomm_torch import device_arena
+    from ringcomm_torch import device_arena, device_ipc
 
     t = torch.zeros(1 << 16, device="cuda")
     arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
@@ -73,6 +83,7 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
         time.sleep(0.01)
     assert arena.state == "ready", arena.reason
     before = device.service_for(t).pool.allocations
+    staged = arena.staged_bytes
     n = hvd.size()
     for step in range(1, 6):
         t.fill_(float(hvd.rank() + step))  # queued on the current stream before the op's copy
@@ -84,7 +95,13 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
     got = hvd.allreduce(half, op=hvd.Sum)
     rows = hvd.allgather(got.reshape(1, -1))
     assert all(torch.equal(rows[0], row) for row in rows)  # one rank sums each shard: the same bits
-    assert device.service_for(t).pool.allocations == before  # nothing went through pinned host memory
+    if len(arena.local) == n:
+        assert device.service_for(t).pool.allocations == before  # nothing went through pinned host memory
+        assert arena.staged_bytes == staged
+    else:
+        me, hosts_ranks = arena.local.index(hvd.rank()), len(arena.local)
+        shard = [b - a for a, b in [device_ipc.shard_bounds(m, me, hosts_ranks) for m in (t.numel(), 4097)]]
+        assert arena.staged_bytes - staged == 4 * (10 * shard[0] + shard[1])  # float32 sums, shards only
 
 
 def test_sync_batch_norm_on_cuda_matches_the_host():
