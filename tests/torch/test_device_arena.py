@@ -24,7 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
-from ringcomm.errors import MismatchError  # noqa: E402
+from ringcomm.errors import HorovodInternalError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
 from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
 
@@ -227,6 +227,28 @@ def test_a_rank_that_submits_another_kind_under_the_name_fails_the_op_on_every_r
     with pytest.raises(MismatchError):
         hvd.allreduce(t, op=hvd.Sum, name="arena.mixed")
     assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="arena.after"), torch.full((3,), float(hvd.size())))
+
+
+def test_a_rank_that_cannot_sum_its_shard_fails_the_op_on_every_rank_and_the_next_op_works(ops, monkeypatch):
+    """Rank 1's sum raises (on one host: the shard's sum; across hosts: the host's partial sum): every
+    rank raises, naming rank 1, and every range is free for the next op, which succeeds everywhere."""
+    arena = settled(mine(4))
+    if not on_device():
+        pytest.skip("no arena here")
+    if hvd.rank() == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("the device refused the sum")
+        monkeypatch.setattr(device_ipc if spans_hosts() else device_arena,
+                            "partial_sum" if spans_hosts() else "sum_shard", broken)
+    with pytest.raises(HorovodInternalError, match=r"rank\(s\) \[1\] could not reduce their shard"):
+        hvd.allreduce(mine(100, seed=11), op=hvd.Sum, name="arena.broken")
+    monkeypatch.undo()
+    assert arena.slots.free_bytes == arena.slots.capacity
+    x = mine(100, seed=12)
+    out = hvd.allreduce(x, op=hvd.Sum, name="arena.after-broken")
+    assert alike_on_every_rank(out)
+    assert torch.allclose(out, hvd.allreduce(x.clone(), op=hvd.Sum, name="arena.after-broken.ref"), rtol=1e-5,
+                          atol=1e-6)
 
 
 def test_an_allreduce_while_a_rank_has_joined_adds_zeros_for_it_and_the_sharing_waits_for_it(ops):
