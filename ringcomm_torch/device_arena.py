@@ -52,7 +52,6 @@ import torch
 import ringcomm as _rc
 from ringcomm.core.ops import Average, Sum
 from ringcomm.core.process_sets import global_process_set
-from ringcomm.errors import HorovodInternalError
 
 from .device import DeviceService, FakeOps, service_for
 from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, rank_row, shard_bounds,
@@ -322,12 +321,7 @@ class Arena:
                 return result.wait()
             if not isinstance(result, OnDevice):  # across hosts: the hosts' allreduce comes first
                 result = result.wait()
-            failed = result.failed()
-            if failed:
-                raise HorovodInternalError(
-                    f"allreduce {core_name!r} on rank {self.rank}: rank(s) {failed} could not reduce their "
-                    f"shard on the GPU ({result.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to "
-                    "reduce through pinned host memory") from result.error
+            result.check(core_name, self.rank)
             for k, ev in enumerate(self.done):
                 if k != self.rank and ev is not None:
                     ops.stream_wait(side, ev)

@@ -27,6 +27,7 @@ handles exchanged with a third ``allgather_object``.  Then, each step, for a buc
 The current stream of every rank thus waits for every rank's *done* before the next backward
 writes into its buffer, so no rank reads or writes a buffer that another still uses.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,8 @@ from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["refusal", "choose_path", "OnDevice", "agree_done", "across_hosts", "rank_row", "shard_bounds", "sum_shard", "partial_sum", "wide_dtype", "host_groups", "agree",
-           "IpcBucket", "share_buckets", "log_once"]
+__all__ = ["refusal", "choose_path", "host_groups", "rank_row", "shard_bounds", "wide_dtype", "partial_sum",
+           "sum_shard", "OnDevice", "agree", "agree_done", "across_hosts", "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
@@ -184,9 +185,14 @@ class OnDevice:
     def __init__(self, done: Any, error: BaseException | None) -> None:
         self.done, self.error = done, error
 
-    def failed(self) -> list[int]:
-        """Wait for the agreement; the ranks that could not queue their shard."""
-        return [k for k, v in enumerate(np.asarray(self.done.wait()).reshape(-1)) if v]
+    def check(self, op_name: str, rank: int) -> None:
+        """Wait for the agreement; raise on every rank if a rank could not queue its shard."""
+        failed = [k for k, v in enumerate(np.asarray(self.done.wait()).reshape(-1)) if v]
+        if failed:
+            raise HorovodInternalError(
+                f"allreduce {op_name!r} on rank {rank}: rank(s) {failed} could not reduce their shard on the GPU "
+                f"({self.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to reduce through pinned host "
+                "memory") from self.error
 
 
 def agree_done(rank: int, size: int, name: str, error: BaseException | None, process_set: Any) -> OnDevice:
@@ -344,12 +350,7 @@ class IpcBucket(DeviceBucket):
                 ops.stream_wait(side, done.back.wait())
             else:
                 if isinstance(done, _Across):  # the hosts' allreduce came first
-                    result = done.reduced.wait()
-                    if failed := result.failed():
-                        raise HorovodInternalError(
-                            f"allreduce {core_name!r} on rank {self.rank}: rank(s) {failed} could not reduce "
-                            f"their shard on the GPU ({result.error or 'see their log'}); set "
-                            "RINGCOMM_DEVICE_IPC=0 to reduce through pinned host memory") from result.error
+                    done.reduced.wait().check(core_name, self.rank)
                 else:
                     done.wait()
                 for k, ev in enumerate(self.done):
@@ -361,7 +362,6 @@ class IpcBucket(DeviceBucket):
             return grads
 
         return Handle("allreduce", name, returning, finish, None, int(flat.numel() * flat.element_size()))
-
 
     def _host_buffers(self) -> list[torch.Tensor]:
         """The flat buffers of this host's ranks, in rank order."""
