@@ -72,8 +72,13 @@ def test_monitored_barrier_verdict():
 
 def test_single_process_group_through_a_hash_store():
     """world size 1 with a hand-made store: every collective completes, results as gloo would give."""
-    if rc.is_initialized():
-        pytest.skip("ringcomm already initialized in this process")
+    if rc.is_initialized():  # by an earlier test module in this process (and maybe a group over it)
+        if rc.size() != 1:
+            pytest.skip("this process is a rank of a larger ringcomm job")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if rc.is_initialized():
+            rc.shutdown()
     dist.init_process_group("ringcomm", store=dist.HashStore(), rank=0, world_size=1)
     dist.destroy_process_group()  # and again: a second group starts a new ringcomm job
     assert not rc.is_initialized()
