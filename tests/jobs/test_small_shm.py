@@ -353,7 +353,7 @@ def running():
             pass
     return found
 
-def wait_for(lines, what, deadline):
+def wait_for(lines, what, deadline, heard):
     while time.monotonic() < deadline:
         if what == "named" and os.listdir("/dev/shm"):
             return True
@@ -362,9 +362,12 @@ def wait_for(lines, what, deadline):
         except queue.Empty:
             continue
         if line is None:
+            heard.append("(the launcher's output ended)")
             return False
+        heard.append(line.rstrip())
         if what in line:
             return True
+    heard.append(f"(not within the deadline: {what!r})")
     return False
 
 results = []
@@ -376,7 +379,9 @@ for moment in moments:
     threading.Thread(target=lambda: [lines.put(ln) for ln in launcher.stdout] + [lines.put(None)], daemon=True).start()
     deadline = time.monotonic() + 90
     what, _, delay = moment.partition("+")
-    reached = wait_for(lines, "rank 3: pid", deadline) and (what == "rank 3: pid" or wait_for(lines, what, deadline))
+    heard = []  # the launcher's lines until the moment: shown when it was not reached
+    reached = (wait_for(lines, "rank 3: pid", deadline, heard)
+               and (what == "rank 3: pid" or wait_for(lines, what, deadline, heard)))
     time.sleep(float(delay or 0))
     seen = sorted(os.listdir("/dev/shm"))
     launcher.kill()
@@ -385,7 +390,7 @@ for moment in moments:
     while running() and time.monotonic() < deadline:
         time.sleep(0.1)
     results.append({"moment": moment, "reached": reached, "seen": seen, "left": sorted(os.listdir("/dev/shm")),
-                    "running": running()})
+                    "running": running(), "heard": [] if reached else heard[-40:]})
 print("RESULTS", json.dumps(results))
 """
 
@@ -406,7 +411,8 @@ def test_a_launcher_killed_while_the_job_starts_leaves_dev_shm_empty(tmp_path) -
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULTS ")), None)
     assert line is not None, out[-4000:]
     results = json.loads(line[len("RESULTS "):])
-    assert all(r["reached"] for r in results), results
+    unreached = [r for r in results if not r["reached"]]
+    assert not unreached, "moments not reached, with the launcher's output until then:\n" + json.dumps(unreached, indent=1)
     assert all(r["seen"] for r in results if r["moment"] in ("named", "SMALLSHM up")), results  # files to leave
     assert [r["running"] for r in results] == [[]] * len(moments), results
     assert [r["left"] for r in results] == [[]] * len(moments), results
