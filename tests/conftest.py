@@ -32,6 +32,21 @@ def pytest_configure(config: pytest.Config) -> None:
             pass
 
 
+#: Hosts the device tests' ranks name (``ARENA_TEST_HOSTS``; 1: the host's own name): rank r on host r % TEST_HOSTS.
+TEST_HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
+
+
+def name_test_host() -> None:
+    """Before ``init()``: this rank names its host as ``ARENA_TEST_HOSTS`` asks (nothing for one host)."""
+    if TEST_HOSTS > 1:
+        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % TEST_HOSTS}"
+
+
+def hosts_of_job(size: int) -> int:
+    """How many hosts a job of ``size`` ranks spans under ``ARENA_TEST_HOSTS``."""
+    return min(TEST_HOSTS, size)
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -7,8 +7,6 @@ with ``ARENA_TEST_HOSTS=2``: rank r names host r % 2, so the reductions across h
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,17 +16,13 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import ringcomm_torch as hvd  # noqa: E402
+from conftest import name_test_host  # noqa: E402
 from ringcomm_torch import device  # noqa: E402
-
-
-#: Hosts the job's ranks name (rank r on host r % HOSTS), as in test_device_arena.py.
-HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _init():
-    if HOSTS > 1:
-        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
+    name_test_host()
     hvd.init()
     yield
 

@@ -13,7 +13,6 @@ hosts of two ranks each, interleaved (``ARENA_TEST_HOSTS=2``: each rank names it
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -23,6 +22,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
+from conftest import TEST_HOSTS, name_test_host, hosts_of_job  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import HorovodInternalError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
@@ -31,14 +31,9 @@ from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-#: Hosts the job's ranks name (rank r on host r % HOSTS), as the engine and the arena see them.
-HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _init():
-    if HOSTS > 1:
-        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
+    name_test_host()
     hvd.init()
     yield
 
@@ -53,11 +48,11 @@ def ops():
 
 def on_device() -> bool:
     """Whether the job's CUDA allreduces take the arena (alike on every rank): some host has two ranks."""
-    return core_api.current_settings().device_ipc and hvd.size() > 1 and min(HOSTS, hvd.size()) < hvd.size()
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and hosts_of_job(hvd.size()) < hvd.size()
 
 
 def spans_hosts() -> bool:
-    return min(HOSTS, hvd.size()) > 1
+    return hosts_of_job(hvd.size()) > 1
 
 
 class HostBytes:
@@ -110,7 +105,7 @@ def test_the_arena_is_shared_once_and_taken_only_where_every_rank_has_room(ops):
         return
     assert arena.state == "ready", arena.reason
     assert arena.slots.capacity == core_api.current_settings().device_ipc_arena_bytes
-    assert arena.local == tuple(r for r in range(hvd.size()) if r % HOSTS == hvd.rank() % HOSTS)
+    assert arena.local == tuple(r for r in range(hvd.size()) if r % TEST_HOSTS == hvd.rank() % TEST_HOSTS)
     assert ("spans 2 hosts" in arena.reason) == spans_hosts(), arena.reason
     assert device_arena.arena_for(mine(4), hvd.Min, hvd.global_process_set) is None  # only Sum and Average
     assert device_arena.arena_for(torch.ones(4, dtype=torch.int32), hvd.Sum, hvd.global_process_set) is None

@@ -10,7 +10,6 @@ with ``RINGCOMM_DEVICE_IPC=0`` (the pinned path) (test_torch_jobs.py).
 from __future__ import annotations
 
 import copy
-import os
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ringcomm_torch as hvd  # noqa: E402
+from conftest import name_test_host, hosts_of_job  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm_torch import device, device_ipc  # noqa: E402
 from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
@@ -27,25 +27,20 @@ from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-#: Hosts the job's ranks name (rank r on host r % HOSTS; ARENA_TEST_HOSTS, as test_device_arena.py).
-HOSTS = int(os.environ.get("ARENA_TEST_HOSTS", "1"))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _init():
-    if HOSTS > 1:
-        os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % HOSTS}"
+    name_test_host()
     hvd.init()
     yield
 
 
 def on_device() -> bool:
     """Whether this job takes the device path (some host with two ranks, the setting on)."""
-    return core_api.current_settings().device_ipc and hvd.size() > 1 and min(HOSTS, hvd.size()) < hvd.size()
+    return core_api.current_settings().device_ipc and hvd.size() > 1 and hosts_of_job(hvd.size()) < hvd.size()
 
 
 def spans_hosts() -> bool:
-    return min(HOSTS, hvd.size()) > 1
+    return hosts_of_job(hvd.size()) > 1
 
 
 def make(ipc: bool, **kwargs):
