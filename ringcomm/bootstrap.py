@@ -26,9 +26,11 @@ from .job import config
 from .job.config import Settings
 from .job.cores import available_cores
 from .job.names import ipc_base, ipc_file, remove_files
+from .job.ports import PortRange
 from .job.topology import Topology
 from .net import auth
 from .net.control import Rank0Control
+from .net.ports import bind_zmq
 from .net.transport import DataPlane
 from .shm import slots as shm_files
 
@@ -40,8 +42,9 @@ class LaneMeeting(Protocol):
     :class:`ringcomm.lane.owner.LaneOwner`, handed to the engine from above)."""
 
     def offer(self, job_id: str, round_: int, addr: str, shm_bytes: int, net_bytes: int,
-              encrypt: bool) -> dict[str, Any]:
-        """Before the ranks meet: this rank's entries of the rendezvous table for the lane."""
+              encrypt: bool, ports: PortRange | None = None) -> dict[str, Any]:
+        """Before the ranks meet: this rank's entries of the rendezvous table for the lane (its
+        listening socket, if any, on a port of ``ports``)."""
         ...
 
     def accept(self, table: list[dict[str, Any]], secret: bytes, job_id: str, round_: int, start_timeout: float,
@@ -143,14 +146,14 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     )
     w.link = link  # from here on, close() closes it
     base = ipc_base(topo.job_id, os.getpid(), round_)
-    data_eps = link.bind(base + "-data", topo.addr)
+    data_eps = link.bind(base + "-data", topo.addr, st.listen_ports)
     if topo.local_rank == 0 and shm_files.available():
         _reclaim_left_by_dead(rank)
     lane_offers = lane.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(size),
-                             st.net_lane_bytes_for(size), st.encrypt)
+                             st.net_lane_bytes_for(size), st.encrypt, st.listen_ports)
     info: dict[str, Any] = {
         "rank": rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
-        "streams": link.listen_streams(topo.addr),  # where peers on other hosts stream payloads to it, or None
+        "streams": link.listen_streams(topo.addr, st.listen_ports),  # where peers on other hosts stream payloads to it, or None
         "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
         "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
         # "lane": rank 0: the small-op lane's path; the others: whether they can map one;
@@ -168,8 +171,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         path = ipc_file(ipc_ep)
         if path is not None:
             w.ipc_paths.append(path)
-        ctrl.bind(f"tcp://{topo.addr}:0")
-        info["ctrl"] = [ipc_ep, ctrl.getsockopt_string(zmq.LAST_ENDPOINT)]
+        info["ctrl"] = [ipc_ep, bind_zmq(ctrl, topo.addr, st.listen_ports, "rank 0's control socket")]
         if topo.host_rendezvous:
             port = int(topo.rendezvous.rpartition(":")[2])
             w.server = rendezvous.RendezvousServer(size, topo.secret, host=topo.rendezvous_bind, port=port)

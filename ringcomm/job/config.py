@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from . import horovod_env
+from . import horovod_env, ports
 from ..errors import InvalidInputError
 
 #: Variables that describe the job (set by the launcher), not tuning knobs.
@@ -96,6 +96,10 @@ class Settings:
     io_threads: int = 1
     #: Kernel socket buffer size for data-plane sockets, in bytes (0: the OS default).
     socket_buffer_bytes: int = 0
+    #: ``LOW-HIGH``: every TCP port the job listens on (each rank's data, stream and lane sockets,
+    #: rank 0's control socket, the launcher's rendezvous) is one of these, for a firewall that opens
+    #: only some ports; set the same on every host (``job/ports.py``).  Empty: any free port.
+    port_range: str = ""
     #: Payloads of at least this many bytes for a rank on another host go over a TCP connection per
     #: direction of their own, written from and read into the arrays with no ZeroMQ copy
     #: (``net/streams.py``; 0: every payload on ZeroMQ; off when RINGCOMM_ENCRYPT is set).
@@ -206,6 +210,11 @@ class Settings:
         settings = cls(**values)  # type: ignore[arg-type]
         settings.validate()
         return settings
+
+    @property
+    def listen_ports(self) -> ports.PortRange | None:
+        """The ports listening sockets may take (:data:`port_range`), or None: any free port."""
+        return ports.parse(self.port_range)
 
     def shm_lane_bytes_for(self, size: int) -> int:
         """The small-op lane's bound in a job of ``size`` ranks: the setting, or by default 4 MiB /
@@ -330,6 +339,19 @@ class Settings:
                     f"{var}={value!r} (or its HOROVOD_* name): use {', '.join(allowed)} or leave it empty")
         if self.cycle_time < 0:
             raise InvalidInputError(f"RINGCOMM_CYCLE_TIME must be >= 0, got {self.cycle_time}")
+        try:
+            ports.parse(self.port_range)
+        except ValueError as exc:
+            raise InvalidInputError(str(exc)) from None
+
+
+def port_range(environ: Mapping[str, str]) -> ports.PortRange | None:
+    """``RINGCOMM_PORT_RANGE`` of ``environ`` alone, for a launcher's own rendezvous (the other settings
+    are the ranks' to read and check); raises :class:`InvalidInputError` for a malformed one."""
+    try:
+        return ports.parse(environ.get(ports.VAR, ""))
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
 
 
 #: Settings that decide how an op's data is cut and which path it takes.  Ranks that held different

@@ -39,8 +39,10 @@ import numpy as np
 from ..shm import futex
 from ..core import lane
 from ..core.lane_frames import OFF, Frame, FrameReader, slot_head, off_frame
-from ..errors import HorovodInternalError, PeerLostError, ProtocolError
+from ..errors import HorovodInternalError, PeerLostError, ProtocolError, RendezvousError
+from ..job.ports import PortRange
 from ..net.handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact
+from ..net.ports import bind_plain
 
 log = logging.getLogger("ringcomm.lane.net_lane")
 
@@ -395,16 +397,18 @@ class NetLane:
 # -- setting up: every rank listens; the higher rank of each pair connects ------------------
 
 
-def offer(rank: int, size: int, addr: str, payload_bytes: int, encrypt: bool) -> tuple[socket.socket | None, Any]:
-    """Before the ranks meet: a listening socket and ``[address, port, payload bytes]`` to publish,
-    or ``(None, False)`` when this rank cannot take part (one rank, the lane off, encryption on)."""
+def offer(rank: int, size: int, addr: str, payload_bytes: int, encrypt: bool,
+          ports: PortRange | None = None) -> tuple[socket.socket | None, Any]:
+    """Before the ranks meet: a listening socket (on a port of ``ports``; None: any free one) and
+    ``[address, port, payload bytes]`` to publish, or ``(None, False)`` when this rank cannot take part
+    (one rank, the lane off, encryption on, no port)."""
     if size < 2 or payload_bytes <= 0 or encrypt:
         return None, False
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((addr, 0))
+        bind_plain(listener, addr, ports, f"rank {rank}'s small-op lane across hosts")
         listener.listen(size)
-    except OSError as exc:
+    except (OSError, RendezvousError) as exc:
         listener.close()
         log.warning("rank %d: small-op lane across hosts disabled: cannot listen on %s (%s)", rank, addr, exc)
         return None, False

@@ -50,7 +50,9 @@ import threading
 import time
 
 from .supervise import GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, remove_job_files, stop_all, stop_lost
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, RendezvousError
+from ..job import config
+from ..job.ports import PortRange
 from ..net.rendezvous import RendezvousServer, kv_set
 from .elastic_discovery import DiscoveryError, FixedHosts, HostDiscoveryScript
 from ..elastic.plan import Assignment, Blacklist, Member, assign_ranks, new_worker_hosts
@@ -119,6 +121,7 @@ class ElasticDriver:
         self._stop = threading.Event()
         self._servers: list[RendezvousServer] = []
         self._bind = "127.0.0.1"
+        self._ports: PortRange | None = None  # RINGCOMM_PORT_RANGE, for the store and each rendezvous
         self._unreachable: set[str] = set()
         self.store: _Store | None = None
 
@@ -225,7 +228,10 @@ class ElasticDriver:
 
     def _publish(self, members: list[Member]) -> list[Assignment]:
         self.gen += 1
-        server = RendezvousServer(size=len(members), secret=self.secret, host=self._bind)
+        try:
+            server = RendezvousServer(size=len(members), secret=self.secret, host=self._bind, ports=self._ports)
+        except RendezvousError as exc:
+            raise JobFailed(f"elastic job failed: generation {self.gen}: {exc}") from None
         self._servers.append(server)
         while len(self._servers) > 2:  # the generation before last has completed (or been abandoned)
             self._servers.pop(0).close()
@@ -409,9 +415,10 @@ class ElasticDriver:
         try:
             try:
                 self._bind = self.starter.bind_host()
-            except InvalidInputError as exc:
+                self._ports = config.port_range(self.base_env)
+                self.store = _Store(size=1, secret=self.secret, host=self._bind, ports=self._ports)
+            except (InvalidInputError, RendezvousError) as exc:
                 raise JobFailed(f"elastic job failed: {exc}") from None
-            self.store = _Store(size=1, secret=self.secret, host=self._bind)
             self.starter.store_port = self.store.port
             self._kv("hosts_version", pack(0))
             if self.args.verbose:

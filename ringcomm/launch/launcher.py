@@ -41,7 +41,8 @@ from .supervise import (
     GRACE_SECONDS, REMOTE_GRACE_SECONDS, SignalCatcher, Worker, describe_exit, emit, exit_status, remove_job_files, spawn,
     stop_all, stop_lost,
 )
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, RendezvousError
+from ..job import config
 from .args import build_parser, is_elastic, parse_args, plan_hosts
 from .lost import LostRanks
 from ..net.rendezvous import RendezvousServer
@@ -169,6 +170,7 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
     try:
         is_local = {p.host: netaddr.is_local_host(p.host) for p in placements or []}
         bind = rendezvous_host([h for h, local in is_local.items() if not local], interface)
+        ports = config.port_range(base_env)
     except InvalidInputError as exc:
         say(str(exc))
         return 2
@@ -186,7 +188,11 @@ def run_job(args: argparse.Namespace, hooks: JobHooks | None = None) -> int:
     leftovers: list[Worker] = []
     lost = LostRanks()
     try:
-        server = RendezvousServer(size=size, secret=secret, host=bind)
+        try:
+            server = RendezvousServer(size=size, secret=secret, host=bind, ports=ports)
+        except RendezvousError as exc:
+            say(f"cannot start the job: {exc}")
+            return 2
         try:
             if hooks is not None:
                 hooks.started(server.address, secret)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import UnsupportedError
+from ..job import config
 
 __all__ = ["RayExecutor", "RaySettings", "plan_ranks"]
 
@@ -96,12 +97,15 @@ class _Worker:
     def hostname(self) -> str:
         return socket.gethostname()
 
-    def serve_rendezvous(self, size: int, secret_hex: str) -> str:
-        """Start the job's rendezvous in this process, on this node's address; returns its address."""
+    def serve_rendezvous(self, size: int, secret_hex: str, port_range: str = "") -> str:
+        """Start the job's rendezvous in this process, on this node's address (a port of ``port_range``,
+        RINGCOMM_PORT_RANGE's form; empty: any free one); returns its address."""
+        from ..job import ports
         from ..net.rendezvous import RendezvousServer
 
         host = self.node()
-        self._server = RendezvousServer(size=size, secret=bytes.fromhex(secret_hex), host="0.0.0.0")
+        self._server = RendezvousServer(size=size, secret=bytes.fromhex(secret_hex), host="0.0.0.0",
+                                        ports=ports.parse(port_range))
         return f"tcp://{host}:{self._server.port}"
 
     def update_env_vars(self, env: dict[str, str]) -> None:
@@ -205,7 +209,9 @@ class RayExecutor:
         by_rank, envs = plan_ranks(nodes)
         self.workers = [actors[i] for i in by_rank]
         secret = secrets.token_hex(16)
-        address = ray.get(self.workers[0].serve_rendezvous.remote(self.num_workers, secret))
+        port_range = config.port_range({**os.environ, **self.settings.env, **(extra_env_vars or {})})
+        address = ray.get(self.workers[0].serve_rendezvous.remote(self.num_workers, secret,
+                                                                  str(port_range or "")))
         common = {
             "RINGCOMM_RENDEZVOUS_ADDR": address, "RINGCOMM_SECRET": secret, "RINGCOMM_JOB_ID": secrets.token_hex(4),
             "RINGCOMM_START_TIMEOUT": str(self.settings.timeout_s), **self.settings.env, **(extra_env_vars or {}),

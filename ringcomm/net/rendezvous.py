@@ -55,7 +55,9 @@ from typing import Any
 import zmq
 
 from .auth import ZapHandler
+from .ports import bind_zmq
 from ..errors import RendezvousError
+from ..job.ports import PortRange
 from .rendezvous_client import (
     MAX_MESSAGE_BYTES,
     credentials,
@@ -102,7 +104,7 @@ class _Round:
 class RendezvousServer:
     """Collects every rank's info and hands each the full table; also a tiny key-value store.
 
-    Binds a ROUTER socket on ``tcp://host:port`` (``port=0``: a free port) in
+    Binds a ROUTER socket on ``tcp://host:port`` (``port=0``: a free port, one of ``ports`` if given) in
     the constructor and serves it from a daemon thread with its own ZeroMQ
     context.  ``close()`` (idempotent; also ``with RendezvousServer(...)``)
     stops the thread within about 50 ms.
@@ -112,7 +114,8 @@ class RendezvousServer:
         ...     spawn_workers(env={"RINGCOMM_RENDEZVOUS_ADDR": server.address})
     """
 
-    def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, size: int, secret: bytes, host: str = "127.0.0.1", port: int = 0,
+                 ports: PortRange | None = None) -> None:
         if not is_int(size) or size < 1:
             raise ValueError(f"RendezvousServer size must be an int >= 1, got {size!r}")
         if not isinstance(secret, (bytes, bytearray)) or not secret:
@@ -131,13 +134,18 @@ class RendezvousServer:
             self._socket.setsockopt(zmq.IPV6, 1)
         bracketed = f"[{host}]" if ":" in host else host
         try:
-            self._socket.bind(f"tcp://{bracketed}:{port or '*'}")  # '*': the OS picks a free port
-            endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            if port:
+                self._socket.bind(f"tcp://{bracketed}:{port}")
+                endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:  # a free port: any, or one of ``ports``
+                endpoint = bind_zmq(self._socket, host, ports, "the rendezvous")
             self._port = int(endpoint.rpartition(":")[2])
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, RendezvousError) as exc:
             self._socket.close(0)
             self._zap.close()
             self._context.term()
+            if isinstance(exc, RendezvousError):
+                raise
             hint = (" -- another process holds that port (a second job on this host, or torchrun's store next "
                     "to it); set RINGCOMM_RENDEZVOUS_PORT to a free port, the same on every rank"
                     ) if exc.errno == errno.EADDRINUSE else ""

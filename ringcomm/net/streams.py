@@ -36,8 +36,10 @@ import threading
 import numpy as np
 
 from ..core import wire
-from ..errors import ProtocolError
+from ..errors import ProtocolError, RendezvousError
+from ..job.ports import PortRange
 from .handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact, read_into
+from .ports import bind_plain
 
 __all__ = ["Incoming", "Outgoing", "Streams"]
 
@@ -112,7 +114,8 @@ class Outgoing:
             except OSError as exc:
                 raise ConnectionError(
                     f"cannot connect to its stream port ({exc}): a firewall between the hosts must let the port "
-                    "through as it does the data plane's, or set RINGCOMM_STREAM_MIN_BYTES=0 on every rank") from exc
+                    "through as it does the data plane's (RINGCOMM_PORT_RANGE keeps every port the job listens on "
+                    "in a range it opens), or set RINGCOMM_STREAM_MIN_BYTES=0 on every rank") from exc
             with self._cv:
                 if self._closing:  # closed while it connected: close() did not see this socket
                     sock.close()
@@ -152,16 +155,16 @@ class Incoming:
     """
 
     def __init__(self, rank: int, size: int, addr: str, proofs: Proofs, max_payload: int,
-                 handshake_timeout: float, buffer_bytes: int = 0) -> None:
+                 handshake_timeout: float, buffer_bytes: int = 0, ports: PortRange | None = None) -> None:
         self.rank, self.size = rank, size
         self._proofs, self._max, self._buffer_bytes = proofs, max_payload, buffer_bytes
         self._handshake_timeout = handshake_timeout
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            self._listener.bind((addr, 0))
+            bind_plain(self._listener, addr, ports, f"rank {rank}'s payload streams")
             self._listener.listen(max(8, size))
             self._listener.settimeout(_ACCEPT_SLICE)
-        except OSError:
+        except (OSError, RendezvousError):
             self._listener.close()
             raise
         self.address: list[str | int] = [addr, self._listener.getsockname()[1]]
@@ -335,16 +338,18 @@ class Streams:
         self.outgoing: dict[int, Outgoing] = {}
         self._to: dict[int, tuple[str, int]] = {}  # peer -> where it listens
 
-    def listen(self, addr: str) -> list[str | int] | None:
-        """Start listening on ``addr``; ``[address, port]`` to publish, or None (off, or no port)."""
+    def listen(self, addr: str, ports: PortRange | None = None) -> list[str | int] | None:
+        """Start listening on ``addr``, on a port of ``ports`` (None: any free one); ``[address, port]``
+        to publish, or None (off, or no port)."""
         if self.min_bytes <= 0 or self.size < 2:
             return None
         rank = self.rank
         try:
             self.incoming = Incoming(rank, self.size, addr, self._proofs, self._max,
-                                     max(1.0, min(self._timeout, 10.0)), self._buffer_bytes)
-        except OSError as exc:
-            log.warning("rank %d: payload streams across hosts off: cannot listen on %s (%s)", rank, addr, exc)
+                                     max(1.0, min(self._timeout, 10.0)), self._buffer_bytes, ports)
+        except (OSError, RendezvousError) as exc:
+            log.warning("rank %d: payload streams across hosts off (payloads for other hosts go through the data "
+                        "sockets): cannot listen on %s (%s)", rank, addr, exc)
             return None
         return self.incoming.address
 

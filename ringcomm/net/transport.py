@@ -50,6 +50,7 @@ import numpy as np
 import zmq
 
 from ..job import names
+from ..job.ports import PortRange
 from ..shm import space as shm_space
 from ..shm.rings import PeerRings
 from ..core import wire
@@ -58,6 +59,7 @@ from .auth import Credentials
 from ..errors import PeerLostError, ProtocolError
 from .pair import pair_socket
 from .peers import PeerWatch
+from .ports import bind_zmq
 from .streams import Streams
 
 log = logging.getLogger("ringcomm.net.transport")
@@ -160,25 +162,26 @@ class DataPlane:
 
     # -- setup ---------------------------------------------------------------
 
-    def bind(self, ipc_base: str, tcp_host: str) -> list[list[str] | None]:
-        """Bind one socket for each higher-ranked peer; returns ``[ipc, tcp]`` endpoints by peer rank."""
+    def bind(self, ipc_base: str, tcp_host: str, ports: PortRange | None = None) -> list[list[str] | None]:
+        """Bind one socket for each higher-ranked peer, its TCP end on a port of ``ports`` (None: any
+        free one); returns ``[ipc, tcp]`` endpoints by peer rank."""
         table: list[list[str] | None] = [None] * self.size
         for peer in range(self.rank + 1, self.size):
             sock = self._socket(peer, server=True)
-            eps = []
-            for ep in (f"{ipc_base}-{peer}", f"tcp://{tcp_host}:0"):
-                sock.bind(ep)
-                eps.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-                path = names.ipc_file(ep)
-                if path is not None:
-                    self.ipc_paths.append(path)
-            table[peer] = eps
+            ipc = f"{ipc_base}-{peer}"
+            sock.bind(ipc)
+            path = names.ipc_file(ipc)
+            if path is not None:
+                self.ipc_paths.append(path)
+            table[peer] = [sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                           bind_zmq(sock, tcp_host, ports, f"rank {self.rank}'s data socket for rank {peer}")]
         return table
 
-    def listen_streams(self, tcp_host: str) -> list[str | int] | None:
-        """Listen for peers' payload streams (:mod:`.streams`); ``[address, port]`` to publish, or None
-        when this rank uses none (off, or encrypted).  Peers stream to this rank only if it listens."""
-        return self.streams.listen(tcp_host)
+    def listen_streams(self, tcp_host: str, ports: PortRange | None = None) -> list[str | int] | None:
+        """Listen for peers' payload streams (:mod:`.streams`) on a port of ``ports`` (None: any free
+        one); ``[address, port]`` to publish, or None when this rank uses none (off, encrypted, or no
+        port free).  Peers stream to this rank only if it listens."""
+        return self.streams.listen(tcp_host, ports)
 
     def connect(self, peer: int, endpoints: list[list[str] | None], same_host: bool, description: str,
                 pid: int | None = None, stream: list | None = None) -> None:
