@@ -40,7 +40,7 @@ from typing import Any
 
 import ringcomm as rc
 from ringcomm.job import hosts as _hosts
-from ringcomm.job import mpi_env, topology
+from ringcomm.job import config, mpi_env, topology
 from ringcomm.errors import InvalidInputError
 from ringcomm.net.rendezvous import RendezvousServer
 
@@ -160,7 +160,8 @@ def _through_store(store: Any, rank: int, size: int, timeout: datetime.timedelta
         secret = bytes.fromhex(env["RINGCOMM_SECRET"]) if env.get("RINGCOMM_SECRET") else secrets.token_bytes(16)
         if _server is not None:
             _server.close()
-        _server = RendezvousServer(size, secret, host="127.0.0.1" if one_host else "0.0.0.0", port=0)
+        _server = RendezvousServer(size, secret, host="127.0.0.1" if one_host else "0.0.0.0", port=0,
+                                   ports=config.port_range(env))
         addr = "127.0.0.1" if one_host else topology.pick_address(env, others[:1])
         body = {"rendezvous": f"tcp://{addr}:{_server.address.rpartition(':')[2]}",
                 "secret": "" if env.get("RINGCOMM_SECRET") else secret.hex(), "job": secrets.token_hex(4)}
