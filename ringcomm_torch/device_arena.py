@@ -55,7 +55,7 @@ from ringcomm.core.process_sets import global_process_set
 
 from .device import DeviceService, FakeOps, service_for
 from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, rank_row, shard_bounds,
-                         sum_shard, wide_dtype)
+                         stage_dtype, sum_shard)
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
@@ -337,7 +337,7 @@ class Arena:
         """On a return thread, in a job that spans hosts: :func:`~.device_ipc.across_hosts` over this
         host's ranges, through a pinned buffer of the pool (returns at once)."""
         svc, local = self.service, self.local
-        wide = wide_dtype(t.dtype)
+        wide = stage_dtype(t.dtype)
         nbytes = t.numel() * torch.empty((), dtype=wide).element_size()
         buf = svc.pool.acquire(nbytes)
         me = local.index(self.rank)

@@ -47,7 +47,8 @@ from .device import DeviceService
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["refusal", "choose_path", "host_groups", "rank_row", "shard_bounds", "wide_dtype", "partial_sum",
+__all__ = ["refusal", "choose_path", "host_groups", "rank_row", "shard_bounds", "wide_dtype", "stage_dtype",
+           "partial_sum",
            "sum_shard", "OnDevice", "agree", "agree_done", "across_hosts", "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
@@ -143,6 +144,13 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def stage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a host's shard crosses hosts in: float16 itself (the engine sums float16, as it does
+    for the pinned path, so the bytes on the wire stay half of float32's); bfloat16 as float32 (the
+    engine has no bfloat16 sum: the pinned path widens it too); any other dtype itself."""
+    return torch.float32 if dtype is torch.bfloat16 else dtype
+
+
 def partial_sum(ops: Any, side: Any, views: Sequence[torch.Tensor], lo: int, hi: int,
                 prescale: float) -> torch.Tensor:
     """Queue on ``side`` and return: the sum of ``views[k][lo:hi]`` over ``views`` **in their order**
@@ -210,7 +218,7 @@ def across_hosts(svc: DeviceService, side: Any, prepare: Callable[[], list[torch
     :class:`OnDevice` of the op.
 
     This rank sums its shard over the host's views on the device (:func:`partial_sum`) and copies
-    only that shard into ``host`` (pinned, the tensor's size, in :func:`wide_dtype`), whose other
+    only that shard into ``host`` (pinned, the tensor's size, in :func:`stage_dtype`), whose other
     elements are zeros; one allreduce of every rank (named ``name``.hosts) then sums one shard per
     host into every element, whichever path the engine takes.  Back on a return thread, the shard
     is scaled on the host (Horovod's postscale and Average, the same bits on every rank), copied
@@ -224,7 +232,11 @@ def across_hosts(svc: DeviceService, side: Any, prepare: Callable[[], list[torch
         views = prepare()
         lo, hi = shard_bounds(views[me].numel(), me, len(views))
         if hi > lo:
-            ops.copy(host[lo:hi], partial_sum(ops, side, views, lo, hi, prescale), side)
+            part = partial_sum(ops, side, views, lo, hi, prescale)
+            if part.dtype != host.dtype:  # float16: summed in float32 on the device, rounded once here
+                with ops.on(side), torch.no_grad():
+                    part = part.to(host.dtype)
+            ops.copy(host[lo:hi], part, side)
     except Exception as exc:  # noqa: BLE001 - this rank adds zeros; the agreement reports it
         error = exc
     with torch.no_grad():  # host memory the device does not touch: the rest of the tensor adds nothing
@@ -371,7 +383,7 @@ class IpcBucket(DeviceBucket):
                       process_set: Any) -> _Across:
         """On a return thread, in a job that spans hosts: :func:`across_hosts` over this host's
         buffers, through a pinned buffer the bucket keeps (returns at once)."""
-        local, wide = self.local, wide_dtype(self.dtype)
+        local, wide = self.local, stage_dtype(self.dtype)
         nbytes = self.numel * torch.empty((), dtype=wide).element_size()
         if self._wide is None:
             self._wide = self.service.pool.allocate(nbytes)  # kept for the bucket's life

@@ -57,7 +57,8 @@ def spans_hosts() -> bool:
 
 class HostBytes:
     """What one op moved through host memory on this rank: on one host nothing (no pinned buffer
-    taken, nothing staged); across hosts only this rank's shard of the tensor, in the sum's dtype."""
+    taken, nothing staged); across hosts only this rank's shard of the tensor, in the dtype it crosses
+    hosts in (float16 itself, bfloat16 as float32)."""
 
     def __init__(self, ops, arena: device_arena.Arena | None) -> None:
         self.ops, self.arena = ops, arena
@@ -71,7 +72,7 @@ class HostBytes:
             return staged == 0 and self.ops.pinned_allocations == self.pinned
         local = self.arena.local
         lo, hi = device_ipc.shard_bounds(numel, local.index(hvd.rank()), len(local))
-        return staged == (hi - lo) * torch.empty((), dtype=device_ipc.wide_dtype(dtype)).element_size()
+        return staged == (hi - lo) * torch.empty((), dtype=device_ipc.stage_dtype(dtype)).element_size()
 
 
 def settled(t: torch.Tensor) -> device_arena.Arena | None:
