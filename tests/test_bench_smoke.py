@@ -216,6 +216,26 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout and "plain-socket exchange" in proc.stdout
 
 
+def test_ratios_pair_each_round_with_itself_and_skip_a_round_one_system_lost() -> None:
+    from ringcomm.bench import cluster
+
+    def run(system: str, repeat: int, times: list[float], ok: bool = True) -> dict:
+        return {"system": system, "repeat": repeat, "ok": ok,
+                "results": [{"bytes": 64, "times_s": times}, {"bytes": 8, "times_s": [9.0]}]}
+
+    runs = [run("ringcomm", 0, [1.0, 1.0, 5.0]), run("gloo", 0, [2.0, 2.0]),
+            run("ringcomm", 1, [4.0]), run("gloo", 1, [6.0]),   # a slow round for both: its ratio is still 1.5
+            run("ringcomm", 2, [1.0]), run("gloo", 2, [1.0], ok=False),
+            run("gloo", 3, [3.0]), run("ringcomm", 3, [2.0])]   # order within a round does not matter
+    assert cluster.paired_ratios(runs, "gloo", "ringcomm", 64) == [2.0, 1.5, 1.5]
+    assert cluster.paired_ratios(runs, "gloo", "ringcomm", 8) == [1.0, 1.0, 1.0]
+    assert cluster.paired_ratios(runs, "gloo", "ringcomm", 16) == []
+    row = {"gloo_over_ringcomm": 1.234, "gloo_over_ringcomm_rounds": [2.0, 1.5, 1.5]}
+    assert cluster.ratio_text(row) == "1.23; rounds 1.50 (1.50-2.00)"
+    assert cluster.ratio_text({"gloo_over_ringcomm": 1.2, "gloo_over_ringcomm_rounds": [1.2]}) == "1.20"
+    assert cluster.ratio_text({}) == "n/a"
+
+
 def test_cluster_hosts_and_the_ceiling_shares() -> None:
     from ringcomm.bench import cluster
 

@@ -112,6 +112,33 @@ def pooled(runs: Sequence[dict[str, Any]], system: str, size: int) -> dict[str, 
                                for r in chosen]}
 
 
+def paired_ratios(runs: Sequence[dict[str, Any]], num: str, den: str, size: int) -> list[float]:
+    """Per round in which both ran: ``num``'s median per op / ``den``'s, in round order.  Rounds run the
+    systems side by side, so these ratios see the same machine; the times pooled over rounds may not.
+
+        paired_ratios(runs, "gloo", "ringcomm", 64 << 20) -> [1.21, 1.28, 1.16]
+    """
+    by: dict[tuple[str, int], float] = {}
+    for r in runs:
+        if r["ok"] and r["system"] in (num, den):
+            times = [t for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
+            if times:
+                by[(r["system"], r["repeat"])] = _util.median(times)
+    rounds = sorted({rep for _, rep in by})
+    return [by[(num, rep)] / by[(den, rep)] for rep in rounds if (num, rep) in by and (den, rep) in by]
+
+
+def ratio_text(row: dict[str, Any]) -> str:
+    """gloo/ringcomm of a summary row: pooled, then the paired rounds' median and range."""
+    if "gloo_over_ringcomm" not in row:
+        return "n/a"
+    text = f"{row['gloo_over_ringcomm']:.2f}"
+    rounds = row.get("gloo_over_ringcomm_rounds") or []
+    if len(rounds) > 1:
+        text += f"; rounds {_util.median(rounds):.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
+    return text
+
+
 def run_rounds(cfg: ClusterConfig, tmp: str) -> list[dict[str, Any]]:
     """Every round's jobs (the exchange first, then the systems); returns one record per job."""
     plan = ",".join(f"{s}:{cfg.iters}" for s in cfg.sizes)
@@ -151,6 +178,7 @@ def summarize(runs: Sequence[dict[str, Any]], sizes: Sequence[int], hosts: int,
         have = row["systems"]
         if "ringcomm" in have and "gloo" in have:
             row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
+            row["gloo_over_ringcomm_rounds"] = paired_ratios(runs, "gloo", "ringcomm", size)
         ceiling_shares(row, hosts, systems)
         rows.append(row)
     return rows
@@ -171,13 +199,14 @@ def markdown(section: dict[str, Any]) -> str:
     hosts = ", ".join(f"{h} x {s}" for h, s in zip(section["hosts"], section["slots"]))
     timing = "ops back to back" if section.get("loop") else "a barrier before each op"
     lines = [f"### Allreduce on {hosts} (median per op, {timing}, {section['repeats']} alternating rounds)", "",
-             "| size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | plain-socket exchange | ceiling | "
+             "| size | ringcomm (p99) | gloo (p99) | gloo/ringcomm (pooled; paired rounds' median, range) | "
+             "plain-socket exchange | ceiling | "
              "ringcomm's share | gloo's share |", "|---|---|---|---|---|---|---|---|"]
     for row in section["summary"]:
         have = row["systems"]
         cells = [_util.format_size(row["bytes"])]
         cells += [with_p99(have, "ringcomm"), with_p99(have, "gloo")]
-        cells.append(f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a")
+        cells.append(ratio_text(row))
         cells += [_util.format_ms(have.get(EXCHANGE, {}).get("median_s")), _util.format_ms(row.get("ceiling_s")),
                   share_text(row, "ringcomm"), share_text(row, "gloo")]
         lines.append("| " + " | ".join(cells) + " |")

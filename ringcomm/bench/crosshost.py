@@ -171,6 +171,7 @@ def summarize(runs: Sequence[dict[str, Any]], cfg: CrossHostConfig) -> list[dict
             have = row["systems"]
             if "ringcomm" in have and "gloo" in have:
                 row["gloo_over_ringcomm"] = have["gloo"]["median_s"] / have["ringcomm"]["median_s"]
+                row["gloo_over_ringcomm_rounds"] = cluster.paired_ratios(at_rate, "gloo", "ringcomm", size)
             if "ringcomm" in have and RAW in have:
                 row["ringcomm_over_raw"] = have["ringcomm"]["median_s"] / have[RAW]["median_s"]
             cluster.ceiling_shares(row, 2, ("ringcomm", "gloo"))
@@ -186,13 +187,14 @@ def markdown(section: dict[str, Any]) -> str:
     timing = "ops back to back" if section.get("loop") else "a barrier before each op"
     lines = [f"### Allreduce across 2 hosts x {p} ranks (veth shaped with tc tbf; median per op, {timing}, "
              f"{section['repeats']} alternating rounds)", "",
-             "| link | size | ringcomm (p99) | gloo (p99) | gloo/ringcomm | raw TCP round trip | ringcomm/raw | "
+             "| link | size | ringcomm (p99) | gloo (p99) | gloo/ringcomm (pooled; paired rounds' median, range) | "
+             "raw TCP round trip | ringcomm/raw | "
              "plain-socket exchange | ringcomm's share | gloo's share | ringcomm vs flat-ring bound | ringcomm vs hierarchical bound |" + "".join(f" {EXTRA[name]} |" for name in extra),
              "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     for row in section["summary"]:
         have = row["systems"]
         rc_ = have.get("ringcomm", {}).get("median_s")
-        ratio = f"{row['gloo_over_ringcomm']:.2f}" if "gloo_over_ringcomm" in row else "n/a"
+        ratio = cluster.ratio_text(row)
         over_raw = f"{row['ringcomm_over_raw']:.1f}x" if "ringcomm_over_raw" in row else "n/a"
         flat = f"{row['flat_ring_s'] / rc_:.0%}" if rc_ else "n/a"
         hier = f"{row['hierarchical_s'] / rc_:.0%}" if rc_ else "n/a"
