@@ -58,8 +58,9 @@ class LaneOwner:
     def offer(self, job_id: str, round_: int, addr: str, shm_bytes: int, net_bytes: int,
               encrypt: bool, ports: PortRange | None = None) -> dict[str, Any]:
         """Before the ranks meet: rank 0 creates the shared region (unnamed) and every rank listens for
-        the lane across hosts (on a port of ``ports``; None: any free one); returns this rank's entries of the rendezvous table (``lane``: rank 0's
-        region path, or whether this rank could map one; ``net_lane``: where it listens, or False)."""
+        the lane across hosts (on a port of ``ports``; None: any free one); returns this rank's entries
+        of the rendezvous table (``lane``: rank 0's region path, or whether this rank could map one;
+        ``net_lane``: where it listens, or False)."""
         self._shm_bytes = shm_bytes
         self._offered, lane_offer = shm_lane.offer(job_id, round_, self.rank, self.size, SLOTS, shm_bytes)
         self._listener, net_offer = net_lane.offer(self.rank, self.size, addr, net_bytes, encrypt, ports)

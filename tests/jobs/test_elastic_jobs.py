@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -77,16 +78,20 @@ def test_lost_worker_training_continues_from_the_last_commit(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_discovered_slot_grows_the_job_at_the_next_commit(tmp_path):
+    """With RINGCOMM_PORT_RANGE set, the driver's store and every generation's rendezvous listen in it."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.2:1\n")
+    low = 24000 + (os.getpid() % 400) * 10  # ports below the ephemeral range; a taken one is skipped
     result, _ = run_launcher(
         "-v", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", f"cat {hosts}",
         "--elastic-timeout", "30", sys.executable, TORCH_WORKER, "--epochs", "1", "--commit-every", "2",
         "--sleep", "0.05", "--grow-host", "127.0.0.3", "--grow-step", "3", "--grow-to", "3",
-        "--hosts-file", str(hosts), timeout=140,
+        "--hosts-file", str(hosts), timeout=140, RINGCOMM_PORT_RANGE=f"{low}-{low + 99}",
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
+    store_port = int(re.search(r"driver store at tcp://[^:]+:(\d+)", result.stderr).group(1))
+    assert low <= store_port <= low + 99, out
     check_all_gone(result.stderr)
     assert "hosts changed" in result.stderr and "generation 1: 3 workers" in result.stderr, out
     recs = records(result.stdout)

@@ -206,6 +206,16 @@ def test_the_launcher_says_so_when_no_port_of_the_range_is_free_for_its_rendezvo
     assert result.returncode == 2, result.stdout + result.stderr
     assert (f"cannot start the job: the rendezvous: no free TCP port on 127.0.0.1 in RINGCOMM_PORT_RANGE={r}"
             in result.stderr), result.stderr
+    held = [hold(p) for p in (r.low, r.high)]
+    try:  # an elastic job: its driver's store finds none either
+        elastic, _ = run_launcher("-np", "2", "--min-np", "2", "--host-discovery-script", "echo localhost:2",
+                                  sys.executable, PORTS_WORKER, timeout=25, RINGCOMM_PORT_RANGE=str(r))
+    finally:
+        for s in held:
+            s.close()
+    assert elastic.returncode != 0 and re.search(
+        rf"elastic job failed: the rendezvous: no free TCP port on \S+ in RINGCOMM_PORT_RANGE={r} ",
+        elastic.stderr), elastic.stderr
     bad, _ = run_launcher("-np", "2", sys.executable, PORTS_WORKER, timeout=25, RINGCOMM_PORT_RANGE="40000:40010")
     assert bad.returncode == 2 and "RINGCOMM_PORT_RANGE='40000:40010': use LOW-HIGH" in bad.stderr, bad.stderr
 
