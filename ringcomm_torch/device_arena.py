@@ -337,8 +337,8 @@ class Arena:
         """On a return thread, in a job that spans hosts: :func:`~.device_ipc.across_hosts` over this
         host's ranges, through a pinned buffer of the pool (returns at once)."""
         svc, local = self.service, self.local
-        wide = stage_dtype(t.dtype)
-        nbytes = t.numel() * torch.empty((), dtype=wide).element_size()
+        stage = stage_dtype(t.dtype)
+        nbytes = t.numel() * torch.empty((), dtype=stage).element_size()
         buf = svc.pool.acquire(nbytes)
         me = local.index(self.rank)
         lo, hi = shard_bounds(t.numel(), me, len(local))
@@ -350,7 +350,7 @@ class Arena:
                     self.ops.stream_wait(side, self.posted[k])
             return [self._view(k, offsets[k], t) for k in local]
 
-        return across_hosts(svc, side, prepare, me, buf[:nbytes].view(wide), prescale, postscale, average, self.rank,
+        return across_hosts(svc, side, prepare, me, buf[:nbytes].view(stage), prescale, postscale, average, self.rank,
                             self.size, self.done[self.rank], core_name, global_process_set, lambda: svc.release(buf))
 
 

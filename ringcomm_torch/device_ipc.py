@@ -383,8 +383,8 @@ class IpcBucket(DeviceBucket):
                       process_set: Any) -> _Across:
         """On a return thread, in a job that spans hosts: :func:`across_hosts` over this host's
         buffers, through a pinned buffer the bucket keeps (returns at once)."""
-        local, wide = self.local, stage_dtype(self.dtype)
-        nbytes = self.numel * torch.empty((), dtype=wide).element_size()
+        local, stage = self.local, stage_dtype(self.dtype)
+        nbytes = self.numel * torch.empty((), dtype=stage).element_size()
         if self._wide is None:
             self._wide = self.service.pool.allocate(nbytes)  # kept for the bucket's life
         me = local.index(self.rank)
@@ -397,7 +397,7 @@ class IpcBucket(DeviceBucket):
                     self.ops.stream_wait(side, self.posted[k])
             return self._host_buffers()
 
-        return _Across(across_hosts(self.service, side, prepare, me, self._wide[:nbytes].view(wide), prescale,
+        return _Across(across_hosts(self.service, side, prepare, me, self._wide[:nbytes].view(stage), prescale,
                                     postscale, average, self.rank, self.size, self.done[self.rank], name,
                                     process_set, lambda: None))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import secrets
 import socket
+from collections.abc import Callable
 
 import zmq
 
@@ -34,6 +35,19 @@ def _none_free(ports: PortRange, host: str, what: str) -> RendezvousError:
         "any free port.")
 
 
+def _first_free(ports: PortRange, host: str, what: str, bind: Callable[[int], object]) -> int:
+    """Call ``bind(port)`` for the range's ports from a random one on, until one is not taken; that port."""
+    for port in ports.candidates(secrets.randbelow(ports.size)):
+        try:
+            bind(port)
+        except (OSError, zmq.ZMQError) as exc:
+            if exc.errno in _TAKEN:
+                continue
+            raise
+        return port
+    raise _none_free(ports, host, what)
+
+
 def bind_plain(sock: socket.socket, host: str, ports: PortRange | None, what: str) -> int:
     """Bind ``sock`` (TCP, not yet bound) on ``host``; returns the port it took.  ``what`` names the
     socket in the error raised when ``ports`` has none free."""
@@ -42,15 +56,7 @@ def bind_plain(sock: socket.socket, host: str, ports: PortRange | None, what: st
         return int(sock.getsockname()[1])
     # a port a recent connection left in TIME_WAIT is free to listen on again
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    for port in ports.candidates(secrets.randbelow(ports.size)):
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno in _TAKEN:
-                continue
-            raise
-        return port
-    raise _none_free(ports, host, what)
+    return _first_free(ports, host, what, lambda port: sock.bind((host, port)))
 
 
 def bind_zmq(sock: zmq.Socket, host: str, ports: PortRange | None, what: str) -> str:
@@ -58,13 +64,6 @@ def bind_zmq(sock: zmq.Socket, host: str, ports: PortRange | None, what: str) ->
     bracketed = f"[{host}]" if ":" in host else host
     if ports is None:
         sock.bind(f"tcp://{bracketed}:*")
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    for port in ports.candidates(secrets.randbelow(ports.size)):
-        try:
-            sock.bind(f"tcp://{bracketed}:{port}")
-        except zmq.ZMQError as exc:
-            if exc.errno in _TAKEN:
-                continue
-            raise
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    raise _none_free(ports, host, what)
+    else:
+        _first_free(ports, host, what, lambda port: sock.bind(f"tcp://{bracketed}:{port}"))
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
