@@ -54,6 +54,9 @@ class Link(Protocol):
 
     def commit(self, dst: int, seq: int, tag: int, view: np.ndarray) -> None: ...
 
+    # optional: ``queues_by_reference(dst, nbytes) -> bool``, whether a send of ``nbytes`` to ``dst``
+    # queues the array itself (no copy, no slot), as a stream to another host does
+
 
 def _tag(step: int, seg: int) -> int:
     return (step << 20) | seg
@@ -77,6 +80,16 @@ def _view(buf: object, dtype: np.dtype, n: int) -> np.ndarray:
 #: How many first-step segments a rank sends before the first one arrives from its left
 #: (afterwards one more per arrival), which bounds what is in flight on each link.
 LOOKAHEAD = 2
+#: The same where the link queues a send by reference (a stream to another host): a queued send holds
+#: no memory and no slot there, and a stream whose queue runs dry while the left neighbour's segments
+#: are late leaves the wire idle.  What it bounds is what the receiver holds before it sums.
+STREAM_LOOKAHEAD = 8
+
+
+def lookahead(link: object, dst: int, nbytes: int) -> int:
+    """How many first-step segments of ``nbytes`` a pass sends to ``dst`` ahead of its arrivals."""
+    by_reference = getattr(link, "queues_by_reference", None)
+    return STREAM_LOOKAHEAD if by_reference is not None and by_reference(dst, nbytes) else LOOKAHEAD
 _STEP_SHIFT = 20
 _SEG_MASK = (1 << _STEP_SHIFT) - 1
 
@@ -105,6 +118,8 @@ class _Feeder:
     def __init__(self, link: Link, dst: int, seq: int, step: int, src: np.ndarray, segs: list[tuple[int, int]]) -> None:
         self.link, self.dst, self.seq, self.step, self.src, self.segs = link, dst, seq, step, src, segs
         self.sent = 0
+        #: how many segments it sends ahead of the arrivals from the left (:func:`lookahead`)
+        self.ahead = lookahead(link, dst, (segs[0][1] - segs[0][0]) * src.itemsize) if segs else LOOKAHEAD
 
     def advance(self, upto: int) -> None:
         upto = min(upto, len(self.segs))
@@ -148,7 +163,7 @@ class RingPass:
 
     def start(self) -> None:
         self.started = True
-        self._first.advance(LOOKAHEAD if self._first_expected else len(self._first.segs))
+        self._first.advance(self._first.ahead if self._first_expected else len(self._first.segs))
         if not self.remaining:
             self._finish()
 
@@ -164,7 +179,7 @@ class RingPass:
             self._forwards -= 1
         if s == 0:
             self._first_seen += 1
-            self._first.advance(self._first_seen + LOOKAHEAD if self._first_seen < self._first_expected
+            self._first.advance(self._first_seen + self._first.ahead if self._first_seen < self._first_expected
                                 else len(self._first.segs))
         if not self.remaining:
             self._finish()
@@ -519,6 +534,10 @@ class SubLink:
 
     def flush(self) -> None:
         self.parent.flush()
+
+    def queues_by_reference(self, dst: int, nbytes: int) -> bool:
+        by_reference = getattr(self.parent, "queues_by_reference", None)
+        return by_reference is not None and by_reference(self.ranks[dst], nbytes)
 
     def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
         reserve = getattr(self.parent, "reserve", None)

@@ -244,12 +244,17 @@ class DataPlane:
         self._send(dst, [_NOTE.pack(b"S", slot, view.nbytes, seq, tag)])
         self.stats["shm_direct"] += 1
 
+    def queues_by_reference(self, dst: int, nbytes: int) -> bool:
+        """Whether :meth:`send` of ``nbytes`` to ``dst`` queues the caller's array itself (a stream to
+        another host): queued sends then hold no memory of their own and no slot of a ring."""
+        return nbytes >= self.streams.min_bytes > 0 and self.streams.carries(dst)
+
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
         payload = arr if arr.ndim == 1 else arr.reshape(-1)
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
         n = payload.nbytes
-        if n >= self.streams.min_bytes > 0 and self.streams.carries(dst):
+        if self.queues_by_reference(dst, n):
             broke = self.streams.put(dst, seq, tag, payload)
             if broke is not None:
                 raise self._stream_lost(dst, broke, outgoing=True)
