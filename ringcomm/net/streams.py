@@ -47,8 +47,9 @@ log = logging.getLogger("ringcomm.net.streams")
 
 _ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
 #: Buffers of payloads taken and given back are kept for the next payloads of their size, up to this
-#: many segments' worth (fresh ones would cost a page fault per 4 KiB on every payload).
-SPARE_SEGMENTS = 4
+#: many segments' worth (fresh ones would cost a page fault per 4 KiB on every payload): as many as
+#: a ring pass sends ahead over a stream, which this rank may hold before it sums them.
+SPARE_SEGMENTS = 8
 
 
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
