@@ -90,6 +90,8 @@ def lookahead(link: object, dst: int, nbytes: int) -> int:
     """How many first-step segments of ``nbytes`` a pass sends to ``dst`` ahead of its arrivals."""
     by_reference = getattr(link, "queues_by_reference", None)
     return STREAM_LOOKAHEAD if by_reference is not None and by_reference(dst, nbytes) else LOOKAHEAD
+
+
 _STEP_SHIFT = 20
 _SEG_MASK = (1 << _STEP_SHIFT) - 1
 
