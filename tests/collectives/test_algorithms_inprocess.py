@@ -36,10 +36,14 @@ class QueueLink:
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
         self._boxes[(self.rank, dst)].put((seq, tag, arr.tobytes()))
 
+    def _arrived(self, src: int, seq: int, tag: int, item: Any) -> Any:
+        """The payload of what ``send`` queued, as the receiver takes it."""
+        return item
+
     def recv(self, src: int, seq: int, tag: int) -> bytes:
         while (src, seq, tag) not in self._stash:
-            s, t, data = self._boxes[(src, self.rank)].get(timeout=10)
-            self._stash[(src, s, t)] = data
+            s, t, item = self._boxes[(src, self.rank)].get(timeout=10)
+            self._stash[(src, s, t)] = self._arrived(src, s, t, item)
         return self._stash.pop((src, seq, tag))
 
     def recv_any(self, src: int, seq: int) -> tuple[int, bytes]:
@@ -47,7 +51,8 @@ class QueueLink:
             if s == src and q == seq:
                 return t, self._stash.pop((s, q, t))
         while True:
-            q, t, data = self._boxes[(src, self.rank)].get(timeout=10)
+            q, t, item = self._boxes[(src, self.rank)].get(timeout=10)
+            data = self._arrived(src, q, t, item)
             if q == seq:
                 return t, data
             self._stash[(src, q, t)] = data
@@ -62,10 +67,10 @@ class QueueLink:
                         return i, t, self._stash.pop((s, q, t))
             for src in dict.fromkeys(s for s, _ in wants):
                 try:
-                    q, t, data = self._boxes[(src, self.rank)].get(timeout=0.001)
+                    q, t, item = self._boxes[(src, self.rank)].get(timeout=0.001)
                 except queue.Empty:
                     continue
-                self._stash[(src, q, t)] = data
+                self._stash[(src, q, t)] = self._arrived(src, q, t, item)
         raise TimeoutError(f"rank {self.rank}: nothing for {wants} in 10 s")
 
     def flush(self) -> None:
@@ -111,23 +116,27 @@ def make_inputs(size: int, n: int, dtype: str, seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 4, n).astype(dtype) for _ in range(size)]
 
 
+def ring_allreduce_rank(inputs: list[np.ndarray], op: ReduceOp, seg: int,
+                        separate_input: bool) -> Callable[[Any, int], np.ndarray]:
+    """What rank r runs: a ring allreduce of ``inputs[r]``, in place or into a new array."""
+    def fn(link: Any, r: int) -> np.ndarray:
+        if separate_input:
+            out = np.empty_like(inputs[r])
+            algorithms.ring_allreduce(link, out, op, 0, seg, src_buf=inputs[r])
+            return out
+        buf = inputs[r].copy()
+        algorithms.ring_allreduce(link, buf, op, 0, seg)
+        return buf
+    return fn
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 5), st.integers(0, 50), st.sampled_from(DTYPES), st.sampled_from(list(REF)),
        st.integers(1, 8), st.booleans(), st.integers(0, 2**16))
 def test_ring_allreduce_matches_numpy(size, n, dtype, op, seg, separate_input, seed) -> None:
     inputs = make_inputs(size, n, dtype, seed)
     expected = REF[op](np.stack(inputs), axis=0).astype(dtype) if n else np.zeros(0, dtype)
-
-    def fn(link, r):
-        if separate_input:
-            out = np.empty(n, dtype)
-            algorithms.ring_allreduce(link, out, op, 0, seg, src_buf=inputs[r])
-            return out
-        buf = inputs[r].copy()
-        algorithms.ring_allreduce(link, buf, op, 0, seg)
-        return buf
-
-    for out in run_ranks(queue_links(size), fn):
+    for out in run_ranks(queue_links(size), ring_allreduce_rank(inputs, op, seg, separate_input)):
         if dtype.startswith("float"):
             np.testing.assert_allclose(out, expected, rtol=1e-2 if dtype == "float16" else 1e-6, atol=1e-2)
         else:

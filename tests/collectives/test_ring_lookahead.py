@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from ringcomm.collectives import algorithms
 from ringcomm.core.ops import ReduceOp
-from test_algorithms_inprocess import QueueLink, make_inputs, queue_links, run_ranks
+from test_algorithms_inprocess import QueueLink, make_inputs, queue_links, ring_allreduce_rank, run_ranks
 
 pytestmark = pytest.mark.pure
 
@@ -29,42 +29,25 @@ class RefLink(QueueLink):
     def __init__(self, rank: int, size: int, boxes: dict) -> None:
         super().__init__(rank, size, boxes)
         self.placed: dict[tuple[int, int, int], np.ndarray] = {}
-        self.sends = 0
 
     def queues_by_reference(self, dst: int, nbytes: int) -> bool:
         return True
 
     def send(self, dst: int, seq: int, tag: int, arr: np.ndarray) -> None:
-        self.sends += 1
         self._boxes[(self.rank, dst)].put((seq, tag, arr))  # read when taken, not now
 
     def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
         self.placed[(src, seq, tag)] = view
 
-    def _take(self, src: int, seq: int, tag: int, arr: np.ndarray) -> object:
-        data = arr.view(np.uint8).reshape(-1)
+    def _arrived(self, src: int, seq: int, tag: int, item: object) -> object:
+        """Read the queued array now; into the memory ``expect`` named, if it named some."""
+        assert isinstance(item, np.ndarray)
+        data = item.view(np.uint8).reshape(-1)
         view = self.placed.pop((src, seq, tag), None)
         if view is not None and view.nbytes == data.nbytes:
             view.view(np.uint8).reshape(-1)[...] = data
             return view
         return data.tobytes()
-
-    def recv(self, src: int, seq: int, tag: int) -> object:
-        while (src, seq, tag) not in self._stash:
-            s, t, arr = self._boxes[(src, self.rank)].get(timeout=10)
-            self._stash[(src, s, t)] = self._take(src, s, t, arr)
-        return self._stash.pop((src, seq, tag))
-
-    def recv_any(self, src: int, seq: int) -> tuple[int, object]:
-        for (s, q, t) in list(self._stash):
-            if s == src and q == seq:
-                return t, self._stash.pop((s, q, t))
-        while True:
-            q, t, arr = self._boxes[(src, self.rank)].get(timeout=10)
-            payload = self._take(src, q, t, arr)
-            if q == seq:
-                return t, payload
-            self._stash[(src, q, t)] = payload
 
 
 def ref_links(size: int) -> list[RefLink]:
@@ -96,17 +79,7 @@ def test_allreduce_is_right_when_every_segment_is_queued_by_reference(size, n, d
                                                                       seed) -> None:
     inputs = make_inputs(size, n, dtype, seed)
     expected = (np.sum if op is ReduceOp.SUM else np.max)(np.stack(inputs), axis=0).astype(dtype)
-
-    def fn(link, r):
-        if separate_input:
-            out = np.empty(n, dtype)
-            algorithms.ring_allreduce(link, out, op, 0, seg, src_buf=inputs[r])
-            return out
-        buf = inputs[r].copy()
-        algorithms.ring_allreduce(link, buf, op, 0, seg)
-        return buf
-
-    outs = run_ranks(ref_links(size), fn)
+    outs = run_ranks(ref_links(size), ring_allreduce_rank(inputs, op, seg, separate_input))
     for out in outs:
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)  # summed in ring order, not numpy's
         assert out.tobytes() == outs[0].tobytes()  # the same bits on every rank
