@@ -141,7 +141,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     link = DataPlane(
         ctx, rank, size, st.zero_copy_min_bytes, st.peer_timeout, st.socket_buffer_bytes,
         shm_slots=st.shm_slots, shm_slot_bytes=st.segment_bytes, shm_min_bytes=st.shm_min_bytes,
-        job_id=topo.job_id, round_=round_, max_payload_bytes=st.segment_bytes, credentials=creds,
+        job_id=topo.job_id, round_=round_, max_payload_bytes=max(st.segment_bytes, st.stream_segment_bytes),
+        credentials=creds,
         seq_stride=hierarchical.PHASES, stream_min_bytes=st.stream_min_bytes,
     )
     w.link = link  # from here on, close() closes it
@@ -229,9 +230,10 @@ def _log_setup(topo: Topology, st: Settings, lim: routing.RouteLimits, table: li
     # lim: the same numbers core/routing.py decides with
     hier = {1: "whenever the hosts allow it", 0: "off", -1: f"from {lim.hierarchical_min_bytes} B when the hosts allow it"}
     log.debug("rank %d: paths: allreduces up to %d B go through rank 0 in one round trip (allgather parts up "
-              "to %d B); larger ones up to %d B by recursive doubling, the rest by the ring in %d B segments%s; "
+              "to %d B); larger ones up to %d B by recursive doubling, the rest by the ring in %d B segments (%d B where "
+              "each rank is on a host of its own)%s; "
               "hierarchical allreduce %s (%d host(s)); ops fused up to %d B, cycle time %g ms", rank,
-              lim.small_bytes, lim.small_gather_bytes, lim.doubling_bytes, st.segment_bytes,
+              lim.small_bytes, lim.small_gather_bytes, lim.doubling_bytes, st.segment_bytes, st.stream_segment_bytes,
               f", or one shared-memory region from {lim.shm_min_bytes} B (all ranks on this host; "
               f"{shm_ar.threads} thread(s) per rank)"
               if shm_ar is not None else "; no shared-memory allreduce (not every rank on one host, "

@@ -80,16 +80,19 @@ def _view(buf: object, dtype: np.dtype, n: int) -> np.ndarray:
 #: How many first-step segments a rank sends before the first one arrives from its left
 #: (afterwards one more per arrival), which bounds what is in flight on each link.
 LOOKAHEAD = 2
-#: The same where the link queues a send by reference (a stream to another host): a queued send holds
-#: no memory and no slot there, and a stream whose queue runs dry while the left neighbour's segments
-#: are late leaves the wire idle.  What it bounds is what the receiver holds before it sums.
-STREAM_LOOKAHEAD = 8
+#: Where the link queues a send by reference (a stream to another host), as many as fit in this many
+#: bytes (at least :data:`LOOKAHEAD`): a queued send holds no memory and no slot there, and a stream
+#: whose queue runs dry while the left neighbour's segments are late leaves the wire idle.  What it
+#: bounds is what the receiver holds before it sums (8 segments of 4 MiB, 4 of 8 MiB).
+STREAM_LOOKAHEAD_BYTES = 32 << 20
 
 
 def lookahead(link: object, dst: int, nbytes: int) -> int:
     """How many first-step segments of ``nbytes`` a pass sends to ``dst`` ahead of its arrivals."""
     by_reference = getattr(link, "queues_by_reference", None)
-    return STREAM_LOOKAHEAD if by_reference is not None and by_reference(dst, nbytes) else LOOKAHEAD
+    if by_reference is not None and by_reference(dst, nbytes):
+        return max(LOOKAHEAD, STREAM_LOOKAHEAD_BYTES // max(1, nbytes))
+    return LOOKAHEAD
 
 
 _STEP_SHIFT = 20

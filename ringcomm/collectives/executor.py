@@ -74,6 +74,7 @@ class Executor:
         self._fusion = np.empty(0, dtype=np.uint8)
         self._links: dict[int, Any] = {}  # process set -> its SubLink
         self._host_plans: dict[int, hierarchical.HostPlan | None] = {}
+        self._apart: dict[int, bool] = {}  # process set -> whether each member is on a host of its own
         # the phases of the op being executed, and how to measure them (set by execute())
         self._phases: list[Phase] = []
         self._timed = False
@@ -83,6 +84,7 @@ class Executor:
         """Drop what was cached for process set ``pset`` (it was removed)."""
         self._links.pop(pset, None)
         self._host_plans.pop(pset, None)
+        self._apart.pop(pset, None)
 
     def execute(self, resp: Response, entries: list[Entry], seq: int, members: tuple[int, ...],
                 timed: bool = False, reduced_at: float | None = None) -> Outcome:
@@ -103,8 +105,15 @@ class Executor:
         if isinstance(self._link, DataPlane):
             self._link.raise_if_lost(peer, "a shared-memory barrier")
 
-    def _seg_elems(self, dtype: np.dtype) -> int:
-        return max(1, self.settings.segment_bytes // dtype.itemsize)
+    def _seg_elems(self, dtype: np.dtype, pset: int, members: tuple[int, ...]) -> int:
+        """Elements per pipelined segment of an op of set ``pset``: ``stream_segment_bytes`` where each
+        member is on a host of its own (every link is a stream across hosts), else ``segment_bytes``."""
+        apart = self._apart.get(pset)
+        if apart is None:
+            apart = self._apart[pset] = ring.one_per_host(
+                [self._hosts[g] if g < len(self._hosts) else "" for g in members])
+        st = self.settings
+        return max(1, (st.stream_segment_bytes if apart else st.segment_bytes) // dtype.itemsize)
 
     def _scratch(self, dtype: np.dtype, n: int) -> np.ndarray:
         need = n * dtype.itemsize
@@ -133,7 +142,7 @@ class Executor:
         link = self._link_for(resp.pset, members)
         rank, size = link.rank, link.size
         dtype = np.dtype(resp.dtype)
-        seg = self._seg_elems(dtype)
+        seg = self._seg_elems(dtype, resp.pset, members)
         if kind == wire.ALLREDUCE:
             return self._allreduce(resp, entries, seq, dtype, seg, link, members)
         (entry,) = entries

@@ -95,6 +95,16 @@ def segments(start: int, stop: int, seg_elems: int) -> list[tuple[int, int]]:
     return [(a, min(a + seg_elems, stop)) for a in range(start, stop, seg_elems)]
 
 
+def one_per_host(hosts: Sequence[str]) -> bool:
+    """Whether ranks on ``hosts`` (rank r's host) are at least two, each on a host of its own, so that
+    every link between two of them joins two hosts.
+
+        one_per_host(["a", "b", "c"]) -> True     one_per_host(["a", "b", "a"]) -> False
+        one_per_host(["a"]) -> False
+    """
+    return len(hosts) >= 2 and len(set(hosts)) == len(hosts)
+
+
 def simulate_allreduce(
     buffers: Sequence[np.ndarray],
     reduce: Callable[[np.ndarray, np.ndarray], None] = lambda d, s: np.add(d, s, out=d),

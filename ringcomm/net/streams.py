@@ -47,9 +47,10 @@ log = logging.getLogger("ringcomm.net.streams")
 
 _ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
 #: Buffers of payloads taken and given back are kept for the next payloads of their size, up to this
-#: many segments' worth (fresh ones would cost a page fault per 4 KiB on every payload): as many as
-#: a ring pass sends ahead over a stream, which this rank may hold before it sums them.
-SPARE_SEGMENTS = 8
+#: many bytes, or one payload where that is larger (fresh ones would cost a page fault per 4 KiB on
+#: every payload): what a ring pass sends ahead over a stream, which this rank may hold before it
+#: sums it (:data:`ringcomm.collectives.algorithms.STREAM_LOOKAHEAD_BYTES`).
+SPARE_BYTES = 32 << 20
 
 
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
@@ -214,7 +215,7 @@ class Incoming:
     def give_back(self, buf: np.ndarray) -> None:
         """``buf`` (from :meth:`take`) is no longer used: a later payload of its size may be read into it."""
         with self._lock:
-            if self._spare_bytes + buf.nbytes <= SPARE_SEGMENTS * self._max:
+            if self._spare_bytes + buf.nbytes <= max(SPARE_BYTES, buf.nbytes):
                 self._spare.setdefault(buf.nbytes, []).append(buf)
                 self._spare_bytes += buf.nbytes
 

@@ -58,3 +58,32 @@ def test_a_result_rank_0_reduced_is_unpacked_without_the_ring() -> None:
     assert phases[0][0] == "RANK0_REDUCE" and phases[0][1] == 1.5
     untimed = ex.execute(resp, [_entry("s", np.ones(2, np.float32))], seq=1, members=(0, 1))
     assert untimed.phases == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hosts,segment", [(["a", "b", "c"], 128), (["a", "a", "b"], 64), (None, 64)])
+def test_a_job_with_each_rank_on_a_host_of_its_own_cuts_its_ring_into_stream_segments(hosts, segment) -> None:
+    """Every link joins two hosts there (streams): segments of ``stream_segment_bytes``, else ``segment_bytes``."""
+    size, n = 3, 3 * 64  # float32: chunks of 256 B
+    settings = Settings(segment_bytes=64, stream_segment_bytes=128, doubling_allreduce_bytes=0)
+    links = queue_links(size)
+    sent: list[list[int]] = [[] for _ in range(size)]
+    for link in links:
+        send = link.send
+
+        def record(dst, seq, tag, arr, send=send, log=sent[link.rank]):  # type: ignore[no-untyped-def]
+            log.append(arr.nbytes)
+            send(dst, seq, tag, arr)
+
+        link.send = record  # type: ignore[method-assign]
+    resp = Response(wire.ALLREDUCE, ("big",), "float32", SUM, numels=(n,))
+
+    def rank(link, r):  # type: ignore[no-untyped-def]
+        ex = Executor(r, size, settings, link, hosts=hosts)
+        return ex.execute(resp, [_entry("big", np.arange(n, dtype=np.float32) * (r + 1))], seq=0, members=(0, 1, 2))
+
+    for results, _ in run_ranks(links, rank):
+        assert results[0].tolist() == (np.arange(n, dtype=np.float32) * 6).tolist()
+    # 2 ring steps of one scatter-reduce and 2 of allgather, each a chunk of 256 B in segments
+    assert [sorted(set(s)) for s in sent] == [[segment]] * size
+    assert [len(s) for s in sent] == [4 * 256 // segment] * size

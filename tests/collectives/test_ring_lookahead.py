@@ -55,20 +55,28 @@ def ref_links(size: int) -> list[RefLink]:
     return [RefLink(r, size, boxes) for r in range(size)]
 
 
-def test_a_pass_sends_further_ahead_where_the_link_queues_by_reference() -> None:
+def test_a_pass_sends_further_ahead_where_the_link_queues_by_reference(monkeypatch) -> None:
+    monkeypatch.setattr(algorithms, "STREAM_LOOKAHEAD_BYTES", 48)  # 6 segments of 2 float32
     n, seg = 64, 2  # each of the 2 chunks is 16 segments
     copying, referencing = queue_links(2)[0], ref_links(2)[0]
-    for link, ahead in ((copying, algorithms.LOOKAHEAD), (referencing, algorithms.STREAM_LOOKAHEAD)):
+    for link, ahead in ((copying, algorithms.LOOKAHEAD), (referencing, 6)):
         algorithms.allreduce_pass(link, np.ones(n, np.float32), ReduceOp.SUM, 0, seg).start()
         sent = link._boxes[(0, 1)].qsize()
         assert sent == ahead < 16, (type(link).__name__, sent)
-    assert algorithms.LOOKAHEAD < algorithms.STREAM_LOOKAHEAD
+
+
+def test_a_stream_lookahead_is_a_number_of_bytes_and_never_below_the_copying_one() -> None:
+    link = ref_links(2)[0]
+    assert algorithms.STREAM_LOOKAHEAD_BYTES == 32 << 20
+    assert [algorithms.lookahead(link, 1, n) for n in (4 << 20, 8 << 20, 12 << 20, 64 << 20, 1 << 10)] == [
+        8, 4, 2, algorithms.LOOKAHEAD, 32 << 10]
+    assert algorithms.lookahead(queue_links(2)[0], 1, 8 << 20) == algorithms.LOOKAHEAD
 
 
 def test_the_lookahead_is_asked_of_the_link_through_a_process_set() -> None:
     link = ref_links(4)[1]
     sub = algorithms.SubLink(link, (1, 3))
-    assert algorithms.lookahead(sub, 1, 4 << 20) == algorithms.STREAM_LOOKAHEAD
+    assert algorithms.lookahead(sub, 1, 4 << 20) == 8
     assert algorithms.lookahead(algorithms.SubLink(queue_links(4)[1], (1, 3)), 1, 4 << 20) == algorithms.LOOKAHEAD
 
 

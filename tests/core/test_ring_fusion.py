@@ -70,6 +70,17 @@ def test_segments_tile_the_range(start: int, extra: int, seg: int) -> None:
         assert segs[0][0] == start and segs[-1][1] == stop
 
 
+@given(st.lists(st.sampled_from("abcd"), max_size=6), st.randoms())
+def test_ranks_are_one_per_host_when_no_two_share_a_host_whatever_their_order(hosts: list[str], rnd) -> None:
+    apart = ring.one_per_host(hosts)
+    assert apart == (len(hosts) >= 2 and all(hosts.count(h) == 1 for h in hosts))
+    shuffled = list(hosts)
+    rnd.shuffle(shuffled)
+    assert ring.one_per_host(shuffled) == apart
+    if apart:  # then every link joins two hosts, the ring's included
+        assert all(hosts[r] != hosts[(r + 1) % len(hosts)] for r in range(len(hosts)))
+
+
 items = st.lists(st.tuples(st.sampled_from(["f32", "f64", "i8"]), st.integers(0, 300)), max_size=40)
 
 

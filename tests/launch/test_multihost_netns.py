@@ -120,6 +120,24 @@ def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_ran
     assert_nothing_left(hosts, err)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream_segment,streamed", [(None, {0: 5, 1: 3}), ("4194304", {0: 9, 1: 6})])
+def test_one_rank_per_host_sends_stream_segments_across_the_link(hosts: TwoHosts, stream_segment: str | None,
+                                                                 streamed: dict[int, int]) -> None:
+    """Each rank on a host of its own: every link is a stream, and ring segments are 8 MiB by default.
+    12 MiB allreduce (chunks of 6 MiB: 2 payloads per rank, 4 in 4 MiB segments), 6 MiB allgather block
+    (1, or 2), 12 MiB broadcast from rank 0 (8 + 4 MiB, or 3 x 4 MiB; rank 1 forwards nothing)."""
+    env = {} if stream_segment is None else {"RINGCOMM_STREAM_SEGMENT_BYTES": stream_segment}
+    proc = start(hosts, "-np", "2", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1", sys.executable,
+                 str(WORKERS / "stream_segments_worker.py"), **env)
+    out, err = proc.communicate(timeout=110)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    seen = [json.loads(line.split("SEGMENTS ", 1)[1]) for line in out.splitlines() if "SEGMENTS " in line]
+    assert {p["rank"]: p["stream"] for p in seen} == streamed, out + err
+    assert {p["stream_segment"] for p in seen} == {int(stream_segment or 8 << 20)}
+    assert_nothing_left(hosts, err)
+
+
 FAIL_ON_HOST_B = """
 import os, time
 import numpy as np
