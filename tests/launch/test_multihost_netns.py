@@ -121,13 +121,19 @@ def test_hierarchical_allreduce_across_two_hosts_is_right_and_alike_on_every_ran
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stream_segment,streamed", [(None, {0: 5, 1: 3}), ("4194304", {0: 9, 1: 6})])
+@pytest.mark.parametrize("stream_segment,encrypt,streamed", [
+    (None, "0", {0: 5, 1: 3}), ("4194304", "0", {0: 9, 1: 6}), (None, "1", {0: 0, 1: 0})])
 def test_one_rank_per_host_sends_stream_segments_across_the_link(hosts: TwoHosts, stream_segment: str | None,
-                                                                 streamed: dict[int, int]) -> None:
+                                                                 encrypt: str, streamed: dict[int, int]) -> None:
     """Each rank on a host of its own: every link is a stream, and ring segments are 8 MiB by default.
     12 MiB allreduce (chunks of 6 MiB: 2 payloads per rank, 4 in 4 MiB segments), 6 MiB allgather block
-    (1, or 2), 12 MiB broadcast from rank 0 (8 + 4 MiB, or 3 x 4 MiB; rank 1 forwards nothing)."""
-    env = {} if stream_segment is None else {"RINGCOMM_STREAM_SEGMENT_BYTES": stream_segment}
+    (1, or 2), 12 MiB broadcast from rank 0 (8 + 4 MiB, or 3 x 4 MiB; rank 1 forwards nothing).
+    Encrypted, the same segments travel on the ZeroMQ sockets (no streams) and arrive as right."""
+    if encrypt == "1" and not zmq.has("curve"):
+        pytest.skip("this libzmq has no CURVE (built without libsodium)")
+    env = {"RINGCOMM_ENCRYPT": encrypt}
+    if stream_segment is not None:
+        env["RINGCOMM_STREAM_SEGMENT_BYTES"] = stream_segment
     proc = start(hosts, "-np", "2", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1", sys.executable,
                  str(WORKERS / "stream_segments_worker.py"), **env)
     out, err = proc.communicate(timeout=110)
