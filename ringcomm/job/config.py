@@ -363,7 +363,8 @@ def port_range(environ: Mapping[str, str]) -> ports.PortRange | None:
 #: Settings that decide how an op's data is cut and which path it takes.  Ranks that held different
 #: values would wait for segments, pieces or paths their peers never use: ``init()`` compares them.
 AGREED = ("segment_bytes", "stream_segment_bytes", "hierarchical_allreduce", "hierarchical_piece_bytes",
-          "shm_allreduce_min_bytes", "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes", "doubling_allreduce_bytes")
+          "shm_allreduce_min_bytes", "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes",
+          "doubling_allreduce_bytes")
 
 
 def agreed(settings: Settings) -> dict[str, int]:
