@@ -80,18 +80,15 @@ def _view(buf: object, dtype: np.dtype, n: int) -> np.ndarray:
 #: How many first-step segments a rank sends before the first one arrives from its left
 #: (afterwards one more per arrival), which bounds what is in flight on each link.
 LOOKAHEAD = 2
-#: Where the link queues a send by reference (a stream to another host), as many as fit in this many
-#: bytes (at least :data:`LOOKAHEAD`): a queued send holds no memory and no slot there, and a stream
-#: whose queue runs dry while the left neighbour's segments are late leaves the wire idle.  What it
-#: bounds is what the receiver holds before it sums (8 segments of 4 MiB, 4 of 8 MiB).
-STREAM_LOOKAHEAD_BYTES = 32 << 20
 
 
 def lookahead(link: object, dst: int, nbytes: int) -> int:
-    """How many first-step segments of ``nbytes`` a pass sends to ``dst`` ahead of its arrivals."""
+    """How many first-step segments of ``nbytes`` a pass sends to ``dst`` ahead of its arrivals: where
+    the link queues a send by reference (a stream to another host), as many as fit in
+    :data:`ringcomm.core.ring.STREAM_AHEAD_BYTES` (at least :data:`LOOKAHEAD`)."""
     by_reference = getattr(link, "queues_by_reference", None)
     if by_reference is not None and by_reference(dst, nbytes):
-        return max(LOOKAHEAD, STREAM_LOOKAHEAD_BYTES // max(1, nbytes))
+        return max(LOOKAHEAD, ring.STREAM_AHEAD_BYTES // max(1, nbytes))
     return LOOKAHEAD
 
 

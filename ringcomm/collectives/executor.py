@@ -105,13 +105,16 @@ class Executor:
         if isinstance(self._link, DataPlane):
             self._link.raise_if_lost(peer, "a shared-memory barrier")
 
+    def _hosts_of(self, members: tuple[int, ...]) -> list[str]:
+        """The host of each of ``members`` (global ranks; "" where unknown)."""
+        return [self._hosts[g] if g < len(self._hosts) else "" for g in members]
+
     def _seg_elems(self, dtype: np.dtype, pset: int, members: tuple[int, ...]) -> int:
         """Elements per pipelined segment of an op of set ``pset``: ``stream_segment_bytes`` where each
         member is on a host of its own (every link is a stream across hosts), else ``segment_bytes``."""
         apart = self._apart.get(pset)
         if apart is None:
-            apart = self._apart[pset] = ring.one_per_host(
-                [self._hosts[g] if g < len(self._hosts) else "" for g in members])
+            apart = self._apart[pset] = ring.one_per_host(self._hosts_of(members))
         st = self.settings
         return max(1, (st.stream_segment_bytes if apart else st.segment_bytes) // dtype.itemsize)
 
@@ -133,8 +136,8 @@ class Executor:
     def _host_plan(self, pset: int, members: tuple[int, ...]) -> hierarchical.HostPlan | None:
         """This rank's hierarchical plan in process set ``pset`` (None: one host, or uneven hosts)."""
         if pset not in self._host_plans:
-            hosts = [self._hosts[g] if g < len(self._hosts) else "" for g in members]
-            self._host_plans[pset] = hierarchical.plan(hosts, members.index(self.rank)) if self.rank in members else None
+            self._host_plans[pset] = (hierarchical.plan(self._hosts_of(members), members.index(self.rank))
+                                      if self.rank in members else None)
         return self._host_plans[pset]
 
     def _dispatch(self, resp: Response, entries: list[Entry], seq: int, members: tuple[int, ...]) -> list[Any]:

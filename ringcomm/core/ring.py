@@ -95,6 +95,13 @@ def segments(start: int, stop: int, seg_elems: int) -> list[tuple[int, int]]:
     return [(a, min(a + seg_elems, stop)) for a in range(start, stop, seg_elems)]
 
 
+#: Bytes of stream payloads a rank may hold before it sums them: what a ring pass sends ahead over
+#: a stream to another host (which queues the array itself, so its queue must not run dry while the
+#: left neighbour's segments are late), and the spare receive buffers a stream keeps for them (8
+#: segments of 4 MiB, 4 of 8 MiB).
+STREAM_AHEAD_BYTES = 32 << 20
+
+
 def one_per_host(hosts: Sequence[str]) -> bool:
     """Whether ranks on ``hosts`` (rank r's host) are at least two, each on a host of its own, so that
     every link between two of them joins two hosts.

@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-from ..core import wire
+from ..core import ring, wire
 from ..errors import ProtocolError, RendezvousError
 from ..job.ports import PortRange
 from .handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact, read_into
@@ -46,11 +46,6 @@ __all__ = ["Incoming", "Outgoing", "Streams"]
 log = logging.getLogger("ringcomm.net.streams")
 
 _ACCEPT_SLICE = 0.5  # seconds between the accepting thread's looks at whether the plane closes
-#: Buffers of payloads taken and given back are kept for the next payloads of their size, up to this
-#: many bytes, or one payload where that is larger (fresh ones would cost a page fault per 4 KiB on
-#: every payload): what a ring pass sends ahead over a stream, which this rank may hold before it
-#: sums it (:data:`ringcomm.collectives.algorithms.STREAM_LOOKAHEAD_BYTES`).
-SPARE_BYTES = 32 << 20
 
 
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
@@ -215,7 +210,9 @@ class Incoming:
     def give_back(self, buf: np.ndarray) -> None:
         """``buf`` (from :meth:`take`) is no longer used: a later payload of its size may be read into it."""
         with self._lock:
-            if self._spare_bytes + buf.nbytes <= max(SPARE_BYTES, buf.nbytes):
+            # kept up to what a pass sends ahead, or one payload where that is larger (a fresh buffer
+            # would cost a page fault per 4 KiB on every payload)
+            if self._spare_bytes + buf.nbytes <= max(ring.STREAM_AHEAD_BYTES, buf.nbytes):
                 self._spare.setdefault(buf.nbytes, []).append(buf)
                 self._spare_bytes += buf.nbytes
 

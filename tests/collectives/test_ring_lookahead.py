@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcomm.collectives import algorithms
+from ringcomm.core import ring
 from ringcomm.core.ops import ReduceOp
 from test_algorithms_inprocess import QueueLink, make_inputs, queue_links, ring_allreduce_rank, run_ranks
 
@@ -56,7 +57,7 @@ def ref_links(size: int) -> list[RefLink]:
 
 
 def test_a_pass_sends_further_ahead_where_the_link_queues_by_reference(monkeypatch) -> None:
-    monkeypatch.setattr(algorithms, "STREAM_LOOKAHEAD_BYTES", 48)  # 6 segments of 2 float32
+    monkeypatch.setattr(ring, "STREAM_AHEAD_BYTES", 48)  # 6 segments of 2 float32
     n, seg = 64, 2  # each of the 2 chunks is 16 segments
     copying, referencing = queue_links(2)[0], ref_links(2)[0]
     for link, ahead in ((copying, algorithms.LOOKAHEAD), (referencing, 6)):
@@ -67,7 +68,7 @@ def test_a_pass_sends_further_ahead_where_the_link_queues_by_reference(monkeypat
 
 def test_a_stream_lookahead_is_a_number_of_bytes_and_never_below_the_copying_one() -> None:
     link = ref_links(2)[0]
-    assert algorithms.STREAM_LOOKAHEAD_BYTES == 32 << 20
+    assert ring.STREAM_AHEAD_BYTES == 32 << 20
     assert [algorithms.lookahead(link, 1, n) for n in (4 << 20, 8 << 20, 12 << 20, 64 << 20, 1 << 10)] == [
         8, 4, 2, algorithms.LOOKAHEAD, 32 << 10]
     assert algorithms.lookahead(queue_links(2)[0], 1, 8 << 20) == algorithms.LOOKAHEAD
