@@ -10,6 +10,7 @@ in shared memory that the peer process maps, and events are two counters in shar
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import time
@@ -102,11 +103,13 @@ class FakeIpcEvent(FakeEvent):
 
 class FakeIpc:
     """The fake device's IPC: shared-memory CPU tensors and counters, their files unlinked once
-    every peer opened them (:meth:`opened`)."""
+    every peer opened them (:meth:`opened`).  Until then this process holds a shared ``flock`` on
+    each, as every ``ringcomm-*`` file's creator does, so another job's sweep of files left by dead
+    processes (:func:`ringcomm.shm.slots.reclaim_left_by_dead`) leaves them alone."""
 
     def __init__(self, ops: FakeOps) -> None:
         self._capable = ops.ipc
-        self._made: list[str] = []
+        self._made: list[tuple[str, int]] = []  # (path, the descriptor holding its lock)
         self._handles: dict[int, tuple[str, int, str]] = {}
         weakref.finalize(self, _unlink, self._made)  # files nobody opened go at exit at the latest
 
@@ -114,9 +117,12 @@ class FakeIpc:
         # numbered per process, not per object: a new object may reuse a freed one's id(), and the
         # freed one's finalizer would then unlink the new one's files
         path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{next(_serial)}"
-        with open(path, "wb") as f:
-            f.truncate(max(nbytes, 16))
-        self._made.append(path)
+        making = f"{path}.{os.getpid()}.new"  # a sweep leaves a live process's NAME.PID.new alone
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, max(nbytes, 16))
+        os.rename(making, path)
+        self._made.append((path, fd))
         return path
 
     def shared_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -148,13 +154,14 @@ class FakeIpc:
         _unlink(self._made)
 
 
-def _unlink(paths: list[str]) -> None:
-    for path in paths:
+def _unlink(made: list[tuple[str, int]]) -> None:
+    for path, fd in made:
         try:
             os.unlink(path)  # the mappings stay
         except FileNotFoundError:
             pass
-    paths.clear()
+        os.close(fd)
+    made.clear()
 
 
 _serial = itertools.count()

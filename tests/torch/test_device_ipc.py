@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import time
 
@@ -21,7 +22,8 @@ torch = pytest.importorskip("torch")
 import ringcomm_torch as hvd  # noqa: E402
 from conftest import name_test_host, hosts_of_job  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
-from ringcomm_torch import device, device_ipc  # noqa: E402
+from ringcomm.shm import slots  # noqa: E402
+from ringcomm_torch import device, device_ipc, device_ipc_ops  # noqa: E402
 from ringcomm_torch.buckets import DeviceBucket  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,6 +81,24 @@ def test_the_path_is_chosen_alike_on_every_rank():
     assert not any(isinstance(b, device_ipc.IpcBucket) for b in fallback.reducer.device_buckets.values())
 
 
+def test_shared_files_outlive_another_jobs_sweep_of_what_dead_processes_left():
+    """Another job's launcher, starting while this one shares its buffers, removes every
+    ``ringcomm-*`` file in /dev/shm that no live process holds; the fake's files are held."""
+    ipc = device_ipc_ops.FakeIpc(device.FakeOps(ipc=True))
+    flat = ipc.shared_flat(8, torch.float32, torch.device("cpu"))
+    path, _, _ = ipc.share(flat)
+    event_path = ipc.event_handle(ipc.event())
+    swept = [p for p, _ in slots.reclaim_left_by_dead()]
+    assert path not in swept and event_path not in swept
+    assert os.path.exists(path) and os.path.exists(event_path)
+    peer = ipc.open_shared(ipc.share(flat), torch.device("cpu"))
+    peer.fill_(3.0)
+    assert torch.equal(flat, torch.full((8,), 3.0))
+    ipc.opened()  # every peer has it: the names go, the mappings stay
+    assert not os.path.exists(path) and not os.path.exists(event_path)
+    assert torch.equal(flat, torch.full((8,), 3.0))
+
+
 def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rounding():
     model, opt, ops = make(ipc=True, op=hvd.Average, gradient_predivide_factor=2.0)
     twin = copy.deepcopy(model)
@@ -96,6 +116,8 @@ def test_results_are_bitwise_alike_on_every_rank_and_the_pinned_paths_within_rou
             assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), f"{name}.grad differs from the pinned path"
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
     if on_device():
+        kinds = {type(b).__name__ for b in opt.reducer.device_buckets.values()}
+        assert kinds == {"IpcBucket"}, f"the device path fell back to pinned memory ({kinds}): see the warning"
         assert all(all(b.views()) for b in opt.reducer.device_buckets.values())
         for b in opt.reducer.device_buckets.values():
             if spans_hosts():  # only each rank's shard of its host's sum, once per step

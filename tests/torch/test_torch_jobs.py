@@ -125,7 +125,7 @@ def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("20 passed, 1 skipped" if setting == "1" else "15 passed, 6 skipped") == np_, out[-3000:]
+    assert out.count("21 passed, 1 skipped" if setting == "1" else "16 passed, 6 skipped") == np_, out[-3000:]
 
 
 @pytest.mark.timeout(200)
