@@ -39,14 +39,13 @@ from ..core.coordinator import Stall
 from ..errors import ShutdownError
 from ..handles import Entry, Handle
 from .handle import LaneHandle
-from .records import EngineSide, Pending, Queued, State, naming, reacquire, spin_allowed
+from .records import EngineSide, Pending, Queued, State, naming, reacquire
+from .spinning import SpinBudget, spin_allowed
 
 log = logging.getLogger("ringcomm.lane.driver")
 
 #: Seconds one futex sleep lasts before the waiter checks the engine, stalls and its deadline.
 SLICE = 0.05
-#: Re-reads of a peer's counter before sleeping on it (only with a core per local rank).
-SPINS = 400
 #: Yields of the core to a peer before sleeping on it (only with more local ranks than cores).
 YIELDS = 50
 #: An async fast op still unresolved after this long is resolved by the sweeper.
@@ -85,8 +84,9 @@ class LaneDriver:
         self._max = max_bytes
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
         # re-reads and yields help only where a peer's post lands in this host's memory
-        self._spins = SPINS if region.SPIN and spin_allowed(region.size) else 0
-        self._yields = YIELDS if region.SPIN and not self._spins else 0
+        spins = region.SPIN and spin_allowed(region.size)
+        self._spin = SpinBudget() if spins else SpinBudget(0)  # re-reads before a sleep; lock held
+        self._yields = YIELDS if region.SPIN and not spins else 0
         self._slice = futex.timespec(SLICE)
         self._lock = threading.Lock()  # taken directly on the hot paths: `with` on the lock itself is cheaper
         self._cond = threading.Condition(self._lock)
@@ -105,9 +105,10 @@ class LaneDriver:
         self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
         self._sweeper.start()
         log.debug("rank %d: paths: ops of the global set up to %d B whose ops in flight every rank has "
-                  "submitted alike go through the small-op lane (%d ranks, %s before sleeping)",
+                  "submitted alike go through the small-op lane (%d ranks, %s)",
                   self.rank, max_bytes, self.size,
-                  f"{self._spins} re-reads" if self._spins else "no spinning: more ranks than cores")
+                  f"up to {self._spin.most} re-reads before sleeping, fewer while they miss" if self._spin.most
+                  else "no spinning before sleeping: more ranks than cores")
 
     @property
     def state(self) -> State:
@@ -290,11 +291,15 @@ class LaneDriver:
             return False
         r, k = unposted
         region = self._region
+        reads = self._spin.reads()
+        caught: bool | None = None  # how the re-reads went, told to the budget
         self._cond.release()
         try:
-            for _ in range(self._spins):
+            for i in range(reads):
                 if lane.reached(region.posted(r), k):
+                    caught = i > 0 or None  # posted before the first read: nothing learnt
                     return True
+            caught = False if reads else None
             seen = region.posted(r)
             if not lane.reached(seen, k) and not region.off(r):
                 left = deadline - time.monotonic()
@@ -302,7 +307,13 @@ class LaneDriver:
                     region.sleep_on_posted(r, seen, futex.timespec(left))
         finally:
             reacquire(self._cond)
+            self._spun(caught)
         return True
+
+    def _spun(self, caught: bool | None) -> None:
+        """Tell the spin budget how a wait's re-reads went (None: it had none, or needed none); lock held."""
+        if caught is not None:
+            (self._spin.caught if caught else self._spin.missed)()
 
     def _make_room(self) -> int:
         """Wait until the slot of this rank's next index k is free (every rank has finished
@@ -401,22 +412,27 @@ class LaneDriver:
         or one of them posts anything else or goes off (the index is decided then), or a slice passes.
         Ranks that post the same op are checked off here, so the slots are read again only once."""
         region = self._region
+        reads = self._spin.reads()
+        caught: bool | None = None  # how the re-reads went, told to the budget
         self._cond.release()
         try:
             left = missing
-            for i in range(self._spins + self._yields + 1):
+            for i in range(reads + self._yields + 1):
                 now_left = region.still_missing(left, k, key)
                 if not now_left:  # every one posted the op, or one decided the index otherwise
+                    caught = 0 < i <= reads or None
                     return
                 left = now_left
-                if self._spins <= i < self._spins + self._yields:
+                if reads <= i < reads + self._yields:
                     os.sched_yield()  # more ranks than cores: let a peer run on this core
+            caught = False if reads else None
             r = left[0]
             seen = region.posted(r)
             if not lane.reached(seen, k) and not region.off(r):
                 region.sleep_on_posted(r, seen, self._slice)
         finally:
             reacquire(self._cond)
+            self._spun(caught)
 
     def _finish_fast(self, k: int, p: Pending, sizes: list[int]) -> None:
         if not self._unlinked:  # every rank posted index k: each has the region mapped

@@ -14,7 +14,6 @@ from typing import Protocol
 
 from ..core import lane, wire
 from ..handles import Entry, Handle
-from ..job.cores import available_cores
 
 
 class State(enum.Enum):
@@ -110,8 +109,3 @@ def naming(err: BaseException, req: wire.Request, missing: list[int]) -> BaseExc
         return err
     named.__cause__ = err.__cause__
     return named
-
-
-def spin_allowed(local_ranks: int) -> bool:
-    """Re-read before sleeping only when every local rank has a core of its own."""
-    return available_cores() >= local_ranks
