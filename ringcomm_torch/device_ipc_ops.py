@@ -118,7 +118,7 @@ class FakeIpc:
         # freed one's finalizer would then unlink the new one's files
         path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{next(_serial)}"
         making = f"{path}.{os.getpid()}.new"  # a sweep leaves a live process's NAME.PID.new alone
-        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # a dead namesake's: ours now
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.ftruncate(fd, max(nbytes, 16))
         os.rename(making, path)
