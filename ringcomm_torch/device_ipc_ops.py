@@ -10,7 +10,6 @@ in shared memory that the peer process maps, and events are two counters in shar
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import os
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from ringcomm.errors import HorovodInternalError
+from ringcomm.shm import slots
 
 from .device import DeviceOps, FakeEvent, FakeOps
 
@@ -109,7 +109,7 @@ class FakeIpc:
 
     def __init__(self, ops: FakeOps) -> None:
         self._capable = ops.ipc
-        self._made: list[tuple[str, int]] = []  # (path, the descriptor holding its lock)
+        self._made: list[slots.MappedFile] = []  # each held (its creator's lock) until unlinked
         self._handles: dict[int, tuple[str, int, str]] = {}
         weakref.finalize(self, _unlink, self._made)  # files nobody opened go at exit at the latest
 
@@ -117,12 +117,7 @@ class FakeIpc:
         # numbered per process, not per object: a new object may reuse a freed one's id(), and the
         # freed one's finalizer would then unlink the new one's files
         path = f"/dev/shm/ringcomm-fakeipc-{os.getpid()}-{next(_serial)}"
-        making = f"{path}.{os.getpid()}.new"  # a sweep leaves a live process's NAME.PID.new alone
-        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)  # a dead namesake's: ours now
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, max(nbytes, 16))
-        os.rename(making, path)
-        self._made.append((path, fd))
+        self._made.append(slots.MappedFile(path, max(nbytes, 16), create=True))  # made and held as the runtime's
         return path
 
     def shared_flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -154,13 +149,10 @@ class FakeIpc:
         _unlink(self._made)
 
 
-def _unlink(made: list[tuple[str, int]]) -> None:
-    for path, fd in made:
-        try:
-            os.unlink(path)  # the mappings stay
-        except FileNotFoundError:
-            pass
-        os.close(fd)
+def _unlink(made: list[slots.MappedFile]) -> None:
+    for f in made:
+        f.unlink()  # the mappings stay
+        f.close()
     made.clear()
 
 
