@@ -95,10 +95,14 @@ def init_ranks_apart(job_id: str, env_of_rank: list[dict[str, str]]) -> list[tup
     return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
-def remove_files_of(pids: list[int]) -> None:
-    """Remove the ipc socket files of killed ranks (a killed process cannot remove its own)."""
+def remove_files_of(pids: list[int], job_ids: Sequence[str] = ()) -> None:
+    """Remove the ipc socket files of killed ranks (a killed process cannot remove its own), and what
+    the ended jobs ``job_ids`` left in /dev/shm that no live process holds (a failing rank's notice file)."""
     import glob
     import tempfile
+
+    from ringcomm.job import names
+    from ringcomm.shm.reclaim import reclaim_dead
 
     for pid in pids:
         for path in glob.glob(f"{tempfile.gettempdir()}/ringcomm-*-{pid}-*"):
@@ -106,6 +110,8 @@ def remove_files_of(pids: list[int]) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+    for job in set(job_ids):
+        reclaim_dead(os.path.join(names.SHM_DIR, names.prefix(job) + "*"))
 
 
 def start_torchrun_job(args: list[str], world: int, rank_env: Sequence[dict[str, str]] = (),

@@ -6,6 +6,8 @@ Every file or endpoint a job creates starts with ``ringcomm-JOB-``:
 ``/dev/shm/ringcomm-JOB-ROUND-S-D``     shared-memory slots from rank S to rank D (shm.py)
 ``/dev/shm/ringcomm-JOB-ROUND-allreduce``  the shared-memory allreduce region (shm_allreduce.py)
 ``/dev/shm/ringcomm-JOB-ROUND-lane``    the small-op lane's region (shm_lane.py)
+``/dev/shm/ringcomm-JOB-ROUND-lost-R``  which rank rank R lost, left as it failed for same-host
+                                        peers it never connected to (peers.py)
 ``ringcomm-JOB-PID-ROUND-data/-ctrl``   a process's ipc endpoints: abstract names on Linux,
                                         socket files in the temp dir elsewhere (transport.py)
 ======================================  =============================================
@@ -49,6 +51,11 @@ def shm_lane_region(job_id: str, round_: int) -> str:
     return os.path.join(SHM_DIR, f"{prefix(job_id)}{round_}-lane")
 
 
+def lost_notice(job_id: str, round_: int, rank: int) -> str:
+    """The path of the notice rank ``rank`` leaves, as it fails, naming the rank it lost."""
+    return os.path.join(SHM_DIR, f"{prefix(job_id)}{round_}-lost-{rank}")
+
+
 def ipc_base(job_id: str, pid: int, round_: int) -> str:
     """The prefix of a process's ipc endpoints (job id, pid and round make it unique on the host)."""
     name = f"{prefix(job_id)}{pid}-{round_}"
@@ -69,8 +76,9 @@ def ipc_owner(job_id: str, basename: str) -> int | None:
 
 
 def is_rank_shm(job_id: str, basename: str, rank: int) -> bool:
-    """Whether ``basename`` is shared memory that ``rank`` created: its rings, and on rank 0 the region."""
-    own = rf"{rank}-\d+|allreduce" if rank == 0 else rf"{rank}-\d+"
+    """Whether ``basename`` is shared memory that ``rank`` created: its rings and its notice of a lost rank,
+    and on rank 0 the region."""
+    own = rf"{rank}-\d+|lost-{rank}|allreduce" if rank == 0 else rf"{rank}-\d+|lost-{rank}"
     return re.fullmatch(rf"{re.escape(prefix(job_id))}\d+-({own})", basename) is not None
 
 

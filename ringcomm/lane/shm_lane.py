@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -310,15 +311,17 @@ def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots
     deadline = time.monotonic() + wait_seconds
     pause = 0.0002
     root_pid = int(table[0].get("pid") or 0)
-    watch_root = root_pid > 0 and shm.process_visible(root_pid)  # in another pid namespace: only the deadline
+    # in another pid namespace, or without /proc showing it (even as a zombie): only the deadline
+    watch_root = root_pid > 0 and shm.process_visible(root_pid) and os.path.exists(f"/proc/{root_pid}")
     while True:
         try:
             return ShmLane(path, rank, len(table), slots, payload_bytes, create=False)
         except FileNotFoundError:
             # rank 0 names it right after the ranks meet: it may not be there yet
-            if watch_root and not shm.process_visible(root_pid):
-                # rank 0 left (it died, or named, used and removed it and shut down): the job is
-                # ending, and the engine reports why; go on without the lane
+            if watch_root and not shm.process_alive(root_pid):
+                # rank 0 left (it died, or named, used and removed it and shut down; a zombie counts, as its
+                # parent may collect it only after this rank gave up): the job is ending, and the engine
+                # reports why; go on without the lane
                 log.debug("rank %d: the small-op lane %s is gone: rank 0 has left the job", rank, path)
                 return None
             if time.monotonic() > deadline:

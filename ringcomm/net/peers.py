@@ -4,21 +4,25 @@ A :class:`PeerWatch` reads the ZeroMQ monitor of each peer's socket (a
 completed handshake, a closed connection), checks same-host peers' processes,
 and keeps the notices a failing peer sends before it leaves (``L``: the rank
 it lost), so that the error every survivor raises names the rank that failed
-first.  The data plane (:mod:`.transport`) owns the sockets; this object only
+first.  A failing rank with same-host peers it never connected to (no socket
+carries its notice to them) also leaves the notice in a file they read.  The data plane (:mod:`.transport`) owns the sockets; this object only
 watches them and sends the one notice of its own rank's loss.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import time
+from collections.abc import Callable
 from typing import cast
 
 import zmq
 
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
+from ..shm.reclaim import process_alive
 
 log = logging.getLogger("ringcomm.net.transport")
 
@@ -36,9 +40,11 @@ class PeerWatch:
     """The liveness of one rank's peers, read from the sockets the data plane owns."""
 
     def __init__(self, rank: int, size: int, timeout: float, socks: dict[int, zmq.Socket], slots: int,
-                 slot_bytes: int) -> None:
-        """``socks``: the data plane's peer -> socket map (shared, not copied); ``timeout``: the peer timeout."""
+                 slot_bytes: int, notice_path: Callable[[int], str] | None = None) -> None:
+        """``socks``: the data plane's peer -> socket map (shared, not copied); ``timeout``: the peer timeout;
+        ``notice_path``: where a rank's notice file is (rank -> path; None: no notice files)."""
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.notice_path = notice_path
         self.socks = socks
         self.slots, self.slot_bytes = slots, slot_bytes
         self.monitors: dict[int, zmq.Socket] = {}  # peer -> socket reporting its connection's end
@@ -156,11 +162,22 @@ class PeerWatch:
         """The rank to blame among the lost ones: the one a lost peer reported losing before it left.
 
         A rank that fails because its neighbour died leaves the job too, and this rank may see
-        that departure first; the notice it sent on its way out names the rank it lost.  Without
-        notices: a lost peer that never connected, the awaited peer if it is lost, else the lowest lost rank.
+        that departure first; the notice it sent on its way out (or left in a file, for a same-host
+        rank it never connected to) names the rank it lost.  Without notices: a lost peer that never
+        connected, the awaited peer if it is lost, else the lowest lost rank.
         """
+        # A same-host peer still awaited whose process has ended is lost too: the rank that lost it
+        # may leave before this rank's next check.
+        for peer in sorted(self.unconnected):
+            pid = self.local_pids.get(peer)
+            if pid is not None and not process_alive(pid):
+                del self.unconnected[peer]
+                self.never_connected.add(peer)
+                self.lost[peer] = self.peer_names.get(peer, "?")
         for peer in list(self.lost):
             self.read_notices(peer)
+            if peer not in self.reports:
+                self.read_notice_file(peer)
         blamed = [r for r in (self.reports.get(p) for p in sorted(self.lost)) if r is not None and r != self.rank]
         if blamed:
             root = blamed[0]
@@ -172,14 +189,7 @@ class PeerWatch:
             return root
         # a peer that never connected failed before any op could run: it comes first (its notice of
         # the loss may not have reached this rank, whose connection to the notifier was not yet made,
-        # or whose notifier left before the notice went out).  A same-host peer still awaited whose
-        # process has ended counts too: the rank that lost it may leave before this rank's next check.
-        for peer in sorted(self.unconnected):
-            pid = self.local_pids.get(peer)
-            if pid is not None and not process_alive(pid):
-                del self.unconnected[peer]
-                self.never_connected.add(peer)
-                self.lost[peer] = self.peer_names.get(peer, "?")
+        # or whose notifier left before the notice went out).
         never = sorted(p for p in self.lost if p in self.never_connected)
         if never:
             return never[0]
@@ -199,6 +209,23 @@ class PeerWatch:
                 continue
             if msg.kind == b"L":
                 self.reports.setdefault(peer, msg.lost)
+
+    def read_notice_file(self, peer: int) -> None:
+        """Read the notice a lost same-host ``peer`` left in a file, if it left one in this job.
+
+        The file names the writer's process: one from another job (a job id derived alike, after a
+        restart) or another process names a pid this rank does not know for ``peer`` and is ignored.
+        """
+        pid = self.local_pids.get(peer)
+        if self.notice_path is None or pid is None:
+            return
+        try:
+            with open(self.notice_path(peer)) as f:
+                writer, lost = (int(v) for v in f.read().split())
+        except (OSError, ValueError):
+            return
+        if writer == pid and lost != peer:
+            self.reports.setdefault(peer, lost)
 
     def lost_error(self, peer: int, context: str = "", how: str = "") -> PeerLostError:
         """The error naming ``peer``, with how its loss was learned (``how``, when the caller knows); tells
@@ -237,13 +264,21 @@ class PeerWatch:
                 sock.send(wire.LOST.pack(b"L", peer), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+        self.leave_notice_file(peer)
 
+    def leave_notice_file(self, peer: int) -> None:
+        """Leave the notice in a file when a same-host peer never connected to this rank: no socket reaches
+        it, and once this rank has left it would find two ranks gone with nothing to tell which failed first.
+        The launcher's clean-up, or the next job's sweep of files no live process holds, removes the file."""
+        waiting = [p for p in self.local_pids if p != peer and p not in self.authenticated and p not in self.lost]
+        if self.notice_path is None or not waiting:
+            return
+        path = self.notice_path(self.rank)
+        temp = f"{path}.{os.getpid()}.new"  # named whole: a reader never sees half of it
+        try:
+            with open(temp, "w") as f:
+                f.write(f"{os.getpid()} {peer}\n")
+            os.replace(temp, path)
+        except OSError as exc:
+            log.debug("rank %d: could not leave the notice of losing rank %d in %s: %s", self.rank, peer, path, exc)
 
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs or is stopped; False once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")

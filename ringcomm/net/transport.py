@@ -126,7 +126,8 @@ class DataPlane:
         self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # streamed buffers handed out
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
-        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, shm_slot_bytes)
+        self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, shm_slot_bytes,
+                               (lambda r: names.lost_notice(job_id, round_, r)) if job_id else None)
         self.unconnected, self.suspects, self.lost = self.peers.unconnected, self.peers.suspects, self.peers.lost
         self.reports, self.peer_names = self.peers.reports, self.peers.peer_names
         #: messages sent through shared memory / inline, for the benchmark and the performance page's numbers

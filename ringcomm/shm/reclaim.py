@@ -63,6 +63,17 @@ def process_visible(pid: int) -> bool:
     return True
 
 
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs or is stopped in this process's view; False once it is gone or a zombie
+    (it has ended; its parent has not collected it yet), or in another pid namespace."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def reclaim_dead(pattern: str, dead: Collection[int] = ()) -> list[tuple[str, int]]:
     """Remove every file matching the glob ``pattern`` that this user's processes created and that no
     live process holds (:func:`reclaim_if_dead`).  Returns the ``(path, bytes)`` of each removed.

@@ -45,9 +45,9 @@ import numpy as np
 
 from ..job import names
 from . import space
-from .reclaim import process_visible, reclaim_dead, reclaim_if_dead
+from .reclaim import process_alive, process_visible, reclaim_dead, reclaim_if_dead
 
-__all__ = ["MappedFile", "SlotRing", "available", "process_visible", "reclaim_if_dead", "reclaim_left_by_dead",
+__all__ = ["MappedFile", "SlotRing", "available", "process_alive", "process_visible", "reclaim_if_dead", "reclaim_left_by_dead",
            "unlink"]
 
 def available() -> bool:

@@ -39,7 +39,7 @@ def test_every_survivor_names_the_killed_rank_within_ten_seconds(op: str) -> Non
             for p in procs:
                 p.kill()
                 p.wait()
-            remove_files_of([p.pid for p in procs])
+            remove_files_of([p.pid for p in procs], [p.job_id for p in procs])
         print(f"{op}, victim {victim}: survivors raised after " + ", ".join(f"{t:.2f}" for t in took.values()) + " s")
         for r, out in outs.items():
             where = f"{op}, attempt {attempt + 1}, victim {victim}, survivor {r}"

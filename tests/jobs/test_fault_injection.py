@@ -60,7 +60,7 @@ def _finish_survivors(procs, victim: int, since: float, timeout: float = 60,
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
-        remove_files_of([p.pid for p in procs])
+        remove_files_of([p.pid for p in procs], [p.job_id for p in procs])
     return outs, took
 
 
