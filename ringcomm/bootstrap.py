@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from .collectives import hierarchical, shm_allreduce
-from .core import routing, wire
+from .core import ring, routing, wire
 from .errors import InvalidInputError
 from .job import config
 from .job.config import Settings
@@ -192,6 +192,9 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     w.peer_table = table
     _check_same_security(table, rank)
     config.check_agreed(table, rank)
+    unused = config.segment_setting_unused(os.environ, ring.one_per_host([p["host"] for p in table]))
+    if unused and rank == 0:
+        log.warning("rank 0: %s", unused)
     for peer in table:
         r = int(peer["rank"])
         same_host = peer["host"] == topo.hostname

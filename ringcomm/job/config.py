@@ -92,7 +92,8 @@ class Settings:
     segment_bytes: int = 4 * 1024 * 1024
     #: Bytes per pipelined segment instead, on a ring whose every link joins two hosts (each rank
     #: on a host of its own): those links are TCP streams, where a segment costs a wake-up of three
-    #: threads and no slot; 8 MiB measured 2-9% faster than 4 MiB at 64 MiB over 10 Gbit/s.
+    #: threads and no slot; 8 MiB measured 2-9% faster than 4 MiB at 64 MiB over 10 Gbit/s.  Rank 0
+    #: warns at ``init()`` when such a job sets RINGCOMM_SEGMENT_BYTES alone.
     stream_segment_bytes: int = 8 * 1024 * 1024
     #: Segments smaller than this are copied into ZeroMQ messages; larger ones are sent zero-copy.
     zero_copy_min_bytes: int = 64 * 1024
@@ -365,6 +366,25 @@ def port_range(environ: Mapping[str, str]) -> ports.PortRange | None:
 AGREED = ("segment_bytes", "stream_segment_bytes", "hierarchical_allreduce", "hierarchical_piece_bytes",
           "shm_allreduce_min_bytes", "shm_allreduce_piece_bytes", "shm_allreduce_min_ranks", "small_allreduce_bytes",
           "doubling_allreduce_bytes")
+
+
+def segment_setting_unused(environ: Mapping[str, str], one_per_host: bool) -> str | None:
+    """What to warn when ``RINGCOMM_SEGMENT_BYTES`` is set for a job whose ring it does not cut: with every
+    rank on a host of its own (``one_per_host``) the ring's segments are ``RINGCOMM_STREAM_SEGMENT_BYTES``.
+    None when there is nothing to say.
+
+    >>> segment_setting_unused({"RINGCOMM_SEGMENT_BYTES": "1048576"}, True)[:40]
+    'RINGCOMM_SEGMENT_BYTES=1048576 does not '
+    >>> segment_setting_unused({"RINGCOMM_SEGMENT_BYTES": "1048576"}, False) is None
+    True
+    """
+    value = environ.get("RINGCOMM_SEGMENT_BYTES")
+    if value is None or not one_per_host or "RINGCOMM_STREAM_SEGMENT_BYTES" in environ:
+        return None
+    return (f"RINGCOMM_SEGMENT_BYTES={value} does not cut this job's ring: every rank is on a host of its own, "
+            f"so every link is a TCP stream, cut into RINGCOMM_STREAM_SEGMENT_BYTES segments "
+            f"({Settings.stream_segment_bytes} by default). Set RINGCOMM_STREAM_SEGMENT_BYTES={value} on every "
+            "rank to cut it as you meant (RINGCOMM_SEGMENT_BYTES still cuts ops of process sets that share a host)")
 
 
 def agreed(settings: Settings) -> dict[str, int]:
