@@ -214,6 +214,26 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     exchange = data["summary"][1]["systems"]["exchange"]["median_s"]
     assert 0 < exchange < 1.0
     assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout and "plain-socket exchange" in proc.stdout
+    # every job says how much of the host's CPU the hypervisor took while it ran (this kernel has the column)
+    assert all(0 <= r["steal"] < 1 for r in data["runs"]), [r["steal"] for r in data["runs"]]
+    assert "CPU time the hypervisor took (steal)" in proc.stdout
+
+
+def test_the_hypervisors_share_of_the_cpu_between_two_samples(tmp_path: Path) -> None:
+    from ringcomm.bench import _util
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\n")
+    assert _util.cpu_ticks(str(stat)) == (40, 1000)
+    stat.write_text("cpu  200 0 100 1600 20 0 0 80 0 0\n")  # 1000 ticks later, 40 of them stolen
+    assert _util.steal_share((40, 1000), _util.cpu_ticks(str(stat))) == pytest.approx(0.04)
+    assert _util.steal_share((40, 1000), (40, 1000)) is None  # no time passed: no share
+    stat.write_text("intr 1 2 3\n")
+    assert _util.cpu_ticks(str(stat)) is None and _util.cpu_ticks(str(tmp_path / "none")) is None
+    text = _util.steal_text([{"steal": 0.01}, {"steal": 0.2}, {"steal": None}, {}])
+    assert text == ("CPU time the hypervisor took (steal) on the host that ran the benchmark, per job: median 10.5%, "
+                    "most 20.0% (2 jobs).")
+    assert _util.steal_text([{"steal": None}]) is None
 
 
 def test_ratios_pair_each_round_with_itself_and_skip_a_round_one_system_lost() -> None:

@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 #: Directory holding the ``ringcomm`` package; put on workers' PYTHONPATH so a plain checkout works too.
@@ -97,6 +98,47 @@ def ringcomm_knobs() -> dict[str, str]:
     from ringcomm.job.config import TOPOLOGY_VARS
 
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("RINGCOMM_") and k not in TOPOLOGY_VARS}
+
+
+def cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """This host's CPU time so far, in ticks: (stolen by the hypervisor, all), or None where the kernel
+    does not say (not Linux, or a kernel without the steal column)."""
+    try:
+        with open(stat, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest counted in user)
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of this host's CPU time the hypervisor took between two :func:`cpu_ticks` samples.
+
+    >>> steal_share((10, 1000), (60, 2000))
+    0.05
+    >>> steal_share(None, (60, 2000)) is None
+    True
+    """
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def steal_text(runs: Iterable[dict[str, Any]]) -> str | None:
+    """A line on the hypervisor's share of the CPU over the jobs ``runs`` (their ``steal``), or None when
+    no job has a figure.
+
+    >>> steal_text([{"steal": 0.01}, {"steal": 0.2}, {"steal": None}])
+    'CPU time the hypervisor took (steal) on the host that ran the benchmark, per job: median 10.5%, most 20.0% (2 jobs).'
+    """
+    shares = sorted(float(r["steal"]) for r in runs if isinstance(r.get("steal"), (int, float)))
+    if not shares:
+        return None
+    return (f"CPU time the hypervisor took (steal) on the host that ran the benchmark, per job: median "
+            f"{median(shares):.1%}, most {shares[-1]:.1%} ({len(shares)} jobs).")
 
 
 def _version(dist: str) -> str | None:

@@ -147,8 +147,10 @@ def run_rounds(cfg: ClusterConfig, tmp: str) -> list[dict[str, Any]]:
         for system in (EXCHANGE, *cfg.systems):
             _util.log(f"cluster {system} (round {repeat + 1}/{cfg.repeats}) ...")
             out = os.path.join(tmp, f"{system}-{repeat}.json")
+            ticks = _util.cpu_ticks()
             result = _procs.run_job([job_argv(cfg, system, plan, out)], cluster_env(), cfg.job_timeout)
-            runs.append(_procs.job_record(result, out, system=system, repeat=repeat))
+            runs.append(_procs.job_record(result, out, system=system, repeat=repeat,
+                                          steal=_util.steal_share(ticks, _util.cpu_ticks())))
             if not result.ok:
                 _util.log(f"  FAILED: {runs[-1]['error']}")
     return runs
@@ -213,4 +215,7 @@ def markdown(section: dict[str, Any]) -> str:
     lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "
               "previous one, plain TCP from Python.  ceiling: 2(H-1)/H x the exchange, the least time an allreduce "
               "of S can take on these links; a share is ceiling / the system's time."]
+    steal = _util.steal_text(section["runs"])
+    if steal:  # the other hosts' steal is not measured: on cloud VMs, check theirs too (top's "st")
+        lines += ["", steal + " The other hosts' is not measured."]
     return "\n".join(lines) + "\n"

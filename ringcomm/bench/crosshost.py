@@ -146,8 +146,11 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                     for system in (RAW, EXCHANGE, *cfg.systems):
                         _util.log(f"crosshost {rate} {system} (round {repeat + 1}/{cfg.repeats}) ...")
                         out = os.path.join(tmp, f"{system}-{rate}-{repeat}.json")
+                        ticks = _util.cpu_ticks()
                         result = runners[system](hosts, cfg, plan, out)
-                        section["runs"].append(_procs.job_record(result, out, system=system, rate=rate, repeat=repeat))
+                        steal = _util.steal_share(ticks, _util.cpu_ticks())
+                        section["runs"].append(_procs.job_record(result, out, system=system, rate=rate, repeat=repeat,
+                                                                 steal=steal))
                         if not result.ok:
                             _util.log(f"  FAILED: {section['runs'][-1]['error']}")
         finally:
@@ -210,4 +213,7 @@ def markdown(section: dict[str, Any]) -> str:
               "trip of the size between the hosts (no collective), the floor for a small allreduce.  exchange: each host "
               "sends S bytes while it receives S, plain TCP from Python, the ceiling for a large one (2(H-1)/H x S per "
               "host); a share is the exchange's time / the system's time."]
+    steal = _util.steal_text(section["runs"])
+    if steal:  # both hosts are this machine: a busy hypervisor slows every system, unevenly between rounds
+        lines += ["", steal]
     return "\n".join(lines) + "\n"
