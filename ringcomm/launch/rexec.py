@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 from ..job import names
+from ..shm.reclaim import process_alive
 import threading
 import time
 from collections.abc import Sequence
@@ -76,14 +77,6 @@ def stop_group(pgid: int, grace: float) -> None:
             time.sleep(0.02)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
-
-
 def remove_job_files(job_id: str, rank: int) -> list[str]:
     """Remove job ``job_id``'s files on this host that no live process owns; returns what was removed.
 
@@ -96,7 +89,7 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
     shm_glob, tmp_glob = names.job_globs(job_id)
     for path in glob.glob(tmp_glob):
         owner = names.ipc_owner(job_id, os.path.basename(path))
-        if owner is not None and not _pid_alive(owner):
+        if owner is not None and not process_alive(owner):
             removed.append(path)
     # rank 0 also creates the job-wide allreduce region ``ringcomm-JOB-ROUND-allreduce`` (shm_allreduce.py)
     removed += [p for p in glob.glob(shm_glob) if names.is_rank_shm(job_id, os.path.basename(p), rank)]
