@@ -12,8 +12,8 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 #: Directory holding the ``ringcomm`` package; put on workers' PYTHONPATH so a plain checkout works too.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]

@@ -382,7 +382,7 @@ def segment_setting_unused(environ: Mapping[str, str], one_per_host: bool) -> st
     if value is None or not one_per_host or "RINGCOMM_STREAM_SEGMENT_BYTES" in environ:
         return None
     return (f"RINGCOMM_SEGMENT_BYTES={value} does not cut this job's ring: every rank is on a host of its own, "
-            f"so every link is a TCP stream, cut into RINGCOMM_STREAM_SEGMENT_BYTES segments "
+            "so every link joins two hosts and the ring is cut into RINGCOMM_STREAM_SEGMENT_BYTES segments "
             f"({Settings.stream_segment_bytes} by default). Set RINGCOMM_STREAM_SEGMENT_BYTES={value} on every "
             "rank to cut it as you meant (RINGCOMM_SEGMENT_BYTES still cuts ops of process sets that share a host)")
 

@@ -5,8 +5,9 @@ completed handshake, a closed connection), checks same-host peers' processes,
 and keeps the notices a failing peer sends before it leaves (``L``: the rank
 it lost), so that the error every survivor raises names the rank that failed
 first.  A failing rank with same-host peers it never connected to (no socket
-carries its notice to them) also leaves the notice in a file they read.  The data plane (:mod:`.transport`) owns the sockets; this object only
-watches them and sends the one notice of its own rank's loss.
+carries its notice to them) also leaves the notice in a file they read.  The
+data plane (:mod:`.transport`) owns the sockets; this object only watches them
+and sends the one notice of its own rank's loss.
 """
 
 from __future__ import annotations
