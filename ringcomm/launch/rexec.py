@@ -81,9 +81,10 @@ def remove_job_files(job_id: str, rank: int) -> list[str]:
     """Remove job ``job_id``'s files on this host that no live process owns; returns what was removed.
 
     ipc socket files carry their owner's pid (``ringcomm-JOB-PID-...``) and are removed once that
-    pid is gone; shared-memory rings ``ringcomm-JOB-ROUND-SRC-DST`` and notices ``ringcomm-JOB-ROUND-lost-SRC``
-    are removed when ``SRC`` is ``rank`` (this wrapper's rank, whose process is gone by now), and by rank 0's wrapper the
-    shared-memory allreduce region ``ringcomm-JOB-ROUND-allreduce``.
+    pid is gone; shared-memory rings ``ringcomm-JOB-ROUND-SRC-DST`` and notices of a lost rank
+    ``ringcomm-JOB-ROUND-lost-SRC`` are removed when ``SRC`` is ``rank`` (this wrapper's rank, whose
+    process is gone by now), and by rank 0's wrapper the shared-memory allreduce region
+    ``ringcomm-JOB-ROUND-allreduce``.
     """
     removed = []
     shm_glob, tmp_glob = names.job_globs(job_id)

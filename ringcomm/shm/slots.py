@@ -47,8 +47,8 @@ from ..job import names
 from . import space
 from .reclaim import process_alive, process_visible, reclaim_dead, reclaim_if_dead
 
-__all__ = ["MappedFile", "SlotRing", "available", "process_alive", "process_visible", "reclaim_if_dead", "reclaim_left_by_dead",
-           "unlink"]
+__all__ = ["MappedFile", "SlotRing", "available", "process_alive", "process_visible", "reclaim_if_dead",
+           "reclaim_left_by_dead", "unlink"]
 
 def available() -> bool:
     return os.path.isdir(names.SHM_DIR) and os.access(names.SHM_DIR, os.W_OK)

@@ -11,6 +11,7 @@ import pytest
 
 from ringcomm.errors import HorovodInternalError
 from ringcomm.lane import shm_lane
+from ringcomm.shm.reclaim import process_alive, process_visible
 
 
 def _table(tmp_path, root_pid: int) -> list[dict]:
@@ -22,9 +23,8 @@ def _zombie() -> subprocess.Popen:
     """A child that has ended and that nobody has collected yet."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     for _ in range(500):
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return proc
+        if process_visible(proc.pid) and not process_alive(proc.pid):
+            return proc
         time.sleep(0.01)
     raise AssertionError("the child did not end")
 
