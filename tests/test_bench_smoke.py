@@ -217,6 +217,35 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     # every job says how much of the host's CPU the hypervisor took while it ran (this kernel has the column)
     assert all(0 <= r["steal"] < 1 for r in data["runs"]), [r["steal"] for r in data["runs"]]
     assert "CPU time the hypervisor took (steal)" in proc.stdout
+    # and each system's CPU per op on its busiest rank, from every rank's own count over the timed ops
+    for r in data["runs"]:
+        if r["system"] in ("ringcomm", "gloo", "exchange"):
+            for res in r["results"]:
+                assert len(res["rank_cpu_s"]) == 4 and all(u >= 0 and s >= 0 for u, s in res["rank_cpu_s"]), res
+    assert all(row["systems"][system]["cpu_per_op_s"] >= 0 for row in data["summary"]
+               for system in ("ringcomm", "gloo", "exchange"))
+    assert "CPU per op on each system's busiest rank" in proc.stdout
+
+
+def test_cpu_per_op_is_the_busiest_ranks_median_over_the_rounds_and_its_share_of_a_core() -> None:
+    from ringcomm.bench import cluster
+
+    def job(repeat: int, cpu: list[list[float]], times: list[float]) -> dict:
+        return {"ok": True, "system": "ringcomm", "repeat": repeat,
+                "results": [{"bytes": 4096, "iters": 2, "times_s": times, "rank_cpu_s": cpu}]}
+
+    runs = [job(0, [[0.010, 0.002], [0.004, 0.004]], [0.02, 0.02]),  # busiest rank: 12 ms for 2 ops
+            job(1, [[0.020, 0.010], [0.001, 0.001]], [0.02, 0.02]),  # 30 ms
+            job(2, [[0.008, 0.002], [0.010, 0.006]], [0.02, 0.02]),  # 16 ms
+            {"ok": True, "system": "gloo", "repeat": 0, "results": [{"bytes": 4096, "iters": 2, "times_s": [0.01]}]}]
+    stats = cluster.pooled(runs, "ringcomm", 4096)
+    assert stats is not None and stats["cpu_per_op_s"] == pytest.approx(0.008)  # median of 6, 15, 8 ms per op
+    gloo = cluster.pooled(runs, "gloo", 4096)
+    assert gloo is not None and "cpu_per_op_s" not in gloo  # a job from before the workers counted it
+    row = {"bytes": 4096, "systems": {"ringcomm": stats, "gloo": gloo}}
+    text = cluster.cpu_text([row], ["ringcomm", "gloo"], lambda r: "4 KiB")
+    assert text is not None and text.endswith("4 KiB: ringcomm 8 ms (40%).")  # 8 ms of CPU per 20 ms op
+    assert cluster.cpu_text([{"bytes": 4096, "systems": {"gloo": gloo}}], ["gloo"], lambda r: "") is None
 
 
 def test_the_hypervisors_share_of_the_cpu_between_two_samples(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import argparse
 import json
 import faulthandler
 import os
+import resource
 import sys
 import threading
 import time
@@ -164,28 +165,32 @@ def run(backend: Backend, op: str, plan: Sequence[tuple[int, int]], warmup: int,
         times: list[float] = []
         if loop:
             backend.barrier()
+        cpu = resource.getrusage(resource.RUSAGE_SELF)  # microseconds (os.times counts 10 ms ticks)
         for _ in range(iters):
             if not loop:
                 backend.barrier()
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-        gathered = backend.gather(times)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        gathered = backend.gather((times, after.ru_utime - cpu.ru_utime, after.ru_stime - cpu.ru_stime))
         if gathered is not None:
+            per_rank = [t for t, _, _ in gathered]
             results.append({
                 "bytes": nbytes,
                 "elements_per_rank": count,
                 "iters": iters,
-                "times_s": [max(per_rank) for per_rank in zip(*gathered)],
-                "rank_median_s": [sorted(t)[len(t) // 2] for t in gathered],
+                "times_s": [max(rank_times) for rank_times in zip(*per_rank)],
+                "rank_median_s": [sorted(t)[len(t) // 2] for t in per_rank],
+                # each rank's CPU (every thread of its process, user and system) over the timed ops
+                # (with ``loop`` off it includes the barriers between them)
+                "rank_cpu_s": [[user, system] for _, user, system in gathered],
             })
     return results if backend.rank == 0 else None
 
 
 def idle_cpu_seconds(seconds: float) -> float:
     """CPU seconds (every thread of this process) burned while the caller sleeps ``seconds``."""
-    import resource
-
     before = resource.getrusage(resource.RUSAGE_SELF)
     time.sleep(seconds)
     after = resource.getrusage(resource.RUSAGE_SELF)

@@ -26,7 +26,7 @@ import dataclasses
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _procs, _timing, _util
@@ -107,9 +107,38 @@ def pooled(runs: Sequence[dict[str, Any]], system: str, size: int) -> dict[str, 
     times = [t for r in chosen for res in r["results"] if res["bytes"] == size for t in res["times_s"]]
     if not times:
         return None
-    return {"median_s": _util.median(times), "p99_s": _util.percentile(times, 99),
-            "round_median_s": [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
-                               for r in chosen]}
+    stats = {"median_s": _util.median(times), "p99_s": _util.percentile(times, 99),
+             "round_median_s": [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
+                                for r in chosen]}
+    busiest = [max(user + system for user, system in res["rank_cpu_s"]) / res["iters"]
+               for r in chosen for res in r["results"]
+               if res["bytes"] == size and res.get("rank_cpu_s") and res.get("iters")]
+    if busiest:  # per round, the busiest rank's CPU per op: what limits a rank whose core is its own
+        stats["cpu_per_op_s"] = _util.median(busiest)
+    return stats
+
+
+def cpu_text(rows: Sequence[dict[str, Any]], systems: Sequence[str], label: Callable[[dict[str, Any]], str]) -> str | None:
+    """A line on the CPU each system spends per op on its busiest rank, and the share of one core that is
+    (CPU per op / time per op; near 100%, the op waits on that core, not on the link), or None when no
+    job measured it.
+
+    >>> cpu_text([{"bytes": 1 << 20, "systems": {"gloo": {"median_s": 0.01, "cpu_per_op_s": 0.005}}}], ["gloo"],
+    ...          lambda row: "1 MiB")
+    "CPU per op on each system's busiest rank (its process's every thread, user and system; the share of one core it kept busy): 1 MiB: gloo 5 ms (50%)."
+    """
+    parts = []
+    for row in rows:
+        have = row["systems"]
+        cells = [f"{system} {_util.format_ms(have[system]['cpu_per_op_s'])} "
+                 f"({have[system]['cpu_per_op_s'] / have[system]['median_s']:.0%})"
+                 for system in systems if "cpu_per_op_s" in have.get(system, {}) and have[system]["median_s"] > 0]
+        if cells:
+            parts.append(f"{label(row)}: " + ", ".join(cells))
+    if not parts:
+        return None
+    return ("CPU per op on each system's busiest rank (its process's every thread, user and system; the share of one "
+            "core it kept busy): " + "; ".join(parts) + ".")
 
 
 def paired_ratios(runs: Sequence[dict[str, Any]], num: str, den: str, size: int) -> list[float]:
@@ -215,6 +244,9 @@ def markdown(section: dict[str, Any]) -> str:
     lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "
               "previous one, plain TCP from Python.  ceiling: 2(H-1)/H x the exchange, the least time an allreduce "
               "of S can take on these links; a share is ceiling / the system's time."]
+    cpu = cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo"), lambda row: _util.format_size(row["bytes"]))
+    if cpu:  # a system near 100% is bound by its CPU here, whatever the link could carry
+        lines += ["", cpu]
     steal = _util.steal_text(section["runs"])
     if steal:  # the other hosts' steal is not measured: on cloud VMs, check theirs too (top's "st")
         lines += ["", steal + " The other hosts' is not measured."]
