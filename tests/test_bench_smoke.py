@@ -224,7 +224,7 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
                 assert len(res["rank_cpu_s"]) == 4 and all(u >= 0 and s >= 0 for u, s in res["rank_cpu_s"]), res
     assert all(row["systems"][system]["cpu_per_op_s"] >= 0 for row in data["summary"]
                for system in ("ringcomm", "gloo", "exchange"))
-    assert "CPU per op on each system's busiest rank" in proc.stdout
+    assert "CPU per op on each system's busiest rank" in proc.stdout and "cores all ranks together kept busy" in proc.stdout
 
 
 def test_cpu_per_op_is_the_busiest_ranks_median_over_the_rounds_and_its_share_of_a_core() -> None:
@@ -246,6 +246,10 @@ def test_cpu_per_op_is_the_busiest_ranks_median_over_the_rounds_and_its_share_of
     text = cluster.cpu_text([row], ["ringcomm", "gloo"], lambda r: "4 KiB")
     assert text is not None and text.endswith("4 KiB: ringcomm 8 ms (40%).")  # 8 ms of CPU per 20 ms op
     assert cluster.cpu_text([{"bytes": 4096, "systems": {"gloo": gloo}}], ["gloo"], lambda r: "") is None
+    # every rank on this machine: how many of its cores the ranks kept busy (10, 16 and 13 ms per 20 ms op)
+    assert stats["all_ranks_cpu_per_op_s"] == pytest.approx(0.013)
+    text = cluster.cpu_text([row], ["ringcomm"], lambda r: "4 KiB", cores=2)
+    assert text is not None and "of this machine's 2 cores" in text and text.endswith("ringcomm 8 ms (40%; all ranks 0.7 cores).")
 
 
 def test_the_hypervisors_share_of_the_cpu_between_two_samples(tmp_path: Path) -> None:

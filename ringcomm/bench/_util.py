@@ -141,6 +141,14 @@ def steal_text(runs: Iterable[dict[str, Any]]) -> str | None:
             f"{median(shares):.1%}, most {shares[-1]:.1%} ({len(shares)} jobs).")
 
 
+def usable_cores() -> int | None:
+    """The cores this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -180,18 +188,13 @@ def machine_info() -> dict[str, object]:
         libzmq: str | None = zmq.zmq_version()
     except ImportError:
         libzmq = None
-    usable: int | None
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "usable_cores": usable,
+        "usable_cores": usable_cores(),
         "python": platform.python_version(),
         "python_executable": sys.executable,
         "ringcomm": _version("ringcomm"),

@@ -110,18 +110,21 @@ def pooled(runs: Sequence[dict[str, Any]], system: str, size: int) -> dict[str, 
     stats = {"median_s": _util.median(times), "p99_s": _util.percentile(times, 99),
              "round_median_s": [_util.median(t for res in r["results"] if res["bytes"] == size for t in res["times_s"])
                                 for r in chosen]}
-    busiest = [max(user + system for user, system in res["rank_cpu_s"]) / res["iters"]
-               for r in chosen for res in r["results"]
+    counted = [res for r in chosen for res in r["results"]
                if res["bytes"] == size and res.get("rank_cpu_s") and res.get("iters")]
-    if busiest:  # per round, the busiest rank's CPU per op: what limits a rank whose core is its own
-        stats["cpu_per_op_s"] = _util.median(busiest)
+    if counted:  # per round: the busiest rank's CPU per op (what limits a rank whose core is its own), and all ranks'
+        stats["cpu_per_op_s"] = _util.median(max(u + s for u, s in res["rank_cpu_s"]) / res["iters"] for res in counted)
+        stats["all_ranks_cpu_per_op_s"] = _util.median(sum(u + s for u, s in res["rank_cpu_s"]) / res["iters"]
+                                                       for res in counted)
     return stats
 
 
-def cpu_text(rows: Sequence[dict[str, Any]], systems: Sequence[str], label: Callable[[dict[str, Any]], str]) -> str | None:
+def cpu_text(rows: Sequence[dict[str, Any]], systems: Sequence[str], label: Callable[[dict[str, Any]], str],
+             cores: int | None = None) -> str | None:
     """A line on the CPU each system spends per op on its busiest rank, and the share of one core that is
     (CPU per op / time per op; near 100%, the op waits on that core, not on the link), or None when no
-    job measured it.
+    job measured it.  With ``cores`` (every rank on this machine, which has that many), also how many of
+    them all ranks together kept busy.
 
     >>> cpu_text([{"bytes": 1 << 20, "systems": {"gloo": {"median_s": 0.01, "cpu_per_op_s": 0.005}}}], ["gloo"],
     ...          lambda row: "1 MiB")
@@ -130,15 +133,22 @@ def cpu_text(rows: Sequence[dict[str, Any]], systems: Sequence[str], label: Call
     parts = []
     for row in rows:
         have = row["systems"]
-        cells = [f"{system} {_util.format_ms(have[system]['cpu_per_op_s'])} "
-                 f"({have[system]['cpu_per_op_s'] / have[system]['median_s']:.0%})"
-                 for system in systems if "cpu_per_op_s" in have.get(system, {}) and have[system]["median_s"] > 0]
+        cells = []
+        for system in systems:
+            st = have.get(system, {})
+            if "cpu_per_op_s" not in st or not st["median_s"] > 0:
+                continue
+            cell = f"{system} {_util.format_ms(st['cpu_per_op_s'])} ({st['cpu_per_op_s'] / st['median_s']:.0%}"
+            if cores:
+                cell += f"; all ranks {st['all_ranks_cpu_per_op_s'] / st['median_s']:.1f} cores"
+            cells.append(cell + ")")
         if cells:
             parts.append(f"{label(row)}: " + ", ".join(cells))
     if not parts:
         return None
-    return ("CPU per op on each system's busiest rank (its process's every thread, user and system; the share of one "
-            "core it kept busy): " + "; ".join(parts) + ".")
+    kept = f", and how many of this machine's {cores} cores all ranks together kept busy" if cores else ""
+    return (f"CPU per op on each system's busiest rank (its process's every thread, user and system; the share of one "
+            f"core it kept busy{kept}): " + "; ".join(parts) + ".")
 
 
 def paired_ratios(runs: Sequence[dict[str, Any]], num: str, den: str, size: int) -> list[float]:

@@ -214,7 +214,7 @@ def markdown(section: dict[str, Any]) -> str:
               "sends S bytes while it receives S, plain TCP from Python, the ceiling for a large one (2(H-1)/H x S per "
               "host); a share is the exchange's time / the system's time."]
     cpu = cluster.cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo", *extra),
-                           lambda row: f"{row['rate']} {_util.format_size(row['bytes'])}")
+                           lambda row: f"{row['rate']} {_util.format_size(row['bytes'])}", _util.usable_cores())
     if cpu:  # both hosts share this machine's cores: near 100%, the op waits on a core, not on the link
         lines += ["", cpu]
     steal = _util.steal_text(section["runs"])
