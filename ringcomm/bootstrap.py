@@ -144,6 +144,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         job_id=topo.job_id, round_=round_, max_payload_bytes=max(st.segment_bytes, st.stream_segment_bytes),
         credentials=creds,
         seq_stride=hierarchical.PHASES, stream_min_bytes=st.stream_min_bytes,
+        cross_memory_min_bytes=st.cross_memory_min_bytes,
     )
     w.link = link  # from here on, close() closes it
     base = ipc_base(topo.job_id, os.getpid(), round_)

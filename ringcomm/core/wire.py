@@ -421,14 +421,23 @@ NOTE = struct.Struct("<cHIQI")  # b"S", slot, nbytes, seq, tag: the payload is i
 INLINE = struct.Struct("<cQI")  # b"I", seq, tag: the payload is the second frame
 ACK = struct.Struct("<cH")  # b"A", slot: the receiver is done with that slot
 LOST = struct.Struct("<cI")  # b"L", rank: the sender lost that rank and is failing (sent to the others)
+#: b"R", address, nbytes, seq, tag: the payload is at that address of the sender (a peer on the same host,
+#: which reads it with ``process_vm_readv``; ``shm/cross_memory.py``) until the receiver answers :data:`READ`
+REF = struct.Struct("<cQQQI")
+READ = struct.Struct("<c")  # b"B": the receiver has read the sender's oldest payload sent by reference
+#: b"P", address, token: can the receiver read the sender's memory?  The token is at that address
+PROBE = struct.Struct("<cQ16s")
+PROBE_ANSWER = struct.Struct("<c?")  # b"Y", whether the receiver read the probe's token right
 #: b"T", seq, tag, nbytes: the head of one payload on a pair's TCP stream (``net/streams.py``); the
 #: payload's bytes follow it on the stream
 STREAM = struct.Struct("<cQIQ")
 
 
 class DataMessage(NamedTuple):
-    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"``, ``b"A"``, ``b"L"`` (``lost``: the rank) or
-    ``b"T"`` (a stream head, :func:`parse_stream_head`)."""
+    """One parsed data-plane message: ``kind`` is ``b"S"``, ``b"I"``, ``b"A"``, ``b"L"`` (``lost``: the rank),
+    ``b"T"`` (a stream head, :func:`parse_stream_head`), or one of reading a same-host peer's memory:
+    ``b"R"`` (``address``, ``nbytes``), ``b"B"``, ``b"P"`` (``address``, ``token``) or ``b"Y"`` (``ok``: the
+    probe was read right)."""
 
     kind: bytes
     seq: int = 0
@@ -436,6 +445,9 @@ class DataMessage(NamedTuple):
     slot: int = -1
     nbytes: int = 0
     lost: int = -1
+    address: int = 0
+    token: bytes = b""
+    ok: bool = False
 
 
 def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMessage:
@@ -463,6 +475,16 @@ def parse_data(head: bytes, nframes: int, slots: int, slot_bytes: int) -> DataMe
         return DataMessage(b"A", slot=slot)
     if kind == b"L" and len(head) == LOST.size and nframes == 1:
         return DataMessage(b"L", lost=LOST.unpack(head)[1])
+    if kind == b"R" and len(head) == REF.size and nframes == 1:
+        _, address, n, seq, tag = REF.unpack(head)
+        return DataMessage(b"R", seq, tag, nbytes=n, address=address)
+    if kind == b"B" and len(head) == READ.size and nframes == 1:
+        return DataMessage(b"B")
+    if kind == b"P" and len(head) == PROBE.size and nframes == 1:
+        _, address, token = PROBE.unpack(head)
+        return DataMessage(b"P", address=address, token=token)
+    if kind == b"Y" and len(head) == PROBE_ANSWER.size and nframes == 1:
+        return DataMessage(b"Y", ok=PROBE_ANSWER.unpack(head)[1])
     raise ProtocolError(f"malformed data message: {nframes} frame(s), first {len(head)} bytes {head[:16]!r}")
 
 

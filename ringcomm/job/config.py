@@ -109,6 +109,10 @@ class Settings:
     #: direction of their own, written from and read into the arrays with no ZeroMQ copy
     #: (``net/streams.py``; 0: every payload on ZeroMQ; off when RINGCOMM_ENCRYPT is set).
     stream_min_bytes: int = 256 * 1024
+    #: Payloads of at least this many bytes for a rank on the same host are read by that rank straight
+    #: from the sender's memory (``process_vm_readv``: one copy instead of two through a shared-memory
+    #: slot) where the host allows it; elsewhere they take the slots (``shm/cross_memory.py``; 0: never).
+    cross_memory_min_bytes: int = 256 * 1024
     #: Shared-memory slots per direction between ranks on one host (0: sockets only); each holds a
     #: segment, so a pair of ranks maps at most 2 x slots x segment bytes (32 MiB by default), fewer
     #: where /dev/shm has less room (a ring takes at most 1/(2 x the host's ranks) of what is free).
@@ -302,6 +306,9 @@ class Settings:
             raise InvalidInputError(f"RINGCOMM_STREAM_SEGMENT_BYTES must be >= 1024, got {self.stream_segment_bytes}")
         if self.stream_min_bytes < 0:
             raise InvalidInputError(f"RINGCOMM_STREAM_MIN_BYTES must be >= 0 (0: no streams), got {self.stream_min_bytes}")
+        if self.cross_memory_min_bytes < 0:
+            raise InvalidInputError(f"RINGCOMM_CROSS_MEMORY_MIN_BYTES must be >= 0 (0: payloads on one host through "
+                                    f"shared memory only), got {self.cross_memory_min_bytes}")
         if self.shm_allreduce_min_bytes < 0 or self.shm_allreduce_piece_bytes < 1024:
             raise InvalidInputError(
                 "RINGCOMM_SHM_ALLREDUCE_MIN_BYTES must be >= 0 and RINGCOMM_SHM_ALLREDUCE_PIECE_BYTES >= 1024, got "

@@ -52,6 +52,7 @@ import zmq
 from ..job import names
 from ..job.ports import PortRange
 from ..shm import space as shm_space
+from ..shm.cross_memory import CrossMemory
 from ..shm.rings import PeerRings
 from ..core import wire
 from ..core.inbox import Inbox
@@ -65,6 +66,7 @@ from .streams import Streams
 log = logging.getLogger("ringcomm.net.transport")
 
 _NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # layouts live in the pure codec
+_READ = wire.READ.pack(b"B")
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
 #: Seconds past RINGCOMM_PEER_TIMEOUT before a rank waiting on one peer gives up on it: a stopped or
 #: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
@@ -95,12 +97,15 @@ class DataPlane:
                  socket_buffer_bytes: int = 0, shm_slots: int = 0, shm_slot_bytes: int = 0,
                  shm_min_bytes: int = 65536, job_id: str = "", round_: int = 0,
                  max_payload_bytes: int = 0, *, credentials: Credentials, seq_stride: int = 1,
-                 stream_min_bytes: int = 0) -> None:
+                 stream_min_bytes: int = 0, cross_memory_min_bytes: int = 0) -> None:
         """``credentials``: what the bound sockets check and the connecting ones present; ``ctx``
         must already have a ZAP handler for them (:class:`ringcomm.net.auth.ZapThread`).  ``seq_stride``:
         how many sequence numbers each op owns (``seq // seq_stride`` numbers the op).
         ``stream_min_bytes``: payloads of at least this many bytes for peers on other hosts go over
-        :mod:`.streams` (0: never; never with encrypting credentials, as streams are in clear)."""
+        :mod:`.streams` (0: never; never with encrypting credentials, as streams are in clear).
+        ``cross_memory_min_bytes``: payloads of at least this many bytes for peers on this host are read
+        from this process's memory by the peer where the host allows it (:mod:`ringcomm.shm.cross_memory`;
+        0: never)."""
         self.rank = rank
         self.size = size
         self._ctx = ctx
@@ -110,6 +115,8 @@ class DataPlane:
         self._sockbuf = socket_buffer_bytes
         #: shared-memory rings to and from peers on this host: their shapes and free slots
         self.rings = PeerRings(rank, job_id, round_, shm_slots, shm_slot_bytes, shm_min_bytes)
+        #: payloads for and from peers on this host that are read from the sender's memory
+        self.cross = CrossMemory(cross_memory_min_bytes)
         self._job, self._round = job_id, round_
         self._max_payload = max_payload_bytes  # no data frame is larger (a segment); 0: no bound
         #: payload streams to and from peers on other hosts (see listen_streams())
@@ -198,6 +205,7 @@ class DataPlane:
             self._socket(peer, server=False).connect(eps[0] if same_host else eps[1])
         if same_host:
             self.rings.add_peer(peer)
+            self.cross.add_peer(peer, pid)
 
     def close(self) -> None:
         self.peers.close()
@@ -208,6 +216,7 @@ class DataPlane:
         self._trackers.clear()
         self.inbox.clear()
         self.rings.close()
+        self.cross.close()
         names.remove_files(self.ipc_paths)
         self.ipc_paths.clear()
 
@@ -217,8 +226,10 @@ class DataPlane:
         """The payload ``(seq, tag)`` from ``src`` goes to ``view`` (1-D, contiguous, its size): if it comes
         over a stream, it is read straight there, and :meth:`recv` returns that memory (nothing to copy).
         Until then this rank leaves ``view`` alone."""
-        if self.streams.carries(src):  # on one host: nothing to do, at once
+        if self.streams.carries(src):
             self.streams.expect(src, seq, tag, view.view(np.uint8))
+        else:
+            self.cross.expect(src, seq, tag, view.view(np.uint8))
 
     def reserve(self, dst: int, nbytes: int) -> np.ndarray | None:
         """A free shared-memory slot to ``dst`` to write a payload into directly, or None.
@@ -255,6 +266,13 @@ class DataPlane:
         if payload.dtype != np.uint8:
             payload = payload.view(np.uint8)
         n = payload.nbytes
+        if self.cross.by_reference(dst, n):
+            self._send(dst, [self.cross.lend(dst, payload, seq, tag)])
+            self.stats["cross_memory"] += 1
+            return
+        probe = self.cross.probe(dst, n)
+        if probe is not None:  # this payload goes the usual way; later ones by reference, if the peer can read
+            self._send(dst, [probe])
         if self.queues_by_reference(dst, n):
             broke = self.streams.put(dst, seq, tag, payload)
             if broke is not None:
@@ -415,6 +433,8 @@ class DataPlane:
         if msg.kind == b"A":
             self.rings.acked(src, msg.slot)
             return None
+        if msg.kind in (b"R", b"B", b"P", b"Y"):
+            return self._cross_memory(src, msg)
         if msg.kind == b"S":
             ring = self.rings.in_ring(src)
             if msg.slot >= ring.slots or msg.nbytes > ring.slot_bytes:
@@ -423,7 +443,35 @@ class DataPlane:
             self.inbox.put(src, msg.seq, msg.tag, [msg.slot, msg.nbytes])
         else:
             self.inbox.put(src, msg.seq, msg.tag, frames[1])
+        self.cross.settled(src, msg.seq, msg.tag)
         return msg.seq, msg.tag
+
+    def _cross_memory(self, src: int, msg: wire.DataMessage) -> tuple[int, int] | None:
+        """Apply a message of reading a same-host peer's memory (:mod:`ringcomm.shm.cross_memory`)."""
+        if msg.kind == b"P":
+            self._send(src, [self.cross.answer(src, msg.address, msg.token)])
+        elif msg.kind == b"Y":
+            self.cross.answered(src, msg.ok)
+        elif msg.kind == b"B":
+            if not self.cross.returned(src):
+                raise ProtocolError("an answer that a payload was read, with none sent by reference")
+        else:
+            if self._max_payload and msg.nbytes > self._max_payload:
+                raise ProtocolError(f"a payload of {msg.nbytes} bytes by reference, more than a segment "
+                                    f"({self._max_payload} bytes)")
+            try:
+                buf, placed = self.cross.read(src, msg.address, msg.nbytes, msg.seq, msg.tag)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from exc
+            except OSError as exc:
+                raise self.lost_error(src, f" (reading its payload of {msg.nbytes} bytes from its memory failed: "
+                                      f"{exc}; RINGCOMM_CROSS_MEMORY_MIN_BYTES=0 sends payloads on one host "
+                                      "through shared memory instead)") from exc
+            self._send(src, [_READ])
+            self.inbox.put(src, msg.seq, msg.tag, _Placed(buf))
+            self.stats["cross_memory_read"] += 1
+            return msg.seq, msg.tag
+        return None
 
     def _ack_held(self, src: int) -> None:
         lent = self._lent.get(src)
@@ -442,6 +490,7 @@ class DataPlane:
         first = self.inbox.enter(src, seq)
         if first is not None:
             self.streams.forget_before(src, first)
+            self.cross.forget_before(src, first)
 
     def serve_while_waiting(self, control: ControlStep) -> None:
         """While a receive waits for a peer's data, also watch ``control.socket`` and run
@@ -561,9 +610,13 @@ class DataPlane:
         return item.buffer  # type: ignore[attr-defined]
 
     def flush(self) -> None:
-        """Hand back every used slot and wait until ZeroMQ has released every zero-copy send."""
+        """Hand back every used slot and wait until ZeroMQ has released every zero-copy send, each stream
+        has written its payloads and each same-host peer has read those it was sent by reference."""
         for src in {*self.rings.held, *self._lent}:
             self._ack_held(src)
+        for dst in self.cross.lent_to():
+            while self.cross.lent(dst):  # its answers come on its socket: take them (and stash any data)
+                self._pump(dst, block=True)
         for dst, tracker in self._trackers.items():
             waited = 0.0
             while True:  # in slices, so a peer that died with data in flight is named at once

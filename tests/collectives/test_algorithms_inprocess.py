@@ -7,6 +7,9 @@ ZeroMQ sockets inside one process.
 
 from __future__ import annotations
 
+import collections
+import os
+
 import queue
 import threading
 import time
@@ -302,16 +305,18 @@ def zmq_links(tmp_path):
 
     def build(size: int, zero_copy_min: int = 64, shm_slots: int = 0, encrypt: bool = False,
               seq_stride: int = 1, stream_min: int = 0, peer_timeout: float = 5.0, max_payload: int = 0,
-              same_host: Callable[[int, int], bool] = lambda r, q: q % 2 == 0) -> list[DataPlane]:
+              same_host: Callable[[int, int], bool] = lambda r, q: q % 2 == 0,
+              cross_memory_min: int = 0) -> list[DataPlane]:
         """``same_host(r, q)``: whether rank r counts rank q as on its host (by default the even ranks);
-        ``stream_min`` > 0: payloads that large stream to the ranks that are not."""
+        ``stream_min`` > 0: payloads that large stream to the ranks that are not; ``cross_memory_min`` > 0:
+        payloads that large for same-host ranks are read from the sender's memory (this one process's)."""
         ctx = zmq.Context()
         creds = Credentials.derive(b"k" * 32, "job", encrypt=encrypt)
         zap = ZapThread(ctx, creds, "test")
         planes = [DataPlane(ctx, r, size, zero_copy_min, peer_timeout=peer_timeout, shm_slots=shm_slots,
                             shm_slot_bytes=4096, shm_min_bytes=1024, job_id=f"test{tmp_path.name[-8:]}",
                             max_payload_bytes=max_payload, credentials=creds, seq_stride=seq_stride,
-                            stream_min_bytes=stream_min)
+                            stream_min_bytes=stream_min, cross_memory_min_bytes=cross_memory_min)
                   for r in range(size)]
         tables = [p.bind(f"ipc://{tmp_path}/d{r}", "127.0.0.1") for r, p in enumerate(planes)]
         listening = [p.listen_streams("127.0.0.1") for p in planes]
@@ -319,7 +324,7 @@ def zmq_links(tmp_path):
             for q in range(size):
                 if q != r:
                     p.connect(q, tables[q], same_host=same_host(r, q), description=f"thread {q}",
-                              stream=listening[q])
+                              pid=os.getpid() if cross_memory_min else None, stream=listening[q])
         made.append((ctx, zap, planes))
         return planes
 
@@ -329,6 +334,41 @@ def zmq_links(tmp_path):
             p.close()
         zap.stop()
         ctx.term()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("slots", [0, 2])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_zmq_dataplane_reads_same_host_payloads_from_the_senders_memory(zmq_links, size: int, slots: int) -> None:
+    """Ranks on one host (every rank here): payloads of 2 KiB and more go by reference once the probe was
+    answered; ring and doubling allreduces, allgathers and broadcasts back to back stay exact, every
+    payload lent is read once, and nothing is held after the last flush."""
+    links = zmq_links(size, zero_copy_min=256, shm_slots=slots, same_host=lambda r, q: True, cross_memory_min=2048)
+
+    def fn(link, r):
+        outs = []
+        for seq, n in enumerate([0, 1, 5, 1000, 70_000, 3, 9000]):
+            buf = np.full(n, r + 1, np.float64)
+            allreduce = algorithms.ring_allreduce if seq % 2 else algorithms.doubling_allreduce
+            allreduce(link, buf, ReduceOp.SUM, 3 * seq, 256)
+            counts = [n + q for q in range(size)]
+            out = np.zeros(sum(counts), np.float64)
+            start = sum(counts[:r])
+            out[start:start + counts[r]] = r
+            algorithms.ring_allgatherv(link, out, counts, 3 * seq + 1, 256)
+            b = np.full(n, float(r))
+            algorithms.broadcast(link, b, size - 1, 3 * seq + 2, 256)
+            outs.append((buf, out, counts, b))
+        return outs
+
+    for outs in run_ranks(links, fn):
+        for buf, out, counts, b in outs:
+            assert (buf == size * (size + 1) / 2).all()
+            assert np.array_equal(out, np.repeat(np.arange(size, dtype=np.float64), counts))
+            assert (b == size - 1).all()
+    stats = sum((link.stats for link in links), start=collections.Counter())
+    assert stats["cross_memory"] == stats["cross_memory_read"] > 0
+    assert all(link.cross.lent_to() == [] for link in links)
 
 
 @pytest.mark.timeout(60)

@@ -266,19 +266,23 @@ def test_data_messages_parse_or_raise_protocol_error(head: bytes, nframes: int, 
         msg = wire.parse_data(head, nframes, slots, slot_bytes)
     except ProtocolError:
         return
-    assert msg.kind in (b"S", b"I", b"A", b"L")
+    assert msg.kind in (b"S", b"I", b"A", b"L", b"R", b"B", b"P", b"Y")
     if msg.kind == b"L":
         assert 0 <= msg.lost < 2**32
-    elif msg.kind != b"I":
+    elif msg.kind in (b"S", b"A"):
         assert 0 <= msg.slot < slots  # never an index outside the ring
+    elif msg.kind == b"P":
+        assert len(msg.token) == 16
     if msg.kind == b"S":
         assert msg.nbytes <= slot_bytes
 
 
 @settings(max_examples=200)
-@given(st.sampled_from([wire.NOTE, wire.INLINE, wire.ACK, wire.LOST]), st.data())
+@given(st.sampled_from([wire.NOTE, wire.INLINE, wire.ACK, wire.LOST, wire.REF, wire.READ, wire.PROBE,
+                        wire.PROBE_ANSWER]), st.data())
 def test_truncated_or_extended_data_headers_are_rejected(layout: struct.Struct, data) -> None:
-    kind = {wire.NOTE: b"S", wire.INLINE: b"I", wire.ACK: b"A", wire.LOST: b"L"}[layout]
+    kind = {wire.NOTE: b"S", wire.INLINE: b"I", wire.ACK: b"A", wire.LOST: b"L", wire.REF: b"R", wire.READ: b"B",
+            wire.PROBE: b"P", wire.PROBE_ANSWER: b"Y"}[layout]
     head = kind + bytes(layout.size - 1)
     good_frames = 2 if kind == b"I" else 1
     assert wire.parse_data(head, good_frames, 8, 1 << 20).kind == kind
@@ -289,6 +293,18 @@ def test_truncated_or_extended_data_headers_are_rejected(layout: struct.Struct, 
         wire.parse_data(head + data.draw(st.binary(min_size=1, max_size=8)), good_frames, 8, 1 << 20)
     with pytest.raises(ProtocolError):
         wire.parse_data(head, good_frames + 1, 8, 1 << 20)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1),
+       st.binary(min_size=16, max_size=16), st.booleans())
+def test_messages_of_reading_a_peers_memory_round_trip(address: int, n: int, seq: int, tag: int, token: bytes,
+                                                        ok: bool) -> None:
+    ref = wire.parse_data(wire.REF.pack(b"R", address, n, seq, tag), 1, 8, 1 << 20)
+    assert (ref.kind, ref.address, ref.nbytes, ref.seq, ref.tag) == (b"R", address, n, seq, tag)
+    probe = wire.parse_data(wire.PROBE.pack(b"P", address, token), 1, 8, 1 << 20)
+    assert (probe.kind, probe.address, probe.token) == (b"P", address, token)
+    assert wire.parse_data(wire.PROBE_ANSWER.pack(b"Y", ok), 1, 8, 1 << 20).ok is ok
+    assert wire.parse_data(wire.READ.pack(b"B"), 1, 8, 1 << 20).kind == b"B"
 
 
 @pytest.mark.parametrize(
