@@ -85,9 +85,11 @@ class ControlStep(Protocol):
 
 
 class _Placed(NamedTuple):
-    """A streamed payload read straight into the memory named by :meth:`DataPlane.expect`."""
+    """A payload read straight into the memory named by :meth:`DataPlane.expect` (or, ``borrowed``, into a
+    buffer of :attr:`DataPlane.cross` that it takes back once the caller is done with it)."""
 
     view: np.ndarray
+    borrowed: bool = False
 
 
 class DataPlane:
@@ -468,12 +470,13 @@ class DataPlane:
                                       f"{exc}; RINGCOMM_CROSS_MEMORY_MIN_BYTES=0 sends payloads on one host "
                                       "through shared memory instead)") from exc
             self._send(src, [_READ])
-            self.inbox.put(src, msg.seq, msg.tag, _Placed(buf))
+            self.inbox.put(src, msg.seq, msg.tag, _Placed(buf, borrowed=not placed))
             self.stats["cross_memory_read"] += 1
             return msg.seq, msg.tag
         return None
 
     def _ack_held(self, src: int) -> None:
+        self.cross.release(src)
         lent = self._lent.get(src)
         if lent:
             for buf in lent:
@@ -602,7 +605,9 @@ class DataPlane:
             slot, n = item
             self.rings.held[src].append(slot)
             return self.rings.in_ring(src).slot(slot, n)
-        if isinstance(item, _Placed):  # streamed straight to where the caller wanted it
+        if isinstance(item, _Placed):  # read straight to where the caller wanted it
+            if item.borrowed:
+                self.cross.opened(src, item.view)
             return item.view
         if isinstance(item, np.ndarray):  # streamed: its buffer is reused once the caller is done with it
             self._lent[src].append(item)
@@ -612,7 +617,7 @@ class DataPlane:
     def flush(self) -> None:
         """Hand back every used slot and wait until ZeroMQ has released every zero-copy send, each stream
         has written its payloads and each same-host peer has read those it was sent by reference."""
-        for src in {*self.rings.held, *self._lent}:
+        for src in {*self.rings.held, *self._lent, *self.cross.opened_from()}:
             self._ack_held(src)
         for dst in self.cross.lent_to():
             while self.cross.lent(dst):  # its answers come on its socket: take them (and stash any data)

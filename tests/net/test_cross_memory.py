@@ -170,3 +170,24 @@ def test_jobs_read_same_host_payloads_from_the_senders_memory_unless_it_is_off(
     read = sum(int(x) for _, _, _, x in results)
     assert sent == read  # every payload lent was read once
     assert (sent > 0) == (setting != "0"), results
+
+
+def test_buffers_read_into_are_reused_once_the_caller_is_done_and_kept_within_a_bound() -> None:
+    sender, receiver = _pair()
+    _introduce(sender, receiver, 1024)
+    payload = np.arange(4096, dtype=np.uint8)
+    msg = wire.parse_data(sender.lend(1, payload, 1, 0), 1, 8, 1 << 20)
+    first, _ = receiver.read(0, msg.address, msg.nbytes, 1, 0)
+    receiver.opened(0, first)
+    again, _ = receiver.read(0, msg.address, msg.nbytes, 1, 1)
+    assert again is not first  # still handed out: never read into twice
+    assert receiver.opened_from() == [0]
+    receiver.release(0)
+    assert receiver.opened_from() == []
+    third, _ = receiver.read(0, msg.address, msg.nbytes, 1, 2)
+    assert third is first and np.array_equal(third, payload)
+    big = np.zeros(cross_memory.SPARE_BYTES + 1, np.uint8)
+    receiver.opened(0, big)
+    receiver.release(0)  # over the bound: dropped, not kept
+    msg = wire.parse_data(sender.lend(1, big, 1, 3), 1, 8, 1 << 30)
+    assert receiver.read(0, msg.address, msg.nbytes, 1, 3)[0] is not big
