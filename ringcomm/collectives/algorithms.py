@@ -110,6 +110,15 @@ def _expect(link: Link, seq: int, out: np.ndarray, segs: Sequence[list[tuple[int
             expect(src, seq, _tag(s, k), out[a:b])
 
 
+def _expect_each(link: Link, src: int, seq: int, buf: np.ndarray, segs: Sequence[tuple[int, int]]) -> None:
+    """Tell ``link`` that segment ``k`` of op ``seq`` from ``src`` goes to ``buf[segs[k]]`` (a region nothing
+    reads or writes until it arrives), if it can read it straight there."""
+    expect = getattr(link, "expect", None)
+    if expect is not None:
+        for k, (a, b) in enumerate(segs):
+            expect(src, seq, k, buf[a:b])
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
 
@@ -457,17 +466,25 @@ def broadcast(link: Link, buf: np.ndarray, root: int, seq: int, seg_elems: int) 
                     for k, (a, b) in enumerate(segs):
                         link.send(dst, seq, k, buf[a:b])
         else:
+            _expect_each(link, root, seq, buf, segs)
             for k, (a, b) in enumerate(segs):
-                buf[a:b] = _view(link.recv(root, seq, k), buf.dtype, b - a)
+                seg = buf[a:b]
+                incoming = _view(link.recv(root, seq, k), buf.dtype, b - a)
+                if not _same_memory(incoming, seg):
+                    seg[...] = incoming
         link.flush()
         return
     pos = (rank - root) % size
     nxt = (rank + 1) % size if pos < size - 1 else None
     prev = (rank - 1) % size
+    if pos > 0:
+        _expect_each(link, prev, seq, buf, segs)
     for k, (a, b) in enumerate(segs):
         seg = buf[a:b]
         if pos > 0:
-            seg[...] = _view(link.recv(prev, seq, k), buf.dtype, b - a)
+            incoming = _view(link.recv(prev, seq, k), buf.dtype, b - a)
+            if not _same_memory(incoming, seg):  # already in place if the link read it there
+                seg[...] = incoming
         if nxt is not None:
             link.send(nxt, seq, k, seg)
     link.flush()
