@@ -11,6 +11,8 @@ Owned by the engine thread.  Messages on a pair's socket:
   small payloads, or no free slot).  Large inline payloads go zero-copy and
   tracked; ``flush()`` waits until ZeroMQ has released them.
 - ``A`` ack: the sender may reuse that slot.
+- ``R``, ``B``, ``P``, ``Y`` (same host): a payload read from the sender's memory, and the answers
+  and probe that go with it (:mod:`ringcomm.shm.cross_memory`); ``flush()`` waits for the answers.
 
 Payloads of at least ``stream_min_bytes`` for a rank on another host go over a TCP stream per
 direction instead (:mod:`.streams`), and are received like inline ones.
@@ -42,9 +44,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -61,12 +62,12 @@ from ..errors import PeerLostError, ProtocolError
 from .pair import pair_socket
 from .peers import PeerWatch
 from .ports import bind_zmq
+from .serving import ControlStep, WaitServing
 from .streams import Streams
 
 log = logging.getLogger("ringcomm.net.transport")
 
 _NOTE, _INLINE, _ACK = wire.NOTE, wire.INLINE, wire.ACK  # layouts live in the pure codec
-_READ = wire.READ.pack(b"B")
 _SLICE = 1.0  # seconds a blocked receive waits before it checks whether a peer is gone
 #: Seconds past RINGCOMM_PEER_TIMEOUT before a rank waiting on one peer gives up on it: a stopped or
 #: wedged process is found by its heartbeats first (on every rank connected to it, so all of them
@@ -76,17 +77,9 @@ _HEARTBEAT_GRACE = 2 * _SLICE
 _NOTICE_GRACE = 0.2
 
 
-class ControlStep(Protocol):
-    """A socket to watch while a receive waits, and the step to run when it is readable."""
-
-    socket: zmq.Socket | None  # None: nothing to watch
-
-    def step(self) -> None: ...
-
-
 class _Placed(NamedTuple):
-    """A payload read straight into the memory named by :meth:`DataPlane.expect` (or, ``borrowed``, into a
-    buffer of :attr:`DataPlane.cross` that it takes back once the caller is done with it)."""
+    """A payload read straight into the memory named by :meth:`DataPlane.expect` (``borrowed``: into a
+    buffer :attr:`DataPlane.cross` takes back once the caller is done with it)."""
 
     view: np.ndarray
     borrowed: bool = False
@@ -129,8 +122,8 @@ class DataPlane:
         self._trackers: dict[int, zmq.MessageTracker] = {}
         #: what arrived from each peer and is not taken yet (and which arrivals are stale)
         self.inbox = Inbox(seq_stride)
-        self._serving: ControlStep | None = None  # see serve_while_waiting()
-        self._serve_pollers: dict[int, zmq.Poller] = {}
+        self._serving = WaitServing()  # see serve_while_waiting()
+        self._either_pollers: dict[int, zmq.Poller] = {}
         self._reserved: dict[int, int] = {}
         self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # streamed buffers handed out
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
@@ -418,9 +411,9 @@ class DataPlane:
 
     def _wait_either(self, src: int) -> bool:
         """Wait one slice for ``src``'s socket or a streamed payload; whether either came."""
-        poller = self._serve_pollers.get(~src)
+        poller = self._either_pollers.get(src)
         if poller is None:
-            poller = self._serve_pollers[~src] = zmq.Poller()
+            poller = self._either_pollers[src] = zmq.Poller()
             poller.register(self._socks[src], zmq.POLLIN)
             poller.register(self.streams.wake_fd, zmq.POLLIN)
         return bool(poller.poll(int(_SLICE * 1000)))
@@ -450,30 +443,18 @@ class DataPlane:
 
     def _cross_memory(self, src: int, msg: wire.DataMessage) -> tuple[int, int] | None:
         """Apply a message of reading a same-host peer's memory (:mod:`ringcomm.shm.cross_memory`)."""
-        if msg.kind == b"P":
-            self._send(src, [self.cross.answer(src, msg.address, msg.token)])
-        elif msg.kind == b"Y":
-            self.cross.answered(src, msg.ok)
-        elif msg.kind == b"B":
-            if not self.cross.returned(src):
-                raise ProtocolError("an answer that a payload was read, with none sent by reference")
-        else:
-            if self._max_payload and msg.nbytes > self._max_payload:
-                raise ProtocolError(f"a payload of {msg.nbytes} bytes by reference, more than a segment "
-                                    f"({self._max_payload} bytes)")
-            try:
-                buf, placed = self.cross.read(src, msg.address, msg.nbytes, msg.seq, msg.tag)
-            except ValueError as exc:
-                raise ProtocolError(str(exc)) from exc
-            except OSError as exc:
-                raise self.lost_error(src, f" (reading its payload of {msg.nbytes} bytes from its memory failed: "
-                                      f"{exc}; RINGCOMM_CROSS_MEMORY_MIN_BYTES=0 sends payloads on one host "
-                                      "through shared memory instead)") from exc
-            self._send(src, [_READ])
-            self.inbox.put(src, msg.seq, msg.tag, _Placed(buf, borrowed=not placed))
-            self.stats["cross_memory_read"] += 1
-            return msg.seq, msg.tag
-        return None
+        try:
+            reply, got = self.cross.take(src, msg, self._max_payload)
+        except OSError as exc:
+            raise self.lost_error(src, f" (reading its payload of {msg.nbytes} bytes from its memory failed: {exc}; "
+                                  "RINGCOMM_CROSS_MEMORY_MIN_BYTES=0 sends them through shared memory)") from exc
+        if reply is not None:
+            self._send(src, [reply])
+        if got is None:
+            return None
+        self.inbox.put(src, msg.seq, msg.tag, _Placed(got[0], borrowed=not got[1]))
+        self.stats["cross_memory_read"] += 1
+        return msg.seq, msg.tag
 
     def _ack_held(self, src: int) -> None:
         self.cross.release(src)
@@ -496,45 +477,20 @@ class DataPlane:
             self.cross.forget_before(src, first)
 
     def serve_while_waiting(self, control: ControlStep) -> None:
-        """While a receive waits for a peer's data, also watch ``control.socket`` and run
-        ``control.step()`` whenever it is readable.
-
-        Rank 0 hands its :class:`~ringcomm.net.control.Rank0Control` here: the ops of process
-        sets without rank 0 are then answered while rank 0 waits inside a transfer of its own,
-        instead of after it.  The step returns nothing and starts no transfer.
-        """
-        self._serving = control
-        self._serve_pollers.clear()
+        """While a receive waits for a peer's data, also watch ``control.socket`` and run ``control.step()``
+        whenever it is readable (rank 0's control: :mod:`.serving`)."""
+        self._serving.serve(control)
 
     def _serve_until_data(self, src: int) -> None:
-        """Run the serving hook until ``src`` sends something (or a slice passes: the receive's own wait,
-        with its peer checks and timeout, takes over then)."""
-        if self._serving is None or self._serving.socket is None:
+        """Run the serving hook until ``src`` sends something (or a slice passes)."""
+        if self._serving.socket is None:
             return
-        ctrl, serve = self._serving.socket, self._serving.step
-        poller = self._serve_pollers.get(src)
         streams = self.streams.wake_fd if self.streams.carries(src) else None
         if streams is not None:
             self.streams.clear_wake()  # before looking: a payload that arrives after the look wakes the poll
             if self.streams.waiting(src):
                 return
-        if poller is None:
-            poller = self._serve_pollers[src] = zmq.Poller()
-            poller.register(self._socks[src], zmq.POLLIN)
-            poller.register(ctrl, zmq.POLLIN)
-            if streams is not None:
-                poller.register(streams, zmq.POLLIN)
-        data = self._socks[src]
-        deadline = time.monotonic() + 1.0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            events = dict(poller.poll(max(1, int(left * 1000))))
-            if ctrl in events:
-                serve()
-            if data in events or not events or (streams is not None and streams in events):
-                return
+        self._serving.until_data(src, self._socks[src], streams)
 
     def recv(self, src: int, seq: int, tag: int) -> memoryview | np.ndarray:
         self._ack_held(src)  # the view returned last time has been used by now
@@ -571,7 +527,7 @@ class DataPlane:
         srcs = list(dict.fromkeys(src for src, _ in wants))
         for src in srcs:
             poller.register(self._socks[src], zmq.POLLIN)
-        ctrl, serve = (self._serving.socket, self._serving.step) if self._serving is not None else (None, None)
+        ctrl = self._serving.socket
         if ctrl is not None:
             poller.register(ctrl, zmq.POLLIN)
         wake = self.streams.wake_fd if any(self.streams.carries(s) for s in srcs) else None
@@ -591,8 +547,8 @@ class DataPlane:
                         if want == (src, got[0]):
                             return i, got[1], self._open(src, self.inbox.take(src, *got))
             events = dict(poller.poll(int(_SLICE * 1000)))
-            if serve is not None and ctrl in events:
-                serve()
+            if ctrl is not None and ctrl in events:
+                self._serving.step()
             woke = wake is not None and wake in events
             if not events:
                 src = wants[0][0]

@@ -37,11 +37,13 @@ import sys
 import numpy as np
 
 from ..core import wire
+from ..errors import ProtocolError
 
 __all__ = ["CrossMemory", "SPARE_BYTES", "read_into", "unavailable_reason"]
 
 #: The most bytes of read buffers a rank keeps for reuse.
 SPARE_BYTES = 32 << 20
+_READ = wire.READ.pack(b"B")
 
 
 class _IoVec(ctypes.Structure):
@@ -200,11 +202,15 @@ class CrossMemory:
         if expected:
             expected.pop((seq, tag), None)
 
-    def read(self, src: int, remote: int, nbytes: int, seq: int, tag: int) -> tuple[np.ndarray, bool]:
+    def read(self, src: int, remote: int, nbytes: int, seq: int, tag: int,
+             max_bytes: int = 0) -> tuple[np.ndarray, bool]:
         """Read the payload ``src`` sent by reference: ``(its bytes, whether they are where expect() said)``.
 
-        Raises :class:`OSError` when the read fails, ``ValueError`` when ``nbytes`` is not what was expected.
+        Raises :class:`OSError` when the read fails, ``ValueError`` when ``nbytes`` is not what was expected
+        or more than ``max_bytes`` (a segment; 0: no bound).
         """
+        if max_bytes and nbytes > max_bytes:
+            raise ValueError(f"a payload of {nbytes} bytes by reference, more than a segment ({max_bytes} bytes)")
         view = self._expected[src].pop((seq, tag), None) if src in self._expected else None
         if view is not None and view.nbytes != nbytes:
             raise ValueError(f"a payload of {nbytes} bytes by reference where {view.nbytes} were expected")
@@ -242,6 +248,26 @@ class CrossMemory:
                 self._spare.setdefault(buf.nbytes, []).append(buf)
                 self._spare_bytes += buf.nbytes
         bufs.clear()
+
+    def take(self, src: int, msg: wire.DataMessage,
+             max_bytes: int = 0) -> tuple[bytes | None, tuple[np.ndarray, bool] | None]:
+        """Apply one message of this protocol from ``src``: ``(the reply to send it or None, what :meth:`read`
+        read for a payload sent by reference or None)``.  Raises :class:`ProtocolError` for a message that
+        cannot be (a stray answer, a length that does not fit) and :class:`OSError` when a read fails."""
+        if msg.kind == b"P":
+            return self.answer(src, msg.address, msg.token), None
+        if msg.kind == b"Y":
+            self.answered(src, msg.ok)
+            return None, None
+        if msg.kind == b"B":
+            if not self.returned(src):
+                raise ProtocolError("an answer that a payload was read, with none sent by reference")
+            return None, None
+        try:
+            got = self.read(src, msg.address, msg.nbytes, msg.seq, msg.tag, max_bytes)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
+        return _READ, got
 
     def close(self) -> None:
         self._lent.clear()

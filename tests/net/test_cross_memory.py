@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -191,3 +189,23 @@ def test_buffers_read_into_are_reused_once_the_caller_is_done_and_kept_within_a_
     receiver.release(0)  # over the bound: dropped, not kept
     msg = wire.parse_data(sender.lend(1, big, 1, 3), 1, 8, 1 << 30)
     assert receiver.read(0, msg.address, msg.nbytes, 1, 3)[0] is not big
+
+
+def test_take_answers_probes_records_answers_and_refuses_what_cannot_be() -> None:
+    from ringcomm.errors import ProtocolError
+
+    sender, receiver = _pair()
+    probe = wire.parse_data(sender.probe(1, 4096) or b"", 1, 8, 1 << 20)
+    reply, got = receiver.take(0, probe)
+    assert got is None and reply is not None
+    assert sender.take(1, wire.parse_data(reply, 1, 8, 1 << 20)) == (None, None)
+    assert sender.by_reference(1, 4096)
+    with pytest.raises(ProtocolError, match="none sent by reference"):
+        sender.take(1, wire.DataMessage(b"B"))
+    payload = np.arange(8192, dtype=np.uint8)
+    ref = wire.parse_data(sender.lend(1, payload, 2, 0), 1, 8, 1 << 20)
+    with pytest.raises(ProtocolError, match="more than a segment"):
+        receiver.take(0, ref, max_bytes=4096)
+    reply, got = receiver.take(0, ref, max_bytes=8192)
+    assert got is not None and np.array_equal(got[0], payload) and not got[1]
+    assert sender.take(1, wire.parse_data(reply or b"", 1, 8, 1 << 20)) == (None, None) and sender.lent(1) == 0
