@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import logging
 import os
 import sys
 
@@ -40,6 +41,8 @@ from ..core import wire
 from ..errors import ProtocolError
 
 __all__ = ["CrossMemory", "SPARE_BYTES", "read_into", "unavailable_reason"]
+
+log = logging.getLogger("ringcomm.shm.cross_memory")
 
 #: The most bytes of read buffers a rank keeps for reuse.
 SPARE_BYTES = 32 << 20
@@ -151,6 +154,8 @@ class CrossMemory:
         """``src`` answered this rank's probe."""
         if ok:
             self._readers.add(src)
+        else:
+            log.debug("rank %d cannot read this process's memory: payloads for it go through shared memory", src)
 
     def returned(self, src: int) -> bool:
         """``src`` has read the oldest payload lent to it; False if none was lent (a stray answer)."""
@@ -180,7 +185,9 @@ class CrossMemory:
             try:
                 read_into(pid, remote, got)
                 ok = got.tobytes() == token
-            except OSError:
+            except OSError as exc:
+                log.debug("cannot read rank %d's memory (pid %d): %s; its payloads come through shared memory "
+                          "(Yama's kernel.yama.ptrace_scope, a seccomp profile, or another pid namespace)", src, pid, exc)
                 ok = False
         return wire.PROBE_ANSWER.pack(b"Y", ok)
 
