@@ -112,7 +112,7 @@ class Settings:
     #: Payloads of at least this many bytes for a rank on the same host are read by that rank straight
     #: from the sender's memory (``process_vm_readv``: one copy instead of two through a shared-memory
     #: slot) where the host allows it; elsewhere they take the slots (``shm/cross_memory.py``; 0: never).
-    cross_memory_min_bytes: int = 1024 * 1024
+    cross_memory_min_bytes: int = 2 * 1024 * 1024
     #: Shared-memory slots per direction between ranks on one host (0: sockets only); each holds a
     #: segment, so a pair of ranks maps at most 2 x slots x segment bytes (32 MiB by default), fewer
     #: where /dev/shm has less room (a ring takes at most 1/(2 x the host's ranks) of what is free).
