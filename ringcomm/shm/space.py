@@ -122,10 +122,11 @@ def no_space_text(path: str, needed: int, free: int | None) -> str:
 
 def short_ring_text(path: str, want: RingGeometry, got: RingGeometry | None, free: int | None) -> str:
     """What to say when a ring gets less than the settings ask for (``got`` None: no ring at all)."""
+    beside = " (from RINGCOMM_CROSS_MEMORY_MIN_BYTES up, read from this rank's memory where the host allows it)"
     if got is None:
-        then = "payloads to that rank go through its socket"
+        then = f"payloads to that rank go through its socket{beside}"
     elif got.slot_bytes < want.slot_bytes:
-        then = (f"it has 1 slot of {size_text(got.slot_bytes)}, so larger payloads go through the socket")
+        then = f"it has 1 slot of {size_text(got.slot_bytes)}, so larger payloads go through the socket{beside}"
     else:
         then = f"it has {got.slots} of the {want.slots} slots"
     return (f"{no_space_text(path, want.nbytes, free)} (a ring takes at most 1/{SHARE} of the free space, shared "
