@@ -219,8 +219,8 @@ class DataPlane:
 
     def expect(self, src: int, seq: int, tag: int, view: np.ndarray) -> None:
         """The payload ``(seq, tag)`` from ``src`` goes to ``view`` (1-D, contiguous, its size): if it comes
-        over a stream, it is read straight there, and :meth:`recv` returns that memory (nothing to copy).
-        Until then this rank leaves ``view`` alone."""
+        over a stream or from a same-host peer's memory, it is read straight there, and :meth:`recv` returns
+        that memory (nothing to copy).  Until then this rank leaves ``view`` alone."""
         if self.streams.carries(src):
             self.streams.expect(src, seq, tag, view.view(np.uint8))
         else:
