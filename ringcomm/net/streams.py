@@ -36,6 +36,7 @@ import threading
 import numpy as np
 
 from ..core import ring, wire
+from ..core.buffers import SpareBuffers
 from ..errors import ProtocolError, RendezvousError
 from ..job.ports import PortRange
 from .handshake import HELLO, PROOF_BYTES, Proofs, nodelay, read_exact, read_into
@@ -170,8 +171,8 @@ class Incoming:
         self.arrived: dict[int, collections.deque[tuple[int, int, np.ndarray, bool]]] = {
             r: collections.deque() for r in range(size)}
         self.broken: dict[int, str] = {}  # peer -> why its stream ended (read once what arrived is taken)
-        self._spare: dict[int, list[np.ndarray]] = {}  # byte count -> buffers given back (under _lock)
-        self._spare_bytes = 0
+        # buffers given back, kept up to what a pass sends ahead (under _lock)
+        self._spare = SpareBuffers(ring.STREAM_AHEAD_BYTES)
         self._placed: dict[int, dict[tuple[int, int], np.ndarray]] = {r: {} for r in range(size)}  # under _lock
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -210,19 +211,11 @@ class Incoming:
     def give_back(self, buf: np.ndarray) -> None:
         """``buf`` (from :meth:`take`) is no longer used: a later payload of its size may be read into it."""
         with self._lock:
-            # kept up to what a pass sends ahead, or one payload where that is larger (a fresh buffer
-            # would cost a page fault per 4 KiB on every payload)
-            if self._spare_bytes + buf.nbytes <= max(ring.STREAM_AHEAD_BYTES, buf.nbytes):
-                self._spare.setdefault(buf.nbytes, []).append(buf)
-                self._spare_bytes += buf.nbytes
+            self._spare.give(buf)
 
     def _buffer(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            spare = self._spare.get(nbytes)
-            if spare:
-                self._spare_bytes -= nbytes
-                return spare.pop()
-        return np.empty(nbytes, np.uint8)
+            return self._spare.take(nbytes)
 
     def clear_wake(self) -> None:
         try:

@@ -78,11 +78,9 @@ _NOTICE_GRACE = 0.2
 
 
 class _Placed(NamedTuple):
-    """A payload read straight into the memory named by :meth:`DataPlane.expect` (``borrowed``: into a
-    buffer :attr:`DataPlane.cross` takes back once the caller is done with it)."""
+    """A payload read straight into the memory named by :meth:`DataPlane.expect`."""
 
     view: np.ndarray
-    borrowed: bool = False
 
 
 class DataPlane:
@@ -125,7 +123,7 @@ class DataPlane:
         self._serving = WaitServing()  # see serve_while_waiting()
         self._either_pollers: dict[int, zmq.Poller] = {}
         self._reserved: dict[int, int] = {}
-        self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # streamed buffers handed out
+        self._lent: dict[int, list[np.ndarray]] = collections.defaultdict(list)  # read-into buffers handed out
         self.ipc_paths: list[str] = []  # socket files this rank bound (ZeroMQ leaves them behind)
         #: which peers are still there (reads the sockets above); its maps are shared, never rebound
         self.peers = PeerWatch(rank, size, peer_timeout, self._socks, shm_space.MAX_SLOTS, shm_slot_bytes,
@@ -452,16 +450,17 @@ class DataPlane:
             self._send(src, [reply])
         if got is None:
             return None
-        self.inbox.put(src, msg.seq, msg.tag, _Placed(got[0], borrowed=not got[1]))
+        buf, placed = got
+        self.inbox.put(src, msg.seq, msg.tag, _Placed(buf) if placed else buf)
         self.stats["cross_memory_read"] += 1
         return msg.seq, msg.tag
 
     def _ack_held(self, src: int) -> None:
-        self.cross.release(src)
         lent = self._lent.get(src)
-        if lent:
+        if lent:  # buffers of a stream (a peer on another host) or of a same-host peer's payloads
+            owner = self.streams if self.streams.carries(src) else self.cross
             for buf in lent:
-                self.streams.give_back(buf)
+                owner.give_back(buf)
             lent.clear()
         held = self.rings.held.get(src)
         if held:
@@ -562,10 +561,8 @@ class DataPlane:
             self.rings.held[src].append(slot)
             return self.rings.in_ring(src).slot(slot, n)
         if isinstance(item, _Placed):  # read straight to where the caller wanted it
-            if item.borrowed:
-                self.cross.opened(src, item.view)
             return item.view
-        if isinstance(item, np.ndarray):  # streamed: its buffer is reused once the caller is done with it
+        if isinstance(item, np.ndarray):  # read into a buffer that is reused once the caller is done with it
             self._lent[src].append(item)
             return item
         return item.buffer  # type: ignore[attr-defined]
@@ -573,7 +570,7 @@ class DataPlane:
     def flush(self) -> None:
         """Hand back every used slot and wait until ZeroMQ has released every zero-copy send, each stream
         has written its payloads and each same-host peer has read those it was sent by reference."""
-        for src in {*self.rings.held, *self._lent, *self.cross.opened_from()}:
+        for src in {*self.rings.held, *self._lent}:
             self._ack_held(src)
         for dst in self.cross.lent_to():
             while self.cross.lent(dst):  # its answers come on its socket: take them (and stash any data)

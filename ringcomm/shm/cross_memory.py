@@ -38,6 +38,7 @@ import sys
 import numpy as np
 
 from ..core import wire
+from ..core.buffers import SpareBuffers
 from ..errors import ProtocolError
 
 __all__ = ["CrossMemory", "SPARE_BYTES", "read_into", "unavailable_reason"]
@@ -121,11 +122,7 @@ class CrossMemory:
         self._readers: set[int] = set()  # peers that read this process's probe right
         self._lent: dict[int, collections.deque[np.ndarray]] = collections.defaultdict(collections.deque)
         self._expected: dict[int, dict[tuple[int, int], np.ndarray]] = collections.defaultdict(dict)
-        # buffers read into where nothing was expected: handed to the caller, then kept for reuse (a fresh
-        # one would cost a page fault per 4 KiB on every payload)
-        self._opened: dict[int, list[np.ndarray]] = collections.defaultdict(list)
-        self._spare: dict[int, list[np.ndarray]] = {}
-        self._spare_bytes = 0
+        self._spare = SpareBuffers(SPARE_BYTES)  # buffers read into where nothing was expected, given back
 
     def add_peer(self, peer: int, pid: int | None) -> None:
         """``peer`` shares this host; ``pid`` is its process id (None: unknown, never read)."""
@@ -221,40 +218,16 @@ class CrossMemory:
         view = self._expected[src].pop((seq, tag), None) if src in self._expected else None
         if view is not None and view.nbytes != nbytes:
             raise ValueError(f"a payload of {nbytes} bytes by reference where {view.nbytes} were expected")
-        if view is not None:
-            dest = view
-        else:
-            spare = self._spare.get(nbytes)
-            if spare:
-                dest = spare.pop()
-                self._spare_bytes -= nbytes
-            else:
-                dest = np.empty(nbytes, np.uint8)
+        dest = view if view is not None else self._spare.take(nbytes)
         pid = self._pids.get(src)
         if pid is None:
             raise OSError(errno.ESRCH, f"no process id known for rank {src}")
         read_into(pid, remote, dest)
         return dest, view is not None
 
-    def opened(self, src: int, buf: np.ndarray) -> None:
-        """``buf`` (from :meth:`read`, not placed) was handed to the caller; :meth:`release` takes it back."""
-        self._opened[src].append(buf)
-
-    def opened_from(self) -> list[int]:
-        """The peers whose payloads' buffers are handed out."""
-        return [src for src, bufs in self._opened.items() if bufs]
-
-    def release(self, src: int) -> None:
-        """The caller is done with every buffer handed out for ``src``: keep them for later reads, up to
-        :data:`SPARE_BYTES` in all."""
-        bufs = self._opened.get(src)
-        if not bufs:
-            return
-        for buf in bufs:
-            if self._spare_bytes + buf.nbytes <= SPARE_BYTES:
-                self._spare.setdefault(buf.nbytes, []).append(buf)
-                self._spare_bytes += buf.nbytes
-        bufs.clear()
+    def give_back(self, buf: np.ndarray) -> None:
+        """``buf`` (from :meth:`read`, not placed) is no longer used: a later read of its size may reuse it."""
+        self._spare.give(buf)
 
     def take(self, src: int, msg: wire.DataMessage,
              max_bytes: int = 0) -> tuple[bytes | None, tuple[np.ndarray, bool] | None]:
@@ -279,6 +252,4 @@ class CrossMemory:
     def close(self) -> None:
         self._lent.clear()
         self._expected.clear()
-        self._opened.clear()
         self._spare.clear()
-        self._spare_bytes = 0

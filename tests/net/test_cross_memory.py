@@ -176,36 +176,30 @@ def test_buffers_read_into_are_reused_once_the_caller_is_done_and_kept_within_a_
     payload = np.arange(4096, dtype=np.uint8)
     msg = wire.parse_data(sender.lend(1, payload, 1, 0), 1, 8, 1 << 20)
     first, _ = receiver.read(0, msg.address, msg.nbytes, 1, 0)
-    receiver.opened(0, first)
     again, _ = receiver.read(0, msg.address, msg.nbytes, 1, 1)
     assert again is not first  # still handed out: never read into twice
-    assert receiver.opened_from() == [0]
-    receiver.release(0)
-    assert receiver.opened_from() == []
+    receiver.give_back(first)
     third, _ = receiver.read(0, msg.address, msg.nbytes, 1, 2)
     assert third is first and np.array_equal(third, payload)
-    big = np.zeros(cross_memory.SPARE_BYTES + 1, np.uint8)
-    receiver.opened(0, big)
-    receiver.release(0)  # over the bound: dropped, not kept
+    receiver.give_back(third)
+    receiver.give_back(again)
+    big = np.zeros(cross_memory.SPARE_BYTES, np.uint8)
+    receiver.give_back(big)  # over the bound with the two kept: dropped, not kept
     msg = wire.parse_data(sender.lend(1, big, 1, 3), 1, 8, 1 << 30)
     assert receiver.read(0, msg.address, msg.nbytes, 1, 3)[0] is not big
 
 
-def test_take_answers_probes_records_answers_and_refuses_what_cannot_be() -> None:
-    from ringcomm.errors import ProtocolError
+def test_spare_buffers_keep_within_their_bound_or_one_larger_buffer() -> None:
+    from ringcomm.core.buffers import SpareBuffers
 
-    sender, receiver = _pair()
-    probe = wire.parse_data(sender.probe(1, 4096) or b"", 1, 8, 1 << 20)
-    reply, got = receiver.take(0, probe)
-    assert got is None and reply is not None
-    assert sender.take(1, wire.parse_data(reply, 1, 8, 1 << 20)) == (None, None)
-    assert sender.by_reference(1, 4096)
-    with pytest.raises(ProtocolError, match="none sent by reference"):
-        sender.take(1, wire.DataMessage(b"B"))
-    payload = np.arange(8192, dtype=np.uint8)
-    ref = wire.parse_data(sender.lend(1, payload, 2, 0), 1, 8, 1 << 20)
-    with pytest.raises(ProtocolError, match="more than a segment"):
-        receiver.take(0, ref, max_bytes=4096)
-    reply, got = receiver.take(0, ref, max_bytes=8192)
-    assert got is not None and np.array_equal(got[0], payload) and not got[1]
-    assert sender.take(1, wire.parse_data(reply or b"", 1, 8, 1 << 20)) == (None, None) and sender.lent(1) == 0
+    pool = SpareBuffers(8192)
+    a, b = pool.take(4096), pool.take(4096)
+    assert a is not b and a.nbytes == 4096 and a.dtype == np.uint8
+    pool.give(a)
+    pool.give(b)
+    pool.give(pool.take(100))  # 8292 bytes: over the bound, dropped
+    assert pool.kept_bytes == 8192
+    assert {id(pool.take(4096)), id(pool.take(4096))} == {id(a), id(b)}
+    huge = np.empty(1 << 20, np.uint8)
+    pool.give(huge)  # larger than the bound, nothing else kept: kept
+    assert pool.take(1 << 20) is huge and pool.kept_bytes == 0
