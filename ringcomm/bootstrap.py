@@ -22,7 +22,7 @@ import zmq
 from .collectives import hierarchical, shm_allreduce
 from .core import ring, routing, wire
 from .errors import InvalidInputError
-from .job import config
+from .job import config, hosts, identity
 from .job.config import Settings
 from .job.cores import available_cores
 from .job.names import ipc_base, ipc_file, remove_files
@@ -147,7 +147,7 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         cross_memory_min_bytes=st.cross_memory_min_bytes,
     )
     w.link = link  # from here on, close() closes it
-    base = ipc_base(topo.job_id, os.getpid(), round_)
+    base = ipc_base(topo.job_id, os.getpid(), rank, round_)
     data_eps = link.bind(base + "-data", topo.addr, st.listen_ports)
     if topo.local_rank == 0 and shm_files.available():
         _reclaim_left_by_dead(rank)
@@ -155,6 +155,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
                              st.net_lane_bytes_for(size), st.encrypt, st.listen_ports)
     info: dict[str, Any] = {
         "rank": rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
+        # which ranks of this host name can share memory, sockets and pids (separate containers cannot)
+        "machine": identity.machine(), "pidns": identity.pid_namespace(),
         "streams": link.listen_streams(topo.addr, st.listen_ports),  # where peers on other hosts stream payloads to it, or None
         "encrypt": st.encrypt,  # ranks that disagree could never connect: found at init, below
         "agreed": config.agreed(st),  # how ops are cut: every rank must hold the same (checked below)
@@ -190,7 +192,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         topo.rendezvous, topo.secret, rank, size, info, st.start_timeout, round=round_,
         progress=_print_waiting if rank == 0 else None,
     )
-    w.peer_table = table
+    w.peer_table = table = _as_placed(table, rank)
+    host = table[rank]["host"]
     _check_same_security(table, rank)
     config.check_agreed(table, rank)
     unused = config.segment_setting_unused(os.environ, ring.one_per_host([p["host"] for p in table]))
@@ -198,9 +201,10 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         log.warning("rank 0: %s", unused)
     for peer in table:
         r = int(peer["rank"])
-        same_host = peer["host"] == topo.hostname
+        same_host = peer["host"] == host
         if r != rank:
-            link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", peer.get("pid"),
+            pid = f", pid {peer['pid']}" if peer["pid"] is not None else ""
+            link.connect(r, peer["data"], same_host, f"host {peer['host']}{pid}", peer["pid"],
                          stream=peer.get("streams"))
     if shm_allreduce.usable(size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                             st.shm_allreduce_min_ranks):
@@ -210,15 +214,32 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     lane.accept(table, topo.secret, topo.job_id, round_, st.start_timeout, st.peer_timeout)
     if rank != 0:
         root = table[0]
-        ctrl.connect(root["ctrl"][0] if root["host"] == topo.hostname else root["ctrl"][1])
+        ctrl.connect(root["ctrl"][0] if root["host"] == host else root["ctrl"][1])
     if log.isEnabledFor(logging.DEBUG):
         _log_setup(topo, st, limits, table, info, w.shm_ar)
+
+
+def _as_placed(table: list[dict], rank: int) -> list[dict]:
+    """The rendezvous table as the job runs it: each rank's host as :func:`~ringcomm.job.hosts.separate_by_machine`
+    has it (ranks of one host name in separate containers, or on separate machines, are separate hosts),
+    and a peer's pid None where this rank cannot see it (another host or another pid namespace)."""
+    names = [str(p["host"]) for p in table]
+    machines = [p.get("machine") or [] for p in table]
+    labels = hosts.separate_by_machine(names, machines)
+    if rank == 0:
+        notice = hosts.separation_notice(names, machines)
+        if notice:
+            log.warning("rank 0: %s", notice)
+    mine = table[rank]
+    return [dict(p, host=label, pid=p.get("pid") if label == labels[rank] and p.get("pidns") == mine.get("pidns")
+                 else None)
+            for p, label in zip(table, labels, strict=True)]
 
 
 def _log_setup(topo: Topology, st: Settings, lim: routing.RouteLimits, table: list[dict], info: dict[str, Any],
                shm_ar: shm_allreduce.ShmAllreduce | None) -> None:
     """DEBUG: the transports this rank chose for each peer and the thresholds that pick an op's path."""
-    rank, host = topo.rank, topo.hostname
+    rank, host = topo.rank, table[topo.rank]["host"]
     local = [int(p["rank"]) for p in table if p["host"] == host and int(p["rank"]) != rank]
     remote = [int(p["rank"]) for p in table if p["host"] != host]
     shm = (f"shared-memory slots ({st.shm_slots} x {st.segment_bytes} B) for payloads from {st.shm_min_bytes} B"

@@ -115,10 +115,11 @@ def remove_files_of(pids: list[int], job_ids: Sequence[str] = ()) -> None:
 
 
 def start_torchrun_job(args: list[str], world: int, rank_env: Sequence[dict[str, str]] = (),
-                       **env: str) -> list[subprocess.Popen]:
+                       wrap: Sequence[Sequence[str]] = (), **env: str) -> list[subprocess.Popen]:
     """Start ``world`` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), no launcher.
 
-    ``rank_env[r]``, where given, is added to rank r's environment last (e.g. its own host name).
+    ``rank_env[r]``, where given, is added to rank r's environment last (e.g. its own host name);
+    ``wrap[r]``, where given, is the command rank r's Python runs under (e.g. ``unshare ...``).
 
     Each process's stdout and stderr come back merged in ``proc.stdout`` (text); ``proc.job_id``
     is the job id ringcomm derives (the prefix of the job's socket and shared-memory names).
@@ -135,7 +136,8 @@ def start_torchrun_job(args: list[str], world: int, rank_env: Sequence[dict[str,
         penv = job_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1), **env)
         penv.update(rank_env[r] if r < len(rank_env) else {})
-        proc = subprocess.Popen([sys.executable, *args], env=penv, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*(wrap[r] if r < len(wrap) else ()), sys.executable, *args], env=penv,
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         proc.job_id = topology.from_env(penv).job_id  # type: ignore[attr-defined]
         procs.append(proc)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 from ..errors import InvalidInputError
 
@@ -25,6 +26,8 @@ __all__ = [
     "parse_hostfile",
     "assign",
     "place_by_host",
+    "separate_by_machine",
+    "separation_notice",
     "expand_nodelist",
     "expand_tasks_per_node",
 ]
@@ -153,6 +156,64 @@ def place_by_host(hosts: list[str]) -> list[Placement]:
         seen[name] = local + 1
         placements.append(Placement(rank, name, local, counts[name], order[name], len(order)))
     return placements
+
+
+def separate_by_machine(names: Sequence[str], machines: Sequence[Sequence[object]]) -> list[str]:
+    """Each rank's host as the job treats it: its host name, or ``name#k`` where ranks that report
+    one name run on different machines (``machines[r]``: what rank r sees, compared whole), ``k``
+    numbering that name's machines in order of their first rank.
+
+    Example:
+        >>> separate_by_machine(["a", "a", "b", "a"], [[1], [2], [1], [1]])
+        ['a#0', 'a#1', 'b', 'a#0']
+    """
+    seen: dict[str, list[tuple]] = {}
+    for name, found in zip(names, machines, strict=True):
+        kinds = seen.setdefault(name, [])
+        if tuple(found) not in kinds:
+            kinds.append(tuple(found))
+    return [name if len(seen[name]) == 1 else f"{name}#{seen[name].index(tuple(found))}"
+            for name, found in zip(names, machines, strict=True)]
+
+
+def separation_notice(names: Sequence[str], machines: Sequence[Sequence[object]]) -> str | None:
+    """Why :func:`separate_by_machine` split a host name, and what to do about it; None if it split none."""
+    labels = separate_by_machine(names, machines)
+    lines = []
+    for name in dict.fromkeys(names):
+        ranks = [r for r, n in enumerate(names) if n == name]
+        groups = list(dict.fromkeys(labels[r] for r in ranks))
+        if len(groups) == 1:
+            continue
+        first = [next(r for r in ranks if labels[r] == label) for label in groups]
+        differ = [i for i in range(3) if len({_part(machines[r], i) for r in first}) > 1]
+        parts = ", ".join(f"{label} ({_ranks([r for r in ranks if labels[r] == label])})" for label in groups)
+        if 0 in differ:
+            why, fix = "run on different machines (their boot ids differ)", \
+                "give each machine its own host name, or set RINGCOMM_HOSTNAME"
+        else:
+            why = " and ".join(("", "do not share /dev/shm", "are in different network namespaces")[i] for i in differ)
+            fix = ("for shared memory between them, run them in one container, or give them one /dev/shm and "
+                   "one network (docker run --ipc=host --net=host)")
+        lines.append(f"{_ranks(ranks)} report the host name {name!r} but {why or 'differ'}: they run as "
+                     f"separate hosts {parts} and reach each other over TCP; {fix}")
+    return "; ".join(lines) if lines else None
+
+
+def _part(found: Sequence[object], i: int) -> object:
+    return found[i] if i < len(found) else None
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``ranks 0-3, 6`` for ranks 0, 1, 2, 3 and 6; ``rank 2`` for rank 2 alone."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 # --------------------------------------------------------------------------- Slurm

@@ -2,15 +2,15 @@
 
 Every file or endpoint a job creates starts with ``ringcomm-JOB-``:
 
-======================================  =============================================
-``/dev/shm/ringcomm-JOB-ROUND-S-D``     shared-memory slots from rank S to rank D (shm.py)
-``/dev/shm/ringcomm-JOB-ROUND-allreduce``  the shared-memory allreduce region (shm_allreduce.py)
-``/dev/shm/ringcomm-JOB-ROUND-lane``    the small-op lane's region (shm_lane.py)
-``/dev/shm/ringcomm-JOB-ROUND-lost-R``  which rank rank R lost, left as it failed for same-host
-                                        peers it never connected to (peers.py)
-``ringcomm-JOB-PID-ROUND-data/-ctrl``   a process's ipc endpoints: abstract names on Linux,
-                                        socket files in the temp dir elsewhere (transport.py)
-======================================  =============================================
+============================================ =======================================================
+``/dev/shm/ringcomm-JOB-ROUND-S-D``          shared-memory slots from rank S to rank D (shm.py)
+``/dev/shm/ringcomm-JOB-ROUND-allreduce``    the shared-memory allreduce region (shm_allreduce.py)
+``/dev/shm/ringcomm-JOB-ROUND-lane``         the small-op lane's region (shm_lane.py)
+``/dev/shm/ringcomm-JOB-ROUND-lost-R``       which rank rank R lost, left as it failed for same-host
+                                             peers it never connected to (peers.py)
+``ringcomm-JOB-PID-rRANK-ROUND-data/-ctrl``  a process's ipc endpoints: abstract names on Linux,
+                                             socket files in the temp dir elsewhere (transport.py)
+============================================ =======================================================
 
 so the launcher and the remote wrapper can find and remove what a dead job left, and a job's
 local rank 0 removes at ``init()`` the shared-memory files of any job whose creator died
@@ -56,9 +56,11 @@ def lost_notice(job_id: str, round_: int, rank: int) -> str:
     return os.path.join(SHM_DIR, f"{prefix(job_id)}{round_}-lost-{rank}")
 
 
-def ipc_base(job_id: str, pid: int, round_: int) -> str:
-    """The prefix of a process's ipc endpoints (job id, pid and round make it unique on the host)."""
-    name = f"{prefix(job_id)}{pid}-{round_}"
+def ipc_base(job_id: str, pid: int, rank: int, round_: int) -> str:
+    """The prefix of a process's ipc endpoints.  Job id, rank and round make it unique among the
+    job's ranks, also where ranks in separate pid namespaces (containers) share a network namespace
+    and so one pid; the pid names the owner of a socket file for its removal (:func:`ipc_owner`)."""
+    name = f"{prefix(job_id)}{pid}-r{rank}-{round_}"
     if ABSTRACT_IPC:
         return f"ipc://@{name}"
     return f"ipc://{tempfile.gettempdir()}/{name}"

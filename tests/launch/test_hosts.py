@@ -14,6 +14,8 @@ from ringcomm.job.hosts import (
     parse_hostfile,
     parse_hosts,
     place_by_host,
+    separate_by_machine,
+    separation_notice,
 )
 
 pytestmark = pytest.mark.pure
@@ -83,6 +85,37 @@ def test_placement_from_host_names_is_consistent(hosts: list[str]) -> None:
         same = [q.rank for q in places if q.host == p.host]
         assert p.local_rank == same.index(p.rank) and p.local_size == len(same)
         assert p.cross_rank == order.index(p.host) and p.cross_size == len(order)
+
+
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["m1", "m2", "m3"])), min_size=1, max_size=12))
+def test_ranks_of_one_host_name_on_different_machines_run_as_separate_hosts(ranks: list[tuple[str, str]]) -> None:
+    names = [n for n, _ in ranks]
+    machines = [["boot", m, 7] for _, m in ranks]
+    labels = separate_by_machine(names, machines)
+    for (n1, m1), l1 in zip(ranks, labels):
+        for (n2, m2), l2 in zip(ranks, labels):
+            assert (l1 == l2) == ((n1, m1) == (n2, m2))  # one host exactly where name and machine agree
+    for name in set(names):
+        if len({m for n, m in ranks if n == name}) == 1:  # a name on one machine keeps its name
+            assert all(label == name for n, label in zip(names, labels) if n == name)
+    assert separation_notice(names, machines) is None or len(set(labels)) > len(set(names))
+
+
+def test_the_notice_names_the_ranks_what_differs_and_the_fix() -> None:
+    names = ["box"] * 4 + ["other"]
+    containers = [["b", 1, 9], ["b", 2, 9], ["b", 2, 9], ["b", 1, 9], ["c", 5, 5]]
+    assert separate_by_machine(names, containers) == ["box#0", "box#1", "box#1", "box#0", "other"]
+    text = separation_notice(names, containers)
+    assert text is not None
+    assert "ranks 0-3 report the host name 'box' but do not share /dev/shm" in text
+    assert "box#0 (ranks 0, 3), box#1 (ranks 1-2)" in text and "--ipc=host --net=host" in text
+    networks = separation_notice(["h", "h"], [["b", 1, 9], ["b", 1, 8]])
+    assert networks is not None and "are in different network namespaces" in networks
+    machines = separation_notice(["h", "h"], [["b", 1, 9], ["x", 2, 8]])
+    assert machines is not None and "different machines (their boot ids differ)" in machines
+    assert "box#0 (rank 0)" in str(separation_notice(["box", "box"], [[1], [2]]))
+    assert "RINGCOMM_HOSTNAME" in machines and "/dev/shm" not in machines
+    assert separation_notice(["a", "a", "b"], [[1], [1], [2]]) is None
 
 
 @given(st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 4)), min_size=1, max_size=5, unique_by=lambda t: t[0]),

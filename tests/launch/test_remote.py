@@ -162,8 +162,8 @@ def test_files_of_dead_ranks_are_removed_and_live_ones_kept() -> None:
     dead.wait()
     tmp = tempfile.gettempdir()
     files = {
-        f"{tmp}/ringcomm-{job}-{dead.pid}-0-data-3": False,
-        f"{tmp}/ringcomm-{job}-{os.getpid()}-0-data-3": True,  # a live process owns it
+        f"{tmp}/ringcomm-{job}-{dead.pid}-r2-0-data-3": False,
+        f"{tmp}/ringcomm-{job}-{os.getpid()}-r2-0-data-3": True,  # a live process owns it
         f"/dev/shm/ringcomm-{job}-0-2-3": False,  # a ring rank 2 wrote to rank 3
         f"/dev/shm/ringcomm-{job}-0-3-2": True,  # rank 3's ring: not this rank's
         f"/dev/shm/ringcomm-{job}-0-lost-2": False,  # the notice rank 2 left as it failed
