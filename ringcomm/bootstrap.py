@@ -203,8 +203,9 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
         r = int(peer["rank"])
         same_host = peer["host"] == host
         if r != rank:
-            pid = f", pid {peer['pid']}" if peer["pid"] is not None else ""
-            link.connect(r, peer["data"], same_host, f"host {peer['host']}{pid}", peer["pid"],
+            # a pid this rank can look up: same host and same pid namespace (containers each have their own)
+            visible = peer.get("pid") if same_host and peer.get("pidns") == table[rank].get("pidns") else None
+            link.connect(r, peer["data"], same_host, f"host {peer['host']}, pid {peer['pid']}", visible,
                          stream=peer.get("streams"))
     if shm_allreduce.usable(size, [p["host"] for p in table], st.shm_allreduce_min_bytes,
                             st.shm_allreduce_min_ranks):
@@ -220,20 +221,15 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
 
 
 def _as_placed(table: list[dict], rank: int) -> list[dict]:
-    """The rendezvous table as the job runs it: each rank's host as :func:`~ringcomm.job.hosts.separate_by_machine`
-    has it (ranks of one host name in separate containers, or on separate machines, are separate hosts),
-    and a peer's pid None where this rank cannot see it (another host or another pid namespace)."""
+    """The rendezvous table with each rank's host as :func:`~ringcomm.job.hosts.separate_by_machine` has it:
+    ranks of one host name in separate containers, or on separate machines, are separate hosts."""
     names = [str(p["host"]) for p in table]
     machines = [p.get("machine") or [] for p in table]
-    labels = hosts.separate_by_machine(names, machines)
     if rank == 0:
         notice = hosts.separation_notice(names, machines)
         if notice:
             log.warning("rank 0: %s", notice)
-    mine = table[rank]
-    return [dict(p, host=label, pid=p.get("pid") if label == labels[rank] and p.get("pidns") == mine.get("pidns")
-                 else None)
-            for p, label in zip(table, labels, strict=True)]
+    return [dict(p, host=label) for p, label in zip(table, hosts.separate_by_machine(names, machines), strict=True)]
 
 
 def _log_setup(topo: Topology, st: Settings, lim: routing.RouteLimits, table: list[dict], info: dict[str, Any],

@@ -310,7 +310,8 @@ def accept(region: ShmLane | None, table: list[dict[str, Any]], rank: int, slots
     path, payload_bytes = str(table[0]["lane"][0]), int(table[0]["lane"][1])
     deadline = time.monotonic() + wait_seconds
     pause = 0.0002
-    root_pid = int(table[0].get("pid") or 0)
+    # rank 0's pid, where this rank can look it up (containers each have a pid namespace of their own)
+    root_pid = int(table[0].get("pid") or 0) if table[0].get("pidns") == table[rank].get("pidns") else 0
     # in another pid namespace, or without /proc showing it (even as a zombie): only the deadline
     watch_root = root_pid > 0 and shm.process_visible(root_pid) and os.path.exists(f"/proc/{root_pid}")
     while True:
