@@ -36,7 +36,10 @@ def resolve(host: str) -> str:
     try:
         return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
     except (socket.gaierror, IndexError, UnicodeError) as exc:
-        raise InvalidInputError(f"cannot resolve host {host!r} to an IPv4 address: {exc}") from None
+        raise InvalidInputError(
+            f"cannot resolve host {host!r} to an IPv4 address: {exc}. ringcomm's sockets are IPv4: give the "
+            "rendezvous host (MASTER_ADDR, RINGCOMM_MASTER_ADDR, -H) as an IPv4 address or a name with an A record, "
+            "or pick an interface with an IPv4 address (--network-interface / RINGCOMM_NETWORK_INTERFACE)") from None
 
 
 def route_source(host: str) -> str:

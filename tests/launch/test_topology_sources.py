@@ -366,3 +366,11 @@ def test_an_elastic_worker_is_not_read_from_the_environment_alone() -> None:
 def test_mpi4py_is_used_only_when_its_library_belongs_to_the_launcher(
         launcher: str, library: str, matches: bool) -> None:
     assert mpi_env.library_matches(launcher, library) is matches
+
+
+def test_an_ipv6_rendezvous_host_is_refused_at_once_naming_what_to_give_instead() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "::1",
+           "MASTER_PORT": "29500", "RINGCOMM_SECRET": "5e" * 16}
+    with pytest.raises(InvalidInputError, match=r"cannot resolve host '::1' to an IPv4 address.*sockets are IPv4.*"
+                                                r"MASTER_ADDR.*RINGCOMM_NETWORK_INTERFACE"):
+        topology.from_env(env)
