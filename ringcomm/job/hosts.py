@@ -177,7 +177,11 @@ def separate_by_machine(names: Sequence[str], machines: Sequence[Sequence[object
 
 
 def separation_notice(names: Sequence[str], machines: Sequence[Sequence[object]]) -> str | None:
-    """Why :func:`separate_by_machine` split a host name, and what to do about it; None if it split none."""
+    """Why :func:`separate_by_machine` split a host name, and what to do about it; None if it split none.
+
+    ``machines[r]`` is what :func:`ringcomm.job.identity.machine` gave on rank r: ``[boot id, /dev/shm's
+    device, network namespace]``, the parts this names when they differ.
+    """
     labels = separate_by_machine(names, machines)
     lines = []
     for name in dict.fromkeys(names):
