@@ -13,7 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ringcomm.bench import _util, collectives, report
 
@@ -186,6 +189,43 @@ def test_crosshost_link_bounds() -> None:
     assert b["hierarchical_s"] == pytest.approx((64 << 20) * 8 / 1e9)
 
 
+@settings(max_examples=25, deadline=None)
+@given(hosts=st.integers(2, 5), count=st.integers(0, 300), seg_bytes=st.sampled_from([4, 12, 64, 1 << 20]),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_plain_ring_sums_over_any_number_of_members_and_segments(hosts: int, count: int, seg_bytes: int,
+                                                                     seed: int) -> None:
+    """The crosshost and cluster benchmarks' plain-socket ring (the ceiling for an allreduce on the hosts'
+    CPUs) really is an allreduce: members joined by socket pairs all end with the sum."""
+    import socket
+    import threading
+
+    from ringcomm.bench._cluster_worker import plain_ring_allreduce
+
+    rng = np.random.default_rng(seed)
+    data = [rng.integers(-1000, 1000, count).astype(np.float32) for _ in range(hosts)]  # sums exact in float32
+    links = [socket.socketpair() for _ in range(hosts)]  # member i sends on links[i][0], reads links[i - 1][1]
+    bufs = [d.copy() for d in data]
+    errors: list[BaseException] = []
+
+    def member(i: int) -> None:
+        try:
+            plain_ring_allreduce(links[i][0], links[i - 1][1], i, hosts, bufs[i], np.empty_like(bufs[i]), seg_bytes)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(hosts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for a, b in links:
+        a.close()
+        b.close()
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    expected = np.sum(data, axis=0, dtype=np.float64) if count else np.zeros(0)
+    for buf in bufs:
+        np.testing.assert_array_equal(buf, expected.astype(np.float32))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) -> None:
@@ -196,13 +236,14 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
         pytest.skip(why)
     out = tmp_path / "xh.json"
     cmd = [sys.executable, "-m", "ringcomm.bench", "crosshost", "--rates", "1gbit", "--sizes", "64K", "1M",
-           "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path)]
+           "--iters", "2", "--warmup", "1", "--repeats", "1", "--systems", "ringcomm", "gloo", "plain-ring",
+           "--json", str(out), "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())["crosshost"]
     assert data["skipped"] is None
     assert [(r["rate"], r["bytes"], sorted(r["systems"])) for r in data["summary"]] == [
-        ("1gbit", 65536, ["exchange", "gloo", "raw", "ringcomm"]), ("1gbit", 1 << 20, ["exchange", "gloo", "raw", "ringcomm"])]
+        ("1gbit", size, ["exchange", "gloo", "plain-ring", "raw", "ringcomm"]) for size in (65536, 1 << 20)]
     for row in data["summary"]:  # the raw TCP round trip: the link's floor, timed in the same round
         raw = row["systems"]["raw"]
         assert 0 < raw["median_s"] <= raw["p99_s"] and row["ringcomm_over_raw"] > 0
@@ -214,6 +255,7 @@ def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) ->
     exchange = data["summary"][1]["systems"]["exchange"]["median_s"]
     assert 0 < exchange < 1.0
     assert "gloo/ringcomm" in proc.stdout and "raw TCP round trip" in proc.stdout and "plain-socket exchange" in proc.stdout
+    assert "plain-socket ring, with the sum" in proc.stdout  # its check summed right, or its job failed
     # every job says how much of the host's CPU the hypervisor took while it ran (this kernel has the column)
     assert all(0 <= r["steal"] < 1 for r in data["runs"]), [r["steal"] for r in data["runs"]]
     assert "CPU time the hypervisor took (steal)" in proc.stdout

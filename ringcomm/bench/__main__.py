@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time ops back to back after one barrier, as a training loop runs them (default: a "
                          "barrier before each op)")
     xh.add_argument("--systems", nargs="+", choices=crosshost.SYSTEMS, default=["ringcomm", "gloo"],
-                    help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off; ringcomm-lane: the small-op lane across hosts on; ringcomm-zmq: every payload on ZeroMQ, no TCP streams)")
+                    help="systems to alternate (default: ringcomm gloo; ringcomm-flat: hierarchical allreduce off; ringcomm-ring: recursive doubling off; ringcomm-lane: the small-op lane across hosts on; ringcomm-zmq: every payload on ZeroMQ, no TCP streams; plain-ring: a ring allreduce in plain Python on the exchange's connections, the ceiling for an allreduce on these CPUs)")
 
     cl = sub.add_parser("cluster", parents=[output],
                         help="allreduce on your own hosts (-H, over ssh): ringcomm vs gloo vs a plain-socket exchange")

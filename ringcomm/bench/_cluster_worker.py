@@ -18,6 +18,15 @@ One job times one system, chosen by ``--system``:
     most any allreduce can reach on these links from Python.  The other
     ranks only take part in the barriers, run through ringcomm.
 
+``ring``
+    the least an allreduce adds to that exchange: a ring allreduce between the
+    hosts' first ranks on the same plain connections, in Python, with nothing
+    but what the algorithm needs (a thread sends, the main thread reads each
+    segment with ``recv_into``, adds it with NumPy and queues it to be
+    forwarded).  Its time over the exchange's is what the sum and the ring's
+    order cost on these hosts' CPUs; a system's time over the ring's is what
+    the system itself costs.
+
     ringcomm-run -np 2 -H a:1,b:1 python -m ringcomm.bench._cluster_worker \\
         --system exchange --op allreduce --plan 67108864:10 --out /tmp/x.json
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import sys
 import threading
@@ -36,13 +46,16 @@ import numpy as np
 
 import ringcomm as rc
 from ringcomm import runtime
+from ringcomm.core import ring
 from ringcomm.errors import InvalidInputError
 from ringcomm.job import netaddr
+from ringcomm.job.config import Settings
+from ringcomm.net.handshake import read_into
 
 from . import _timing
 from ._rc_worker import RingcommBackend
 
-SYSTEMS = ("ringcomm", "gloo", "exchange")
+SYSTEMS = ("ringcomm", "gloo", "exchange", "ring")
 #: Seconds a host's first rank waits for the next host's to accept its connection.
 CONNECT_SECONDS = 60.0
 
@@ -125,6 +138,77 @@ class ExchangeBackend(RingcommBackend):
         super().close()
 
 
+def plain_ring_allreduce(send: socket.socket, recv: socket.socket, me: int, hosts: int, buf: np.ndarray,
+                         scratch: np.ndarray, seg_bytes: int = Settings.stream_segment_bytes) -> None:
+    """Sum ``buf`` in place over a ring of ``hosts`` members, ``me`` among them, that sends to the next on
+    ``send`` and receives from the previous on ``recv`` (``scratch``: a buffer of ``buf``'s size).
+
+    A thread writes the queued segments; this thread reads each segment as it arrives, adds it (the
+    reduce steps) and queues it for the next member, so sending, receiving and adding overlap."""
+    bounds = ring.chunk_bounds(buf.size, hosts)
+    seg = max(1, seg_bytes // buf.itemsize)
+    outgoing: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    failed: list[OSError] = []
+
+    def write() -> None:
+        try:
+            while (view := outgoing.get()) is not None:
+                send.sendall(view)
+        except OSError as exc:
+            failed.append(exc)
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        for a, b in ring.segments(*bounds[me], seg):
+            outgoing.put(buf[a:b].view(np.uint8).data)
+        # what arrives, in order: each reduce step's chunk, then each allgather step's
+        steps = [((me - s - 1) % hosts, True) for s in range(hosts - 1)]
+        steps += [((me - t) % hosts, False) for t in range(hosts - 1)]
+        for i, (chunk, reduce) in enumerate(steps):
+            for a, b in ring.segments(*bounds[chunk], seg):
+                into = scratch[a:b] if reduce else buf[a:b]
+                if not read_into(recv, into.view(np.uint8).data):
+                    raise ConnectionError(f"ring member {me}: the previous member closed its connection")
+                if reduce:
+                    np.add(buf[a:b], into, out=buf[a:b])
+                if i < len(steps) - 1:
+                    outgoing.put(buf[a:b].view(np.uint8).data)
+    except BaseException:
+        outgoing.put(None)  # the writer ends after what it is writing; a member that stopped reading is the job's end
+        raise
+    outgoing.put(None)
+    writer.join()
+    if failed:
+        raise ConnectionError(f"ring member {me}: sending to the next member failed: {failed[0]}")
+
+
+class PlainRingBackend(ExchangeBackend):
+    """:func:`plain_ring_allreduce` between the hosts' first ranks on the exchange's connections, in segments
+    of ringcomm's default stream segment."""
+
+    name = "ring"
+
+    def prepare(self, op: str, count: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        if op != "allreduce":
+            raise ValueError(f"the plain ring is an allreduce, not {op!r}")
+        buf = np.zeros(count, dtype=np.float32)  # zeros stay zeros: every timed op sums the same values
+        scratch = np.empty(count, dtype=np.float32)
+        if not self.leader:
+            return (lambda: None), (lambda: None)
+
+        def step() -> None:
+            assert self._send is not None and self._recv is not None
+            plain_ring_allreduce(self._send, self._recv, rc.cross_rank(), self.hosts, buf, scratch)
+
+        def check() -> None:
+            buf.fill(rc.cross_rank() + 1)
+            step()
+            if not np.all(buf == self.hosts * (self.hosts + 1) // 2):
+                raise RuntimeError(f"rank {self.rank}: the plain ring summed wrong")
+            buf.fill(0)
+        return step, check
+
+
 def interface_of(addr: str) -> str | None:
     """The name of this host's network interface that holds ``addr`` (None: none does)."""
     for _, name in socket.if_nameindex():
@@ -165,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     def backend(args: argparse.Namespace) -> Any:
         if args.system == "gloo":
             return gloo_backend(args.deadline)
-        return ExchangeBackend() if args.system == "exchange" else RingcommBackend()
+        kinds = {"exchange": ExchangeBackend, "ring": PlainRingBackend}
+        return kinds.get(args.system, RingcommBackend)()
     return _timing.main(backend, parser, argv)
 
 

@@ -34,7 +34,8 @@ from typing import Any
 
 from . import _netns, _procs, _timing, _util, cluster
 
-SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane", "ringcomm-zmq")
+SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane", "ringcomm-zmq",
+           "plain-ring")
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
 #: a plain-socket exchange of each size between the hosts (:mod:`ringcomm.bench.cluster`), also in every round
@@ -49,9 +50,13 @@ RING = "ringcomm-ring"
 LANE = "ringcomm-lane"
 #: ringcomm with every payload on ZeroMQ (RINGCOMM_STREAM_MIN_BYTES=0): no TCP stream per direction
 ZMQ = "ringcomm-zmq"
+#: a ring allreduce in plain Python on the exchange's connections (:mod:`ringcomm.bench._cluster_worker`'s
+#: ``ring``): the exchange plus only the sum and the ring's order, the ceiling for an allreduce on these CPUs
+PLAIN_RING = "plain-ring"
 #: the extra systems' columns in the table
 EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
-         RING: "ring instead of recursive doubling", LANE: "small-op lane on", ZMQ: "payloads on ZeroMQ"}
+         RING: "ring instead of recursive doubling", LANE: "small-op lane on", ZMQ: "payloads on ZeroMQ",
+         PLAIN_RING: "plain-socket ring, with the sum"}
 
 
 @dataclasses.dataclass
@@ -112,12 +117,13 @@ def _raw(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _
     return _procs.run_job(commands, _util.worker_env(False), cfg.job_timeout)
 
 
-def _exchange(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str) -> _procs.JobResult:
+def _exchange(hosts: _netns.TwoHosts, cfg: CrossHostConfig, plan: str, out: str,
+              system: str = cluster.EXCHANGE) -> _procs.JobResult:
     p = cfg.ranks_per_host
     job = cluster.ClusterConfig(hosts=f"{hosts.addr['a']}:{p},{hosts.addr['b']}:{p}", warmup=cfg.warmup,
                                 ssh_command=str(hosts.ssh), network_interface=hosts.interface,
                                 job_timeout=cfg.job_timeout, loop=cfg.loop)
-    argv = cluster.job_argv(job, cluster.EXCHANGE, plan, out)
+    argv = cluster.job_argv(job, system, plan, out)
     return _procs.run_job([hosts.exec_argv("a", argv)], _util.worker_env(True), cfg.job_timeout)
 
 
@@ -136,7 +142,8 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                ONEPIECE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_HIERARCHICAL_PIECE_BYTES": "0"}),
                RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}),
                LANE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_NET_LANE_BYTES": "-1"}),
-               ZMQ: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_STREAM_MIN_BYTES": "0"})}
+               ZMQ: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_STREAM_MIN_BYTES": "0"}),
+               PLAIN_RING: lambda h, c, p, o: _exchange(h, c, p, o, "ring")}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:
