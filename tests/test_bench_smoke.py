@@ -361,16 +361,19 @@ def test_cluster_bench_runs_on_two_hosts_as_a_user_runs_it(hosts, tmp_path: Path
     out = tmp_path / "cluster.json"
     argv = [sys.executable, "-m", "ringcomm.bench", "cluster", "-H", f"{hosts.addr['a']}:1,{hosts.addr['b']}:1",
             "--ssh-command", str(hosts.ssh), "--network-interface", hosts.interface, "--sizes", "1M",
-            "--iters", "3", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path)]
+            "--iters", "3", "--warmup", "1", "--repeats", "1", "--systems", "ringcomm", "gloo", "plain-ring",
+            "--json", str(out), "--out-dir", str(tmp_path)]
     proc = subprocess.run(hosts.exec_argv("a", argv), capture_output=True, text=True, timeout=220, env=_env(),
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())["cluster"]
-    assert [r["system"] for r in data["runs"]] == ["exchange", "ringcomm", "gloo"] and all(r["ok"] for r in data["runs"])
+    assert [r["system"] for r in data["runs"]] == ["exchange", "ringcomm", "gloo", "plain-ring"]
+    assert all(r["ok"] for r in data["runs"])  # the plain ring's job checks its sum before it times
     (row,) = data["summary"]
-    assert sorted(row["systems"]) == ["exchange", "gloo", "ringcomm"]
+    assert sorted(row["systems"]) == ["exchange", "gloo", "plain-ring", "ringcomm"]
     assert row["ringcomm_share"] > 0 and row["gloo_share"] > 0 and row["gloo_over_ringcomm"] > 0
     assert "plain-socket exchange" in proc.stdout and "ringcomm's share" in proc.stdout
+    assert "plain-socket ring, with the sum | ringcomm's share of it" in proc.stdout
 
 
 @pytest.mark.timeout(60)

@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--iters", type=_positive, default=10, help="timed ops per size and job (default: 10)")
     cl.add_argument("--warmup", type=int, default=2, help="untimed ops per size and job (default: 2)")
     cl.add_argument("--repeats", type=_positive, default=3, help="alternating rounds (default: 3)")
-    cl.add_argument("--systems", nargs="+", choices=cluster.SYSTEMS, default=list(cluster.SYSTEMS),
-                    help="systems to alternate with the exchange (default: ringcomm gloo)")
+    cl.add_argument("--systems", nargs="+", choices=cluster.CHOICES, default=list(cluster.SYSTEMS),
+                    help="systems to alternate with the exchange (default: ringcomm gloo; plain-ring: a ring allreduce "
+                         "in plain Python on the exchange's connections, the ceiling for an allreduce on these CPUs)")
     cl.add_argument("--ssh-command", help="the launcher's --ssh-command (default: ssh)")
     cl.add_argument("--ssh-port", type=_positive, help="the launcher's --ssh-port")
     cl.add_argument("--network-interface", help="the interface every rank binds (the launcher's --network-interface)")

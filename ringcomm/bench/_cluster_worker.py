@@ -18,7 +18,7 @@ One job times one system, chosen by ``--system``:
     most any allreduce can reach on these links from Python.  The other
     ranks only take part in the barriers, run through ringcomm.
 
-``ring``
+``plain-ring``
     the least an allreduce adds to that exchange: a ring allreduce between the
     hosts' first ranks on the same plain connections, in Python, with nothing
     but what the algorithm needs (a thread sends, the main thread reads each
@@ -55,7 +55,7 @@ from ringcomm.net.handshake import read_into
 from . import _timing
 from ._rc_worker import RingcommBackend
 
-SYSTEMS = ("ringcomm", "gloo", "exchange", "ring")
+SYSTEMS = ("ringcomm", "gloo", "exchange", "plain-ring")
 #: Seconds a host's first rank waits for the next host's to accept its connection.
 CONNECT_SECONDS = 60.0
 
@@ -186,7 +186,7 @@ class PlainRingBackend(ExchangeBackend):
     """:func:`plain_ring_allreduce` between the hosts' first ranks on the exchange's connections, in segments
     of ringcomm's default stream segment."""
 
-    name = "ring"
+    name = "plain-ring"
 
     def prepare(self, op: str, count: int) -> tuple[Callable[[], None], Callable[[], None]]:
         if op != "allreduce":
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     def backend(args: argparse.Namespace) -> Any:
         if args.system == "gloo":
             return gloo_backend(args.deadline)
-        kinds = {"exchange": ExchangeBackend, "ring": PlainRingBackend}
+        kinds = {"exchange": ExchangeBackend, "plain-ring": PlainRingBackend}
         return kinds.get(args.system, RingcommBackend)()
     return _timing.main(backend, parser, argv)
 

@@ -12,6 +12,9 @@ one TCP connection each way, from Python, with nothing else to do.  An
 allreduce of S bytes over H hosts moves at least 2(H-1)/H x S bytes out of
 each host, so no allreduce can take less than 2(H-1)/H times the exchange's
 time on these links; the report gives each system's share of that bound.
+``--systems ringcomm gloo plain-ring`` adds a ring allreduce written in plain
+Python on the same connections (the exchange plus the sum and nothing else):
+ringcomm's time over its time is what ringcomm itself costs on these CPUs.
 
     python -m ringcomm.bench cluster -H node1:1,node2:1 --sizes 16M 64M
     python -m ringcomm.bench cluster -H node1:4,node2:4 --network-interface eth0 --repeats 5
@@ -34,6 +37,11 @@ from . import _procs, _timing, _util
 SYSTEMS = ("ringcomm", "gloo")
 #: the plain-socket exchange, timed in every round beside the systems asked for
 EXCHANGE = "exchange"
+#: a ring allreduce in plain Python on the exchange's connections (:func:`ringcomm.bench._cluster_worker.plain_ring_allreduce`):
+#: the exchange plus only the sum and the ring's order, the ceiling for an allreduce on the hosts' CPUs
+PLAIN_RING = "plain-ring"
+#: what ``--systems`` may name
+CHOICES = (*SYSTEMS, PLAIN_RING)
 
 
 @dataclasses.dataclass
@@ -239,10 +247,12 @@ def share_text(row: dict[str, Any], system: str) -> str:
 def markdown(section: dict[str, Any]) -> str:
     hosts = ", ".join(f"{h} x {s}" for h, s in zip(section["hosts"], section["slots"]))
     timing = "ops back to back" if section.get("loop") else "a barrier before each op"
+    ring = any(PLAIN_RING in row["systems"] for row in section["summary"])
     lines = [f"### Allreduce on {hosts} (median per op, {timing}, {section['repeats']} alternating rounds)", "",
              "| size | ringcomm (p99) | gloo (p99) | gloo/ringcomm (pooled; paired rounds' median, range) | "
              "plain-socket exchange | ceiling | "
-             "ringcomm's share | gloo's share |", "|---|---|---|---|---|---|---|---|"]
+             "ringcomm's share | gloo's share |" + (" plain-socket ring, with the sum | ringcomm's share of it |" if ring else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if ring else "")]
     for row in section["summary"]:
         have = row["systems"]
         cells = [_util.format_size(row["bytes"])]
@@ -250,11 +260,15 @@ def markdown(section: dict[str, Any]) -> str:
         cells.append(ratio_text(row))
         cells += [_util.format_ms(have.get(EXCHANGE, {}).get("median_s")), _util.format_ms(row.get("ceiling_s")),
                   share_text(row, "ringcomm"), share_text(row, "gloo")]
+        if ring:
+            plain, own = have.get(PLAIN_RING, {}).get("median_s"), have.get("ringcomm", {}).get("median_s")
+            cells += [_util.format_ms(plain), f"{plain / own:.0%}" if plain and own else "n/a"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "
               "previous one, plain TCP from Python.  ceiling: 2(H-1)/H x the exchange, the least time an allreduce "
               "of S can take on these links; a share is ceiling / the system's time."]
-    cpu = cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo"), lambda row: _util.format_size(row["bytes"]))
+    cpu = cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo", *([PLAIN_RING] if ring else [])),
+                   lambda row: _util.format_size(row["bytes"]))
     if cpu:  # a system near 100% is bound by its CPU here, whatever the link could carry
         lines += ["", cpu]
     steal = _util.steal_text(section["runs"])

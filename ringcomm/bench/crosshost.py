@@ -52,7 +52,7 @@ LANE = "ringcomm-lane"
 ZMQ = "ringcomm-zmq"
 #: a ring allreduce in plain Python on the exchange's connections (:mod:`ringcomm.bench._cluster_worker`'s
 #: ``ring``): the exchange plus only the sum and the ring's order, the ceiling for an allreduce on these CPUs
-PLAIN_RING = "plain-ring"
+PLAIN_RING = cluster.PLAIN_RING
 #: the extra systems' columns in the table
 EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
          RING: "ring instead of recursive doubling", LANE: "small-op lane on", ZMQ: "payloads on ZeroMQ",
@@ -143,7 +143,7 @@ def run(cfg: CrossHostConfig) -> dict[str, Any]:
                RING: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_DOUBLING_ALLREDUCE_BYTES": "0"}),
                LANE: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_NET_LANE_BYTES": "-1"}),
                ZMQ: lambda h, c, p, o: _ringcomm(h, c, p, o, {"RINGCOMM_STREAM_MIN_BYTES": "0"}),
-               PLAIN_RING: lambda h, c, p, o: _exchange(h, c, p, o, "ring")}
+               PLAIN_RING: lambda h, c, p, o: _exchange(h, c, p, o, PLAIN_RING)}
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         hosts = _netns.TwoHosts(Path(tmp))
         try:
