@@ -25,7 +25,9 @@ One job times one system, chosen by ``--system``:
     segment with ``recv_into``, adds it with NumPy and queues it to be
     forwarded).  Its time over the exchange's is what the sum and the ring's
     order cost on these hosts' CPUs; a system's time over the ring's is what
-    the system itself costs.
+    the system itself costs.  The other ranks only take part in the
+    barriers, as for the exchange, so with several ranks per host it leaves
+    out the reduction within each host.
 
     ringcomm-run -np 2 -H a:1,b:1 python -m ringcomm.bench._cluster_worker \\
         --system exchange --op allreduce --plan 67108864:10 --out /tmp/x.json

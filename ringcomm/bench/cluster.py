@@ -15,6 +15,8 @@ time on these links; the report gives each system's share of that bound.
 ``--systems ringcomm gloo plain-ring`` adds a ring allreduce written in plain
 Python on the same connections (the exchange plus the sum and nothing else):
 ringcomm's time over its time is what ringcomm itself costs on these CPUs.
+Like the exchange, it runs between the hosts' first ranks only: with several
+ranks per host it leaves out the reduction within each host.
 
     python -m ringcomm.bench cluster -H node1:1,node2:1 --sizes 16M 64M
     python -m ringcomm.bench cluster -H node1:4,node2:4 --network-interface eth0 --repeats 5
