@@ -35,7 +35,7 @@ from typing import Any
 from . import _netns, _procs, _timing, _util, cluster
 
 SYSTEMS = ("ringcomm", "gloo", "ringcomm-flat", "ringcomm-onepiece", "ringcomm-ring", "ringcomm-lane", "ringcomm-zmq",
-           "plain-ring")
+           cluster.PLAIN_RING)
 #: a raw TCP round trip of each size between the hosts, timed in every round beside the systems asked for
 RAW = "raw"
 #: a plain-socket exchange of each size between the hosts (:mod:`ringcomm.bench.cluster`), also in every round
@@ -50,8 +50,8 @@ RING = "ringcomm-ring"
 LANE = "ringcomm-lane"
 #: ringcomm with every payload on ZeroMQ (RINGCOMM_STREAM_MIN_BYTES=0): no TCP stream per direction
 ZMQ = "ringcomm-zmq"
-#: a ring allreduce in plain Python on the exchange's connections (:mod:`ringcomm.bench._cluster_worker`'s
-#: ``ring``): the exchange plus only the sum and the ring's order, the ceiling for an allreduce on these CPUs
+#: a ring allreduce in plain Python on the exchange's connections (:data:`ringcomm.bench.cluster.PLAIN_RING`):
+#: the exchange plus only the sum and the ring's order, the ceiling for an allreduce on these CPUs
 PLAIN_RING = cluster.PLAIN_RING
 #: the extra systems' columns in the table
 EXTRA = {FLAT: "one flat ring (hierarchical off)", ONEPIECE: "hierarchical in one piece",
