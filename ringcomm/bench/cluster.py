@@ -269,8 +269,7 @@ def markdown(section: dict[str, Any]) -> str:
     lines += ["", "exchange: each host's first rank sends S bytes to the next host while receiving S from the "
               "previous one, plain TCP from Python.  ceiling: 2(H-1)/H x the exchange, the least time an allreduce "
               "of S can take on these links; a share is ceiling / the system's time."]
-    cpu = cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo", *([PLAIN_RING] if ring else [])),
-                   lambda row: _util.format_size(row["bytes"]))
+    cpu = cpu_text(section["summary"], (EXCHANGE, "ringcomm", "gloo", PLAIN_RING), lambda row: _util.format_size(row["bytes"]))
     if cpu:  # a system near 100% is bound by its CPU here, whatever the link could carry
         lines += ["", cpu]
     steal = _util.steal_text(section["runs"])
