@@ -42,6 +42,11 @@ def name_test_host() -> None:
         os.environ["RINGCOMM_HOSTNAME"] = f"arenahost{int(os.environ.get('RINGCOMM_RANK', '0')) % TEST_HOSTS}"
 
 
+# before any test module can call init(): under ARENA_TEST_HOSTS every test file of a rank then
+# names the same host, whichever file's test starts the runtime first
+name_test_host()
+
+
 def hosts_of_job(size: int) -> int:
     """How many hosts a job of ``size`` ranks spans under ``ARENA_TEST_HOSTS``."""
     return min(TEST_HOSTS, size)

@@ -34,14 +34,26 @@ export RINGCOMM_DEVICE_IPC=1
 
 STATUS=()
 SUMMARY="$OUT/summary.txt"
+# the whole run ends within BUDGET seconds (default 540, inside a 10-minute lease call): a step gets at
+# most what is left, and a step with under 20 s left is skipped and named in the summary
+BUDGET="${GPU_CHECK_BUDGET_S:-540}"
 step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NAME.log, note the result
     local name="$1" limit="$2"
     shift 2
+    local left=$((BUDGET - SECONDS))
+    if ((left < 20)); then
+        STATUS+=("$name: skipped, ${left} s of the ${BUDGET} s budget left")
+        echo "gpu_check: ${STATUS[-1]}" | tee -a "$SUMMARY"
+        return 125
+    fi
+    ((limit > left)) && limit=$left
     local start=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    STATUS+=("$name: exit $rc in $((SECONDS - start)) s")
+    STATUS+=("$name: exit $rc in $((SECONDS - start)) s (limit $limit s)")
     echo "gpu_check: ${STATUS[-1]}" | tee -a "$SUMMARY"
+    # the raw numbers so far, so that a run cut short still brings them back
+    tar czf "$OUT/bench-raw.tgz" --exclude='*.trace.json' -C "$RAW" . 2>/dev/null
     return $rc
 }
 
@@ -51,33 +63,47 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/torch/test_cuda.py tests/torch/test_device_buckets.py
        tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py
        tests/torch/test_device_arena.py)
-# an 8 MiB arena: the tests' large tensor then takes 8 MiB, not 256, on each rank's fake device
-RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step cuda-tests-np1 90 "$PY" "${TESTS[@]}"
-for np in 2 4; do
-    RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step "cuda-tests-np$np" 120 "$PY" -m ringcomm.launch.launcher -np "$np" "$PY" "${TESTS[@]}"
-done
+cuda_tests() {  # cuda_tests NAME LIMIT [ENV=VALUE...] NP: the tests at NP ranks (1: no launcher), one log for all
+    local name="$1" limit="$2"
+    shift 2
+    local np="${*: -1}" run=("$PY" "${TESTS[@]}")
+    ((np > 1)) && run=("$PY" -m ringcomm.launch.launcher -np "$np" "${run[@]}")
+    # an 8 MiB arena: the tests' large tensor then takes 8 MiB, not 256, on each rank's fake device
+    step "$name" "$limit" env RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 "${@:1:$#-1}" "${run[@]}"
+    { echo "=== $name"; cat "$OUT/$name.log"; } >>"$OUT/cuda-tests.log" && rm -f "$OUT/$name.log"
+    grep -h "^=== $name\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 3 >>"$SUMMARY"
+}
+
+training() {  # training BATCH LIMIT REPEATS: the four setups side by side in one run, rounds alternating
+    step "training-b$1" "$2" "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$1" \
+        --steps 20 --warmup 5 --repeats "$3" --setups ddp ddp_ringcomm ringcomm independent --no-plot --out-dir "$RAW" \
+        --json "$RAW/training-b$1.json"
+    grep -h "img/s\|^| \|per round" "$OUT/training-b$1.log" >>"$SUMMARY"
+}
+
+# the steps in the order of what they decide, so that a short lease still measures the bars: the
+# CUDA tests at np 1 and 2, training at batch 64, the small and large CUDA allreduces, training at
+# batch 256, then the tests at np 4, the pinned comparison, the profile and the rest
+cuda_tests cuda-tests-np1 90 1
+cuda_tests cuda-tests-np2 120 2
+training 64 200 3
+
+step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
+    --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
+grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
+
+training 256 200 3
+cuda_tests cuda-tests-np4 120 4
 # four ranks that name two hosts (rank r on host r % 2): each host's ranks share their GPU buffers,
 # and only each rank's shard of its host's sum goes through pinned memory and TCP between the "hosts"
-ARENA_TEST_HOSTS=2 RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 step cuda-tests-np4-two-hosts 120 \
-    "$PY" -m ringcomm.launch.launcher -np 4 "$PY" "${TESTS[@]}"
-for np in 1 2 4 4-two-hosts; do  # one log for the four
-    { echo "=== np $np"; cat "$OUT/cuda-tests-np$np.log"; } >>"$OUT/cuda-tests.log" && rm "$OUT/cuda-tests-np$np.log"
-done
-grep -h "^===\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 20 >>"$SUMMARY"
-
-for batch in 64 256; do  # the four setups side by side in one run, rounds alternating
-    step "training-b$batch" 260 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch "$batch" \
-        --steps 20 --warmup 5 --repeats 3 --setups ddp ddp_ringcomm ringcomm independent --no-plot --out-dir "$RAW" \
-        --json "$RAW/training-b$batch.json"
-    grep -h "img/s\|^| \|per round" "$OUT/training-b$batch.log" >>"$SUMMARY"
-done
+cuda_tests cuda-tests-np4-two-hosts 120 ARENA_TEST_HOSTS=2 4
 
 # DistributedOptimizer through pinned host memory (RINGCOMM_DEVICE_IPC=0) beside the runs above, which
 # reduce on the GPU through CUDA IPC (two ranks share the GPU)
 RINGCOMM_DEVICE_IPC=0 step training-b64-pinned 120 "$PY" -m ringcomm.bench training --device cuda --np 2 --batch 64 \
     --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" --json "$RAW/training-b64-pinned.json"
 { echo "RINGCOMM_DEVICE_IPC=0:"; grep -h "img/s\|^| " "$OUT/training-b64-pinned.log"; } >>"$SUMMARY"
-mv "$OUT/training-b64-pinned.log" "$RAW/"
+mv "$OUT/training-b64-pinned.log" "$RAW/" 2>/dev/null
 
 # where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
 # summary counts synchronizes and copies per thread and lists the costliest ops; the trace stays
@@ -85,12 +111,8 @@ mv "$OUT/training-b64-pinned.log" "$RAW/"
 step profile-b64 120 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" -m ringcomm.bench._train_worker \
     --mode ringcomm --device cuda --model resnet18 --batch 64 --steps 10 --warmup 5 \
     --out "$RAW/profile-b64-run.json" --profile "$RAW/profile-b64.json"
-mv "$OUT/profile-b64.log" "$RAW/"  # into the archive: few files come back
+mv "$OUT/profile-b64.log" "$RAW/" 2>/dev/null  # into the archive: few files come back
 cat "$RAW/profile-b64.json" >>"$SUMMARY" 2>/dev/null
-
-step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
-    --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
-grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
 
 # a training step with hvd.SyncBatchNorm against the same step with torch's BatchNorm2d: two ranks on
 # one GPU, a conv net at batch 64, DistributedOptimizer, alternating rounds; every rank's running
@@ -149,7 +171,7 @@ step shm-threads 90 bash -c 'for t in 1 4 1 4; do
         --systems ringcomm --no-plot --out-dir "$1" --json "$1/shm-threads-$t-$RANDOM.json" | grep "^| 2 "
 done' "$PY" "$RAW"
 grep -h "^threads\|^| 2 " "$OUT/shm-threads.log" >>"$SUMMARY"
-mv "$OUT/shm-threads.log" "$RAW/"
+mv "$OUT/shm-threads.log" "$RAW/" 2>/dev/null
 
 tar czf "$OUT/bench-raw.tgz" --exclude='*.trace.json' -C "$RAW" .
 cat "$SUMMARY"
