@@ -248,12 +248,18 @@ def test_sparse_as_dense_gradients_get_the_reduced_values_in_a_bucket(monkeypatc
     torch.manual_seed(0)
     emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2)
     named = [("emb.weight", emb.weight), ("lin.weight", lin.weight), ("lin.bias", lin.bias)]
+    x = torch.tensor([1, 3, 3])
+    # the local gradients come from a pass before the optimizer exists: once its hooks start a
+    # bucket during backward(), the bucket reduces in place, so .grad may hold the sum already
+    lin(emb(x)).sum().backward()
+    local = {n: p.grad.to_dense().clone() for n, p in named}
+    for _, p in named:
+        p.grad = None
     with device.override(device.FakeOps() if kind == "device" else None):
         opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
                                        sparse_as_dense=True, op=hvd.Sum)
     assert len(opt.reducer.host_buckets if kind == "host" else opt.reducer.device_buckets) == 1
-    lin(emb(torch.tensor([1, 3, 3]))).sum().backward()
-    local = {n: p.grad.to_dense().clone() for n, p in named}
+    lin(emb(x)).sum().backward()
     opt.synchronize()
     for n, p in named:  # every rank has the same gradients: the real Sum, then doubled
         assert torch.equal(p.grad.to_dense(), 2 * hvd.size() * local[n]), n
