@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 
 import ringcomm as _rc
+from ringcomm import api as _core_api
 from ringcomm.core.ops import Average, Sum
 from ringcomm.core.process_sets import global_process_set
 
@@ -287,8 +289,10 @@ class Arena:
         # pinned path, on the return thread
         side = svc.after(svc.current())
         if offset >= 0:
+            t0 = time.perf_counter()
             ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
             ops.record(self.posted[self.rank], side)
+            _span(ops, core_name, "MEMCPY_IN_ARENA", t0, self.posted[self.rank])
         agreement = _rc.allreduce_async(rank_row(self.rank, self.size, offset + 1, np.int64), op=Sum, name=core_name)
 
         def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
@@ -302,6 +306,7 @@ class Arena:
             if len(self.local) < self.size:
                 return self._across_hosts(t, offsets, side, core_name, prescale, postscale, average)
             error = None
+            t0 = time.perf_counter()
             try:
                 for k, ev in enumerate(self.posted):
                     if k != self.rank:
@@ -312,6 +317,7 @@ class Arena:
                 ops.record(self.done[self.rank], side)
             except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
                 error = exc
+            _span(ops, core_name, "IPC_REDUCE", t0)
             return agree_done(self.rank, self.size, f"{core_name}.done", error, global_process_set)
 
         returning = svc.then(agreement, reduce, core_name)
@@ -322,12 +328,15 @@ class Arena:
             if not isinstance(result, OnDevice):  # across hosts: the hosts' allreduce comes first
                 result = result.wait()
             result.check(core_name, self.rank)
+            t0 = time.perf_counter()
             for k, ev in enumerate(self.done):
                 if k != self.rank and ev is not None:
                     ops.stream_wait(side, ev)
             target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             ops.copy(target, self._view(self.rank, held.offset, t).view(t.shape), side)
-            ops.stream_wait(svc.current() if consumer is None else consumer, svc.mark())
+            copied = svc.mark()
+            ops.stream_wait(svc.current() if consumer is None else consumer, copied)
+            _span(ops, core_name, "MEMCPY_OUT_ARENA", t0, copied)
             return target
 
         return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
@@ -352,6 +361,15 @@ class Arena:
 
         return across_hosts(svc, side, prepare, me, buf[:nbytes].view(stage), prescale, postscale, average, self.rank,
                             self.size, self.done[self.rank], core_name, global_process_set, lambda: svc.release(buf))
+
+
+def _span(ops: Any, core_name: str, phase: str, start: float, event: Any = None) -> None:
+    """With a timeline: ``phase`` on the op's row from ``start`` until now, after waiting for
+    ``event`` (so that a copy's span is the copy itself, as the pinned path's are); else nothing."""
+    if _core_api.timeline_active():
+        if event is not None:
+            ops.wait_event(event)
+        _core_api.timeline_span(core_name, phase, start, time.perf_counter())
 
 
 _arenas: dict[int, Arena] = {}

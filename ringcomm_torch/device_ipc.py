@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 import ringcomm as _rc
+from ringcomm import api as _core_api
 from ringcomm.core.ops import Average, Sum
 from ringcomm.errors import HorovodInternalError
 
@@ -332,12 +334,14 @@ class IpcBucket(DeviceBucket):
               postscale: float, process_set: Any) -> Handle:
         """Queue the pack and *posted*, submit the agreement; returns at once (module docstring)."""
         ops, svc = self.ops, self.service
+        t0 = time.perf_counter()
         side = svc.after(svc.current())
         flat = self._flat_buffer()
         self._pack(flat, grads, side)
         grads, back_into = self._become_views(grads)
         ops.record(self.posted[self.rank], side)
         core_name = f"allreduce.{name}"
+        self._span(core_name, "BUCKET_PACK", t0)
         lo, hi = shard_bounds(self.numel, self.rank, self.size)
         average = op == Average
 
@@ -346,11 +350,13 @@ class IpcBucket(DeviceBucket):
                 return self._through_host(side, f"{core_name}.host", op, prescale, postscale, process_set)
             if len(self.local) < self.size:
                 return self._across_hosts(side, core_name, prescale, postscale, average, process_set)
+            t1 = time.perf_counter()
             for k, ev in enumerate(self.posted):
                 if k != self.rank:
                     ops.stream_wait(side, ev)
             sum_shard(ops, side, self._host_buffers(), lo, hi, prescale, postscale, average)
             ops.record(self.done[self.rank], side)
+            self._span(core_name, "IPC_REDUCE", t1)
             return agree(f"{core_name}.done", process_set)
 
         posted = rank_row(self.rank, self.size, 1)
@@ -358,6 +364,7 @@ class IpcBucket(DeviceBucket):
                                                  process_set=process_set), reduce, core_name)
 
         def finish(done: Any) -> list[torch.Tensor]:  # synchronize(): every rank queued its shards
+            t2 = time.perf_counter()
             if isinstance(done, _Home):  # the flat buffer came back from the host on the side stream
                 ops.stream_wait(side, done.back.wait())
             else:
@@ -371,9 +378,15 @@ class IpcBucket(DeviceBucket):
             if back_into:
                 ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
             ops.stream_wait(svc.current(), svc.mark())
+            self._span(core_name, "BUCKET_UNPACK", t2)
             return grads
 
         return Handle("allreduce", name, returning, finish, None, int(flat.numel() * flat.element_size()))
+
+    def _span(self, core_name: str, phase: str, start: float) -> None:
+        """With a timeline: ``phase`` from ``start`` until now on the bucket's row, with its parameters."""
+        if _core_api.timeline_active():
+            _core_api.timeline_span(core_name, phase, start, time.perf_counter(), {"parameters": self.names})
 
     def _host_buffers(self) -> list[torch.Tensor]:
         """The flat buffers of this host's ranks, in rank order."""

@@ -87,10 +87,11 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
         assert float(t[0]) == step + (n - 1) / 2
     half = torch.randn(4097, device="cuda", generator=torch.Generator("cuda").manual_seed(hvd.rank())).half()
     got = hvd.allreduce(half, op=hvd.Sum)
+    after = device.service_for(t).pool.allocations  # before the allgather below, which is staged
     rows = hvd.allgather(got.reshape(1, -1))
     assert all(torch.equal(rows[0], row) for row in rows)  # one rank sums each shard: the same bits
     if len(arena.local) == n:
-        assert device.service_for(t).pool.allocations == before  # nothing went through pinned host memory
+        assert after == before  # nothing went through pinned host memory
         assert arena.staged_bytes == staged
     else:
         me, hosts_ranks = arena.local.index(hvd.rank()), len(arena.local)
@@ -142,12 +143,28 @@ def test_autograd_and_optimizer_on_cuda():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 
-def test_timeline_shows_device_host_copies(tmp_path):
+def test_timeline_shows_the_copies_of_the_path_taken(tmp_path):
+    """Through pinned memory: the device-host copies first and last; through the shared arena
+    (RINGCOMM_DEVICE_IPC=1, ranks sharing a host): the copies into and out of the arena."""
     import json
 
+    from ringcomm_torch import device_arena
+
+    t = torch.ones(1 << 20, device="cuda")
+    arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
+    through_arena = False
+    if arena is not None:  # every rank's arena settled before the traced op
+        import time
+
+        arena.start()
+        deadline = time.monotonic() + 60
+        while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
+            assert time.monotonic() < deadline, arena.state
+            time.sleep(0.01)
+        through_arena = all(hvd.allgather_object(arena.state == "ready"))
     path = tmp_path / "cuda-timeline.json"
     hvd.start_timeline(str(path))
-    hvd.allreduce(torch.ones(1 << 20, device="cuda"), name="cuda.grad")
+    hvd.allreduce(t, name="cuda.grad")
     hvd.stop_timeline()
     if hvd.rank() != 0:  # as Horovod's: only rank 0 writes the timeline
         return
@@ -156,7 +173,10 @@ def test_timeline_shows_device_host_copies(tmp_path):
     pid = next(p for p, name in rows.items() if name == "allreduce.cuda.grad")
     phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
                                         key=lambda e: e["ts"])]
-    assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases
+    if through_arena:
+        assert phases[0] == "MEMCPY_IN_ARENA" and phases[-1] == "MEMCPY_OUT_ARENA", phases
+    else:
+        assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases
     assert "NEGOTIATE_ALLREDUCE" in phases
 
 
@@ -194,9 +214,10 @@ def test_optimizer_buckets_on_cuda_never_synchronize_outside_the_stager():
         torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize, torch.cuda.synchronize = real
     from ringcomm_torch.device_ipc import IpcBucket
 
-    if any(isinstance(b, IpcBucket) for b in opt.reducer.device_buckets.values()):
-        assert not waits, waits  # reduced on the GPUs: nothing waits for the device at all
-    else:
+    ipc = [b for b in opt.reducer.device_buckets.values() if isinstance(b, IpcBucket)]
+    if ipc and all(len(b.local) == b.size for b in ipc):
+        assert not waits, waits  # reduced on the GPUs of one host: nothing waits for the device at all
+    else:  # through pinned memory (across hosts: only each rank's shard): only the stager waits for it
         assert waits and set(waits) == {"ringcomm-torch-stager"}, waits
     for g in grads:  # the same on every rank
         gathered = hvd.allgather(g.unsqueeze(0))

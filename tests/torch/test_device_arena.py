@@ -364,3 +364,29 @@ def test_threads_of_one_rank_reduce_through_the_arena_at_once(ops):
     arena = device_arena.arena_for(mine(4), hvd.Sum, hvd.global_process_set)
     if arena is not None:
         assert arena.slots.free_bytes == arena.slots.capacity
+
+
+def test_the_timeline_shows_the_copies_in_and_out_of_the_arena_and_the_device_reduction(ops, tmp_path):
+    """With a timeline, an allreduce through the arena has MEMCPY_IN_ARENA first and
+    MEMCPY_OUT_ARENA last on its row, and IPC_REDUCE between them on one host; through pinned
+    memory it has the host copies instead."""
+    import json
+
+    settled(mine(4))
+    path = tmp_path / "arena.json"
+    hvd.start_timeline(str(path))
+    hvd.allreduce(mine(1000), name="arena.tl")
+    hvd.stop_timeline()
+    if hvd.rank() != 0:
+        return
+    events = json.loads(path.read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid = next(p for p, name in rows.items() if name == "allreduce.arena.tl")
+    phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
+                                        key=lambda e: e["ts"])]
+    if on_device():
+        assert phases[0] == "MEMCPY_IN_ARENA" and phases[-1] == "MEMCPY_OUT_ARENA", phases
+        assert ("IPC_REDUCE" in phases) != spans_hosts(), phases
+        assert "MEMCPY_D2H" not in phases and "MEMCPY_H2D" not in phases, phases
+    else:
+        assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases

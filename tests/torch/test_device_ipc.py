@@ -185,3 +185,26 @@ def test_while_a_rank_has_joined_the_buckets_take_the_pinned_path_where_it_adds_
     for (name, p), q in zip(model.named_parameters(), twin_model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), f"{name}.grad differs from the pinned path"
     hvd.join()
+
+
+def test_the_timeline_shows_each_buckets_pack_device_reduction_and_unpack(tmp_path):
+    """With a timeline, a bucket reduced on the device has BUCKET_PACK, IPC_REDUCE (one host) and
+    BUCKET_UNPACK on its row, each naming the bucket's parameters."""
+    import json
+
+    model, opt, _ = make(ipc=True)
+    path = tmp_path / "ipc-buckets.json"
+    hvd.start_timeline(str(path))
+    model(batch()).square().mean().backward()
+    opt.step()
+    hvd.stop_timeline()
+    if hvd.rank() != 0:
+        return
+    events = json.loads(path.read_text())
+    names = sorted(n for n, _ in model.named_parameters())
+    phases = ["BUCKET_PACK", "BUCKET_UNPACK"] + (["IPC_REDUCE"] if on_device() and not spans_hosts() else [])
+    for phase in phases:
+        carried = [e["args"]["parameters"] for e in events if e.get("name") == phase]
+        assert sorted(n for names_ in carried for n in names_) == names, phase
+    if not on_device():
+        assert not any(e.get("name") == "IPC_REDUCE" for e in events)
