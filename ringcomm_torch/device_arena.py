@@ -57,7 +57,7 @@ from ringcomm.core.process_sets import global_process_set
 
 from .device import DeviceService, FakeOps, service_for
 from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, rank_row, shard_bounds,
-                         stage_dtype, sum_shard)
+                         stage_dtype, sum_shard, wait_for_peers)
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
@@ -308,9 +308,7 @@ class Arena:
             error = None
             t0 = time.perf_counter()
             try:
-                for k, ev in enumerate(self.posted):
-                    if k != self.rank:
-                        ops.stream_wait(side, ev)
+                wait_for_peers(ops, side, self.posted, self.rank)
                 lo, hi = shard_bounds(t.numel(), self.rank, self.size)
                 views = [self._view(k, off, t) for k, off in enumerate(offsets)]
                 sum_shard(ops, side, views, lo, hi, prescale, postscale, average)
@@ -329,9 +327,7 @@ class Arena:
                 result = result.wait()
             result.check(core_name, self.rank)
             t0 = time.perf_counter()
-            for k, ev in enumerate(self.done):
-                if k != self.rank and ev is not None:
-                    ops.stream_wait(side, ev)
+            wait_for_peers(ops, side, self.done, self.rank)
             target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             ops.copy(target, self._view(self.rank, held.offset, t).view(t.shape), side)
             copied = svc.mark()
@@ -354,9 +350,7 @@ class Arena:
         self.staged_bytes += (hi - lo) * (nbytes // max(1, t.numel()))
 
         def prepare() -> list[torch.Tensor]:
-            for k in local:
-                if k != self.rank:
-                    self.ops.stream_wait(side, self.posted[k])
+            wait_for_peers(self.ops, side, self.posted, self.rank)  # None for another host's ranks
             return [self._view(k, offsets[k], t) for k in local]
 
         return across_hosts(svc, side, prepare, me, buf[:nbytes].view(stage), prescale, postscale, average, self.rank,
@@ -384,6 +378,8 @@ def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
     if not settings.device_ipc or op not in (Sum, Average) or not isinstance(t, torch.Tensor):
         return None
     if t.layout is not torch.strided or not t.is_floating_point() or t.numel() == 0:
+        return None
+    if t.numel() * t.element_size() < settings.device_ipc_min_bytes:  # small: through pinned memory
         return None
     if process_set is not global_process_set and getattr(process_set, "process_set_id", None) != 0:
         return None

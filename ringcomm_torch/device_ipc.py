@@ -51,7 +51,7 @@ from .handles import Handle
 
 __all__ = ["refusal", "choose_path", "host_groups", "rank_row", "shard_bounds", "wide_dtype", "stage_dtype",
            "partial_sum",
-           "sum_shard", "OnDevice", "agree", "agree_done", "across_hosts", "IpcBucket", "share_buckets", "log_once"]
+           "sum_shard", "OnDevice", "wait_for_peers", "agree", "agree_done", "across_hosts", "IpcBucket", "share_buckets", "log_once"]
 
 _log = logging.getLogger(__name__)
 _logged = threading.Event()
@@ -110,6 +110,21 @@ def log_once(use: bool, reason: str) -> None:
         _logged.set()
         _log.info("DistributedOptimizer reduces CUDA buckets %s: %s",
                   "on the device through CUDA IPC" if use else "through pinned host memory", reason)
+
+
+def wait_for_peers(ops: Any, stream: Any, events: Sequence[Any], rank: int) -> None:
+    """``stream`` runs nothing more until every other rank's event in ``events`` (in rank order;
+    None for another host's rank) has happened.  By default (``RINGCOMM_DEVICE_IPC_WAIT=stream``)
+    the stream waits and the host does not; with ``host`` the calling thread (a return thread, or
+    the one in ``synchronize()``) waits for each event first, so no stream of this process waits
+    on another process's work."""
+    on_host = _rc.api.current_settings().device_ipc_wait == "host"
+    for k, ev in enumerate(events):
+        if k != rank and ev is not None:
+            if on_host:
+                ops.wait_event(ev)
+            else:
+                ops.stream_wait(stream, ev)
 
 
 def agree(name: str, process_set: Any) -> Any:
@@ -351,9 +366,7 @@ class IpcBucket(DeviceBucket):
             if len(self.local) < self.size:
                 return self._across_hosts(side, core_name, prescale, postscale, average, process_set)
             t1 = time.perf_counter()
-            for k, ev in enumerate(self.posted):
-                if k != self.rank:
-                    ops.stream_wait(side, ev)
+            wait_for_peers(ops, side, self.posted, self.rank)
             sum_shard(ops, side, self._host_buffers(), lo, hi, prescale, postscale, average)
             ops.record(self.done[self.rank], side)
             self._span(core_name, "IPC_REDUCE", t1)
@@ -372,9 +385,7 @@ class IpcBucket(DeviceBucket):
                     done.reduced.wait().check(core_name, self.rank)
                 else:
                     done.wait()
-                for k, ev in enumerate(self.done):
-                    if k != self.rank and ev is not None:
-                        ops.stream_wait(side, ev)
+                wait_for_peers(ops, side, self.done, self.rank)
             if back_into:
                 ops.unpack_parts([self._parts[i] for i in back_into], [grads[i] for i in back_into], side)
             ops.stream_wait(svc.current(), svc.mark())
@@ -405,9 +416,7 @@ class IpcBucket(DeviceBucket):
         self.staged_bytes += (hi - lo) * (nbytes // max(1, self.numel))
 
         def prepare() -> list[torch.Tensor]:
-            for k in local:
-                if k != self.rank:
-                    self.ops.stream_wait(side, self.posted[k])
+            wait_for_peers(self.ops, side, self.posted, self.rank)  # None for another host's ranks
             return self._host_buffers()
 
         return _Across(across_hosts(self.service, side, prepare, me, self._wide[:nbytes].view(stage), prescale,

@@ -212,18 +212,26 @@ def lane_pair():
 @pytest.fixture
 def foreign_waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the threads that queue a wait for a peer's event on the fake device (its IPC),
-    in order, from now until the test ends."""
+    or wait for one themselves (``RINGCOMM_DEVICE_IPC_WAIT=host``), in order, from now until the
+    test ends."""
     import threading
 
+    from ringcomm_torch.device import FakeOps
     from ringcomm_torch.device_ipc_ops import FakeIpcEvent
 
     waits: list[str] = []
-    real = FakeIpcEvent.on_stream_wait
+    real, real_host = FakeIpcEvent.on_stream_wait, FakeOps.wait_event
 
     def noted(self: FakeIpcEvent) -> None:
         if self.foreign:
             waits.append(threading.current_thread().name)
         real(self)
 
+    def noted_host(self: FakeOps, event: object) -> None:
+        if isinstance(event, FakeIpcEvent) and event.foreign:
+            waits.append(threading.current_thread().name)
+        real_host(self, event)
+
     monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", noted)
+    monkeypatch.setattr(FakeOps, "wait_event", noted_host)
     return waits

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (about 8 minutes on one H200): the CUDA tests (and the fake-device
-# tests of the same paths) under ringcomm-run at np 1, 2 and 4, and at np 4 as two named hosts, then `bench training --device cuda`
-# (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on gloo vs DDP on
-# the "ringcomm" backend vs the bound of independent processes with no exchange, alternating
-# rounds), `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs gloo), a
-# SyncBatchNorm training step against a BatchNorm one, the shared-memory allreduce of host arrays
-# on 1 thread per rank vs 4, and three ringcomm_torch
-# steps under torch.profiler (where the host waits for the GPU).  Every log goes to $OUT (default:
-# ./gpu-check-out): seven files, the benches' raw numbers packed in one archive.  summary.txt starts
-# with the machine and grows after each step, so a run cut short still tells what it measured.
+# The GPU checks in one run, within GPU_CHECK_BUDGET_S seconds (default 540; on one H200 the whole
+# list takes longer, and what no longer fits is skipped and named in the summary), in the order of
+# what they decide: the CUDA tests (and the fake-device tests of the same paths) under ringcomm-run
+# at np 1 and 2; one CUDA allreduce at np 2 three ways (pinned memory, the arena with stream waits,
+# the arena with host waits); `bench training --device cuda` (resnet18, two ranks on one GPU,
+# batch 64 and 256: DistributedOptimizer vs DDP on gloo vs DDP on the "ringcomm" backend vs the
+# bound of independent processes with no exchange, alternating rounds); `bench allreduce --device
+# cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs gloo); training with host waits; the tests at np 4
+# and at np 4 as two named hosts; training through pinned memory; the allreduce ways under MPS;
+# three ringcomm_torch steps under torch.profiler (where the host waits for the GPU); a
+# SyncBatchNorm training step against a BatchNorm one; the shared-memory allreduce of host arrays
+# on 1 thread per rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven
+# files, the benches' raw numbers packed in one archive.  summary.txt starts with the machine and
+# grows after each step, so a run cut short still tells what it measured.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
 # this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
@@ -18,7 +22,8 @@ set -u -o pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu-check-out}"
 PY="${PYTHON:-python3}"
-RAW="$(mktemp -d)"  # the benches' JSON and Markdown, packed into $OUT/bench-raw.tgz at the end
+RAW="$(mktemp -d)"  # the benches' JSON and Markdown, packed into $OUT/bench-raw.tgz after each step
+export PY RAW  # for the steps that run a loop in bash -c
 mkdir -p "$OUT"
 cd "$ROOT" || exit 1
 
@@ -29,7 +34,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's code wins over an installed copy
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-# the buckets reduce on the GPU through CUDA IPC in every step but the pinned comparison (off by default)
+# the buckets and large single tensors reduce on the GPU through CUDA IPC (the default) in every step
+# but the pinned comparisons
 export RINGCOMM_DEVICE_IPC=1
 
 STATUS=()
@@ -68,8 +74,10 @@ cuda_tests() {  # cuda_tests NAME LIMIT [ENV=VALUE...] NP: the tests at NP ranks
     shift 2
     local np="${*: -1}" run=("$PY" "${TESTS[@]}")
     ((np > 1)) && run=("$PY" -m ringcomm.launch.launcher -np "$np" "${run[@]}")
-    # an 8 MiB arena: the tests' large tensor then takes 8 MiB, not 256, on each rank's fake device
-    step "$name" "$limit" env RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 "${@:1:$#-1}" "${run[@]}"
+    # an 8 MiB arena: the tests' large tensor then takes 8 MiB, not 256, on each rank's fake device;
+    # every size through it, so that the tests' small tensors take it too
+    step "$name" "$limit" env RINGCOMM_DEVICE_IPC_ARENA_BYTES=8388608 RINGCOMM_DEVICE_IPC_MIN_BYTES=0 \
+        "${@:1:$#-1}" "${run[@]}"
     { echo "=== $name"; cat "$OUT/$name.log"; } >>"$OUT/cuda-tests.log" && rm -f "$OUT/$name.log"
     grep -h "^=== $name\|passed\|failed\|error" "$OUT/cuda-tests.log" | tail -n 3 >>"$SUMMARY"
 }
@@ -82,15 +90,41 @@ training() {  # training BATCH LIMIT REPEATS: the four setups side by side in on
 }
 
 # the steps in the order of what they decide, so that a short lease still measures the bars: the
-# CUDA tests at np 1 and 2, training at batch 64, the small and large CUDA allreduces, training at
-# batch 256, then the tests at np 4, the pinned comparison, the profile and the rest
+# CUDA tests at np 1 and 2, the three ways of a CUDA allreduce side by side, training at batch 64,
+# the CUDA allreduces against gloo, the host waits in training, training at batch 256, then the
+# tests at np 4, the pinned comparison, MPS, the profile and the rest
 cuda_tests cuda-tests-np1 90 1
 cuda_tests cuda-tests-np2 120 2
+
+# one CUDA allreduce three ways at np 2, alternating: through pinned memory (RINGCOMM_DEVICE_IPC=0),
+# through the arena with the side stream waiting for the peer's events (stream), and with a host
+# thread waiting for them instead (host): whether a stream that waits on another process's work
+# costs the two ranks sharing one GPU a time slice
+step ipc-ways 120 bash -c 'for round in 1 2; do for way in pinned stream host; do
+    case $way in
+        pinned) set -- RINGCOMM_DEVICE_IPC=0 ;;
+        *) set -- RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way ;;
+    esac
+    echo "way $way, round $round"
+    env "$@" "$PY" -m ringcomm.bench allreduce --device cuda --np 2 --sizes 4K 1M 64M --repeats 1 \
+        --systems ringcomm --no-plot --out-dir "$RAW" --json "$RAW/ipc-$way-$round.json" | grep "^| 2 "
+done; done'
+grep -h "^way\|^| 2 " "$OUT/ipc-ways.log" >>"$SUMMARY"
+mv "$OUT/ipc-ways.log" "$RAW/" 2>/dev/null
+
 training 64 200 3
 
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
+
+# DistributedOptimizer with the host waiting for the peers' events (RINGCOMM_DEVICE_IPC_WAIT=host),
+# beside the default's rounds above
+RINGCOMM_DEVICE_IPC_WAIT=host step training-b64-host-waits 120 "$PY" -m ringcomm.bench training --device cuda \
+    --np 2 --batch 64 --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" \
+    --json "$RAW/training-b64-host-waits.json"
+{ echo "RINGCOMM_DEVICE_IPC_WAIT=host:"; grep -h "img/s\|^| " "$OUT/training-b64-host-waits.log"; } >>"$SUMMARY"
+mv "$OUT/training-b64-host-waits.log" "$RAW/" 2>/dev/null
 
 training 256 200 3
 cuda_tests cuda-tests-np4 120 4
@@ -104,6 +138,22 @@ RINGCOMM_DEVICE_IPC=0 step training-b64-pinned 120 "$PY" -m ringcomm.bench train
     --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" --json "$RAW/training-b64-pinned.json"
 { echo "RINGCOMM_DEVICE_IPC=0:"; grep -h "img/s\|^| " "$OUT/training-b64-pinned.log"; } >>"$SUMMARY"
 mv "$OUT/training-b64-pinned.log" "$RAW/" 2>/dev/null
+
+# the same ways under CUDA's multi-process service (MPS), where both ranks' work runs in one
+# context: its own pipe folder, so no other step's process joins it; stopped at the end
+step mps 90 bash -c 'command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control here"; exit 3; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/gpu-check-mps CUDA_MPS_LOG_DIRECTORY=/tmp/gpu-check-mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "MPS did not start"; exit 4; }
+    for way in stream host; do
+        echo "MPS, way $way"
+        RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way "$PY" -m ringcomm.bench allreduce --device cuda \
+            --np 2 --sizes 4K 1M 64M --repeats 1 --systems ringcomm gloo --no-plot --out-dir "$RAW" \
+            --json "$RAW/mps-$way.json" | grep "^| 2 "
+    done
+    echo quit | nvidia-cuda-mps-control'
+grep -h "^MPS\|^| 2 \|^no nvidia\|did not start" "$OUT/mps.log" >>"$SUMMARY"
+mv "$OUT/mps.log" "$RAW/" 2>/dev/null
 
 # where the host waits for the GPU: 3 steps of ringcomm_torch under torch.profiler on rank 0 (the
 # summary counts synchronizes and copies per thread and lists the costliest ops; the trace stays

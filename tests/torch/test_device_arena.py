@@ -390,3 +390,54 @@ def test_the_timeline_shows_the_copies_in_and_out_of_the_arena_and_the_device_re
         assert "MEMCPY_D2H" not in phases and "MEMCPY_H2D" not in phases, phases
     else:
         assert phases[0] == "MEMCPY_D2H" and phases[-1] == "MEMCPY_H2D", phases
+
+
+def test_a_tensor_below_the_min_bytes_goes_through_pinned_memory_and_the_settings_are_checked(monkeypatch):
+    """``RINGCOMM_DEVICE_IPC_MIN_BYTES``: a smaller tensor never takes the arena (alike on every
+    rank: its size is); the two device settings reject what cannot work."""
+    import dataclasses
+
+    from ringcomm.errors import InvalidInputError
+    from ringcomm.job.config import Settings
+
+    real = core_api.current_settings()
+    with device.override(device.FakeOps(ipc=True)):
+        x = mine(1000)  # 4000 bytes
+        if on_device() and real.device_ipc_min_bytes <= 4000:
+            assert device_arena.arena_for(x, hvd.Sum, hvd.global_process_set) is not None
+        monkeypatch.setattr(core_api, "current_settings", lambda: dataclasses.replace(real, device_ipc_min_bytes=4001))
+        assert device_arena.arena_for(x, hvd.Sum, hvd.global_process_set) is None
+    assert Settings.from_env({}).device_ipc and Settings.from_env({}).device_ipc_wait == "stream"
+    assert Settings.from_env({"RINGCOMM_DEVICE_IPC_WAIT": "host"}).device_ipc_wait == "host"
+    for bad in ({"RINGCOMM_DEVICE_IPC_WAIT": "spin"}, {"RINGCOMM_DEVICE_IPC_MIN_BYTES": "-1"}):
+        with pytest.raises(InvalidInputError, match="RINGCOMM_DEVICE_IPC_"):
+            Settings.from_env(bad)
+
+
+def test_a_peers_events_are_waited_for_as_the_setting_says(ops, monkeypatch):
+    """``RINGCOMM_DEVICE_IPC_WAIT=stream``: the side stream waits for the peers' events and no
+    thread does; ``host``: a thread waits for each, and no stream waits for another process."""
+    if not on_device():
+        pytest.skip("no arena here")
+    from ringcomm_torch.device_ipc_ops import FakeIpcEvent
+
+    settled(mine(4))
+    kinds: list[str] = []
+    real_stream, real_host = FakeIpcEvent.on_stream_wait, device.FakeOps.wait_event
+
+    def on_stream(self):
+        if self.foreign:
+            kinds.append("stream")
+        real_stream(self)
+
+    def on_host(self, event):
+        if isinstance(event, FakeIpcEvent) and event.foreign:
+            kinds.append("host")
+        real_host(self, event)
+
+    monkeypatch.setattr(FakeIpcEvent, "on_stream_wait", on_stream)
+    monkeypatch.setattr(device.FakeOps, "wait_event", on_host)
+    hvd.allreduce(mine(500, seed=3), name="arena.waits")
+    local = len(device_arena.arena_for(mine(4), hvd.Sum, hvd.global_process_set).local)
+    assert len(kinds) == 2 * (local - 1), kinds  # each other local rank's posted, then its done
+    assert set(kinds) == {core_api.current_settings().device_ipc_wait}, kinds

@@ -112,12 +112,15 @@ def test_the_device_test_files_pass_under_the_launcher():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("np_,setting", [(2, "1"), (3, "1"), (2, "0")], ids=["np2", "np3", "np2-off"])
-def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np_, setting):
-    """tests/torch/test_device_ipc.py and test_device_arena.py under the launcher (a 1 MiB arena):
-    bitwise alike on every rank and the pinned path's results within rounding; no wait for a peer
-    in backward or in the call; RINGCOMM_DEVICE_IPC=0 falls back."""
-    env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting, RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20))
+@pytest.mark.parametrize("np_,setting,wait", [(2, "1", "stream"), (3, "1", "stream"), (2, "1", "host"), (2, "0", "stream")],
+                         ids=["np2", "np3", "np2-host-waits", "np2-off"])
+def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np_, setting, wait):
+    """tests/torch/test_device_ipc.py and test_device_arena.py under the launcher (a 1 MiB arena,
+    every size through it): bitwise alike on every rank and the pinned path's results within
+    rounding; no wait for a peer in backward or in the call, whichever waits
+    (RINGCOMM_DEVICE_IPC_WAIT); RINGCOMM_DEVICE_IPC=0 falls back."""
+    env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting, RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20),
+               RINGCOMM_DEVICE_IPC_MIN_BYTES="0", RINGCOMM_DEVICE_IPC_WAIT=wait)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py",
@@ -125,7 +128,7 @@ def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("21 passed, 1 skipped" if setting == "1" else "16 passed, 6 skipped") == np_, out[-3000:]
+    assert out.count("25 passed, 1 skipped" if setting == "1" else "19 passed, 7 skipped") == np_, out[-3000:]
 
 
 @pytest.mark.timeout(200)
@@ -133,7 +136,8 @@ def test_buckets_and_single_tensors_across_two_hosts_reduce_each_hosts_shards_on
     """tests/torch/test_device_ipc.py and test_device_arena.py at np 4 as two hosts of two ranks
     each (interleaved): each host's ranks sum on the (fake) device, only each rank's shard goes
     through host memory, and every rank gets the same bits, within rounding of the pinned path."""
-    env = dict(os.environ, RINGCOMM_DEVICE_IPC="1", RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20), ARENA_TEST_HOSTS="2")
+    env = dict(os.environ, RINGCOMM_DEVICE_IPC="1", RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20),
+               RINGCOMM_DEVICE_IPC_MIN_BYTES="0", ARENA_TEST_HOSTS="2")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "4", *rank_python(4), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py",
@@ -141,5 +145,5 @@ def test_buckets_and_single_tensors_across_two_hosts_reduce_each_hosts_shards_on
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("21 passed, 1 skipped") == 4, out[-3000:]
+    assert out.count("25 passed, 1 skipped") == 4, out[-3000:]
 
