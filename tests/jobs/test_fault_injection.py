@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,11 @@ def _finish_survivors(procs, victim: int, since: float, timeout: float = 60,
     try:
         for r, p in enumerate(procs):
             if r != victim:
-                outs[r] = p.communicate(timeout=timeout)[0]
+                try:
+                    outs[r] = p.communicate(timeout=timeout)[0]
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"rank {r} still ran {timeout} s after rank {victim}'s fault; its stacks:\n"
+                                         + _stacks(p)) from None
                 took[r] = time.monotonic() - since
         if wait_victim:
             procs[victim].wait(timeout=timeout)
@@ -62,6 +67,15 @@ def _finish_survivors(procs, victim: int, since: float, timeout: float = 60,
             p.wait()
         remove_files_of([p.pid for p in procs], [p.job_id for p in procs])
     return outs, took
+
+
+def _stacks(proc) -> str:
+    """What a loop worker still running prints when asked for its threads' stacks (SIGUSR2), then ends."""
+    proc.send_signal(signal.SIGCONT)
+    proc.send_signal(signal.SIGUSR2)
+    time.sleep(1.0)
+    proc.kill()
+    return proc.communicate()[0][-8000:]
 
 
 def _outputs(procs, timeout: float) -> list[str]:

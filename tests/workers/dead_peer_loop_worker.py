@@ -9,8 +9,11 @@ Faults it can stage itself:
 - ``DEAD_PEER_DIE_AFTER_REGISTER=R``: rank R kills itself (SIGKILL) right after the
   rendezvous gave it the peer table, before it connected to anyone;
 - SIGUSR1 makes a rank end its program at once with exit code 0 (a rank that finished early).
+
+SIGUSR2 prints every thread's stack (faulthandler), so a test can show where a rank waits.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -36,6 +39,7 @@ def _exit_zero(signum, frame):
 
 
 signal.signal(signal.SIGUSR1, _exit_zero)
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 rc.init()
 op = os.environ["DEAD_PEER_OP"]
 x = np.full(int(os.environ.get("DEAD_PEER_ELEMS", "250000")), rc.rank() + 1.0, np.float32)
