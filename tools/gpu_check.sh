@@ -163,6 +163,14 @@ step profile-b64 120 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" -m ringcomm.b
     --out "$RAW/profile-b64-run.json" --profile "$RAW/profile-b64.json"
 mv "$OUT/profile-b64.log" "$RAW/" 2>/dev/null  # into the archive: few files come back
 cat "$RAW/profile-b64.json" >>"$SUMMARY" 2>/dev/null
+# the same for DDP on the "ringcomm" backend (its buckets through the arena, its futures completed
+# by the backend's thread); rank 0's summary in the archive
+step profile-b64-ddp 90 bash -c 'port=$((29500 + RANDOM % 1000)); for r in 0 1; do
+    "$PY" -m ringcomm.bench._train_worker --rank $r --world-size 2 --port $port --mode ddp_ringcomm --device cuda \
+        --model resnet18 --batch 64 --steps 10 --warmup 5 --out "$RAW/profile-b64-ddp-run.json" \
+        --profile "$RAW/profile-b64-ddp.json" &
+done; wait'
+mv "$OUT/profile-b64-ddp.log" "$RAW/" 2>/dev/null
 
 # a training step with hvd.SyncBatchNorm against the same step with torch's BatchNorm2d: two ranks on
 # one GPU, a conv net at batch 64, DistributedOptimizer, alternating rounds; every rank's running
