@@ -1,5 +1,5 @@
 """Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's
-backward sums, the ``"ringcomm"`` backend's) reduced on the device among each host's ranks through CUDA IPC, as
+backward sums, the ``"ringcomm"`` backend's) of at least ``RINGCOMM_DEVICE_IPC_MIN_BYTES``, reduced on the device among each host's ranks through CUDA IPC, as
 :mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory.
 
 Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
@@ -13,7 +13,8 @@ then, and whenever a tensor does not fit in what is free, it offers none.  Each 
    entry per rank, its range's offset plus one, or 0 when it has no room.  It returns at once;
 2. on a return thread, once every rank has offered: if any offered none, every rank reduces the op
    through pinned host memory instead (the same result; the caller's ``fallback``).  Otherwise
-   the side stream waits for every peer's *posted* event, sums this rank's shard of the tensor
+   the side stream waits for every peer's *posted* event (or, with ``RINGCOMM_DEVICE_IPC_WAIT=host``,
+   the return thread does), sums this rank's shard of the tensor
    over every rank's range in rank order (so every rank gets the same bits; Horovod's prescale,
    postscale and Average as on the host), copies the sum into every rank's range, records
    *done*, and submits a second agreement: whether each rank queued its shard;
@@ -23,7 +24,7 @@ then, and whenever a tensor does not fit in what is free, it offers none.  Each 
    from there to the host's other ranges on the device.  The device-to-host and
    host-to-device bytes fall by the host's number of ranks;
 3. ``synchronize()`` waits for that agreement, makes the side stream wait for every peer's
-   *done*, copies the range into the result on the side stream, and makes the stream that
+   *done* (or waits for them itself, as above), copies the range into the result on the side stream, and makes the stream that
    consumes the result wait for that copy.  The range is free again at once: whatever writes into
    it next is queued on the same side stream, after those waits.
 

@@ -15,7 +15,8 @@ handles exchanged with a third ``allgather_object``.  Then, each step, for a buc
 1. the hook packs the gradients into the flat buffer on the side stream, records *posted* and
    submits a one-element agreement op (the lane's or the engine's allreduce): it returns at once;
 2. once every rank has posted (the agreement is done), a return thread queues on the side
-   stream: a wait for each peer's *posted* event (a stream wait, not a host wait), the sum of
+   stream: a wait for each peer's *posted* event (a stream wait, not a host wait; with
+   ``RINGCOMM_DEVICE_IPC_WAIT=host`` the return thread waits for it instead), the sum of
    this rank's shard over every rank's buffer **in rank order** (so every rank gets the same
    bits), Horovod's prescale, postscale and Average, a copy of the summed shard into every
    rank's buffer, and *done*; then it submits a second agreement op.  In a job that spans hosts
