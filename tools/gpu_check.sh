@@ -3,16 +3,17 @@
 # list takes longer, and what no longer fits is skipped and named in the summary), in the order of
 # what they decide: the CUDA tests (and the fake-device tests of the same paths) under ringcomm-run
 # at np 1 and 2; one CUDA allreduce at np 2 three ways (pinned memory, the arena with stream waits,
-# the arena with host waits); `bench training --device cuda` (resnet18, two ranks on one GPU,
-# batch 64 and 256: DistributedOptimizer vs DDP on gloo vs DDP on the "ringcomm" backend vs the
-# bound of independent processes with no exchange, alternating rounds); `bench allreduce --device
-# cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs gloo); training with host waits; the tests at np 4
-# and at np 4 as two named hosts; training through pinned memory; the allreduce ways under MPS;
-# three ringcomm_torch steps under torch.profiler (where the host waits for the GPU); a
-# SyncBatchNorm training step against a BatchNorm one; the shared-memory allreduce of host arrays
-# on 1 thread per rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven
-# files, the benches' raw numbers packed in one archive.  summary.txt starts with the machine and
-# grows after each step, so a run cut short still tells what it measured.
+# the arena with host waits), then split into phases by tools/allreduce_phases.py; `bench training
+# --device cuda` (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on
+# gloo vs DDP on the "ringcomm" backend vs the bound of independent processes with no exchange,
+# alternating rounds); `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
+# gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
+# through pinned memory; the allreduce ways under MPS; DistributedOptimizer and DDP on the
+# "ringcomm" backend under torch.profiler (where the host waits for the GPU); a SyncBatchNorm
+# training step against a BatchNorm one; the shared-memory allreduce of host arrays on 1 thread per
+# rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven files, the benches'
+# raw numbers packed in one archive.  summary.txt starts with the machine and grows after each
+# step, so a run cut short still tells what it measured.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
 # this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
@@ -111,6 +112,18 @@ step ipc-ways 120 bash -c 'for round in 1 2; do for way in pinned stream host; d
 done; done'
 grep -h "^way\|^| 2 " "$OUT/ipc-ways.log" >>"$SUMMARY"
 mv "$OUT/ipc-ways.log" "$RAW/" 2>/dev/null
+
+# the same three ways split into phases (tools/allreduce_phases.py): the caller's call, its
+# synchronize(), and what the GPU still had to do after it
+step phases 90 bash -c 'for way in pinned stream host; do
+    case $way in
+        pinned) set -- RINGCOMM_DEVICE_IPC=0 ;;
+        *) set -- RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way ;;
+    esac
+    env "$@" "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/allreduce_phases.py --sizes 4K 1M 64M --ops 100
+done'
+grep -h "phases np" "$OUT/phases.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
+mv "$OUT/phases.log" "$RAW/" 2>/dev/null
 
 training 64 200 3
 
