@@ -58,12 +58,15 @@ _log = logging.getLogger(__name__)
 _logged = threading.Event()
 
 
-def refusal(enabled: bool, size: int) -> str | None:
-    """Why no job of ``size`` ranks with the setting ``enabled`` reduces on the device, if so."""
+def refusal(enabled: bool, size: int, elastic: bool = False) -> str | None:
+    """Why no job of ``size`` ranks with the setting ``enabled`` (``elastic``: whose ranks may
+    change) reduces its buckets on the device, if so."""
     if not enabled:
         return "RINGCOMM_DEVICE_IPC=0"
     if size < 2:
         return "a job of one rank"
+    if elastic:  # a worker that joins later would make its optimizer alone: no collective at that point
+        return "an elastic job (its ranks change, and the buckets are shared when the optimizer is made)"
     return None
 
 
@@ -321,6 +324,7 @@ class IpcBucket(DeviceBucket):
         self.done: list[Any] = []
         self._wide: torch.Tensor | None = None  # the pinned buffer of the reductions across hosts
         self.staged_bytes = 0  # bytes this rank copied to pinned host memory for them
+        self.job: Any = None  # the settings of the job whose ranks share this bucket (set by open())
 
     def _allocate(self) -> torch.Tensor:
         return self.ipc.shared_flat(self.numel, self.dtype, self.device)
@@ -339,6 +343,7 @@ class IpcBucket(DeviceBucket):
         ``handles``: every rank's :meth:`mine`, None for another host's)."""
         ipc, dev = self.ipc, self.device
         self.rank, self.size, self.local = rank, len(handles), local
+        self.job = _rc.api.current_settings()  # the job these handles belong to
 
         def opened(k: int, h: Any, i: int, own: Any, open_: Callable[[Any, torch.device], Any]) -> Any:
             return own if k == rank else open_(h[i], dev) if k in local else None

@@ -14,6 +14,7 @@ flight.  The optimizer (:mod:`.optimizer`) keeps Horovod's surface and delegates
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from ringcomm import api as _core_api
+from ringcomm.elastic.worker import current_world
 from ringcomm.errors import RingcommError
 from ringcomm.handles import GroupHandle
 
@@ -33,6 +35,8 @@ from .handles import Handle
 from .sparse import sparse_allreduce_async
 
 __all__ = ["Reducer", "GradientsPendingError"]
+
+_log = logging.getLogger(__name__)
 
 _TOO_MANY_PASSES_MSG = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -100,7 +104,7 @@ class Reducer:
         if self.process_set not in (None, global_process_set):
             log_once(False, "the optimizer reduces over a process set")
             return
-        why = refusal(enabled, n)
+        why = refusal(enabled, n, current_world() is not None)
         if why is not None:
             log_once(False, why)
             return
@@ -110,6 +114,17 @@ class Reducer:
         if share_buckets(candidates, rank(), n, self.op in (Sum, Average), flat_ok, self.process_set):
             for k, bucket in zip(keys, candidates):
                 self.device_buckets[k] = bucket
+
+    def _unshared(self, key: Any, bucket: IpcBucket) -> DeviceBucket:
+        """A bucket shared in a job that has since ended (``shutdown()`` and ``init()`` again): its
+        peers' buffers and events belong to that job, so from now on it goes through pinned host
+        memory, on every rank alike (each sees the new job)."""
+        if all(isinstance(b, IpcBucket) for b in self.device_buckets.values()):  # the first one: say it once
+            _log.warning("rank %d: DistributedOptimizer's CUDA buckets were shared with the ranks of an earlier "
+                         "job; they go through pinned host memory from now on (make the optimizer again to share "
+                         "them with this job's ranks)", rank())
+        plain = self.device_buckets[key] = DeviceBucket(key, bucket.names, bucket.service)
+        return plain
 
     def _form_groups(self, params: list[torch.Tensor]) -> None:
         spec = self._groups_spec
@@ -223,6 +238,8 @@ class Reducer:
         tensors = [self._dense_grad(p) for p in group]
         pre, post = self._scales()
         bucket = self.device_buckets.get(group) if all_dense else None
+        if isinstance(bucket, IpcBucket) and bucket.job is not _core_api.current_settings():
+            bucket = self._unshared(group, bucket)
         if bucket is not None:  # results land in the gradients themselves: nothing to write back
             handle = bucket.start(tensors, name=self.names[group[0]], op=self.op, compression=self.compression,
                                   prescale=pre, postscale=post, process_set=self.process_set)

@@ -55,6 +55,12 @@ def make(ipc: bool, **kwargs):
     return model, opt, ops
 
 
+def alike(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds the same bits on every rank."""
+    rows = hvd.allgather(t.detach().reshape(1, -1))
+    return all(torch.equal(rows[0], row) for row in rows)
+
+
 def batch() -> torch.Tensor:
     return torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + hvd.rank()))  # differs per rank
 
@@ -208,3 +214,48 @@ def test_the_timeline_shows_each_buckets_pack_device_reduction_and_unpack(tmp_pa
         assert sorted(n for names_ in carried for n in names_) == names, phase
     if not on_device():
         assert not any(e.get("name") == "IPC_REDUCE" for e in events)
+
+
+def test_an_elastic_job_keeps_its_buckets_on_the_pinned_path(monkeypatch):
+    """In an elastic job a worker that joins later makes its optimizer alone, so no bucket is
+    shared at construction (a collective there would wait for ranks that never come)."""
+    from ringcomm_torch import reducer
+
+    assert device_ipc.refusal(True, 4, elastic=True).startswith("an elastic job")
+    assert device_ipc.refusal(True, 4) is None
+    monkeypatch.setattr(reducer, "current_world", lambda: object())  # as in a worker of an elastic job
+    model, opt, _ = make(ipc=True)
+    assert opt.reducer.device_buckets and not any(isinstance(b, device_ipc.IpcBucket)
+                                                  for b in opt.reducer.device_buckets.values())
+    model(batch()).square().mean().backward()
+    opt.step()  # and the pinned path reduces them
+    for p in model.parameters():
+        assert alike(p.grad)
+
+
+def test_buckets_shared_in_an_earlier_job_go_through_pinned_memory_and_stay_right(monkeypatch, caplog):
+    """After init() starts a new job, a bucket's peers' buffers and events belong to the old one:
+    it takes the pinned path from then on, on every rank, and says so once."""
+    import dataclasses
+
+    if not on_device():
+        pytest.skip("the pinned path here already")
+    model, opt, _ = make(ipc=True, op=hvd.Sum)
+    twin_model, twin_opt, _ = make(ipc=False, op=hvd.Sum)
+    x = batch()
+    for m, o in ((model, opt), (twin_model, twin_opt)):
+        m(x).square().mean().backward()
+        o.synchronize()
+    assert all(isinstance(b, device_ipc.IpcBucket) for b in opt.reducer.device_buckets.values())
+    new_job = dataclasses.replace(core_api.current_settings())
+    monkeypatch.setattr(core_api, "current_settings", lambda: new_job)  # what init() after shutdown() gives
+    with caplog.at_level(logging.WARNING, logger="ringcomm_torch.reducer"):
+        for m, o in ((model, opt), (twin_model, twin_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.synchronize()
+    assert not any(isinstance(b, device_ipc.IpcBucket) for b in opt.reducer.device_buckets.values())
+    assert caplog.text.count("shared with the ranks of an earlier job") == 1, caplog.text
+    for (name, p), q in zip(model.named_parameters(), twin_model.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+        assert alike(p.grad), name
