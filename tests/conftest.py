@@ -47,6 +47,17 @@ def name_test_host() -> None:
 name_test_host()
 
 
+def timeline_phases(path: Path, row: str) -> list[str]:
+    """The phases on op ``row``'s row of the timeline file at ``path``, in time order."""
+    import json
+
+    events = json.loads(Path(path).read_text())
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    pid = next(p for p, name in rows.items() if name == row)
+    return [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
+                                      key=lambda e: e["ts"])]
+
+
 def hosts_of_job(size: int) -> int:
     """How many hosts a job of ``size`` ranks spans under ``ARENA_TEST_HOSTS``."""
     return min(TEST_HOSTS, size)

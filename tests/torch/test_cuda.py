@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import name_test_host  # noqa: E402
+from conftest import name_test_host, timeline_phases  # noqa: E402
 from ringcomm_torch import device  # noqa: E402
 
 
@@ -146,8 +146,6 @@ def test_autograd_and_optimizer_on_cuda():
 def test_timeline_shows_the_copies_of_the_path_taken(tmp_path):
     """Through pinned memory: the device-host copies first and last; through the shared arena
     (RINGCOMM_DEVICE_IPC=1, ranks sharing a host): the copies into and out of the arena."""
-    import json
-
     from ringcomm_torch import device_arena
 
     t = torch.ones(1 << 20, device="cuda")
@@ -168,11 +166,7 @@ def test_timeline_shows_the_copies_of_the_path_taken(tmp_path):
     hvd.stop_timeline()
     if hvd.rank() != 0:  # as Horovod's: only rank 0 writes the timeline
         return
-    events = json.loads(path.read_text())
-    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    pid = next(p for p, name in rows.items() if name == "allreduce.cuda.grad")
-    phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
-                                        key=lambda e: e["ts"])]
+    phases = timeline_phases(path, "allreduce.cuda.grad")
     if through_arena:
         assert phases[0] == "MEMCPY_IN_ARENA" and phases[-1] == "MEMCPY_OUT_ARENA", phases
     else:

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import TEST_HOSTS, name_test_host, hosts_of_job  # noqa: E402
+from conftest import TEST_HOSTS, hosts_of_job, name_test_host, timeline_phases  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import HorovodInternalError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
@@ -370,8 +370,6 @@ def test_the_timeline_shows_the_copies_in_and_out_of_the_arena_and_the_device_re
     """With a timeline, an allreduce through the arena has MEMCPY_IN_ARENA first and
     MEMCPY_OUT_ARENA last on its row, and IPC_REDUCE between them on one host; through pinned
     memory it has the host copies instead."""
-    import json
-
     settled(mine(4))
     path = tmp_path / "arena.json"
     hvd.start_timeline(str(path))
@@ -379,11 +377,7 @@ def test_the_timeline_shows_the_copies_in_and_out_of_the_arena_and_the_device_re
     hvd.stop_timeline()
     if hvd.rank() != 0:
         return
-    events = json.loads(path.read_text())
-    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    pid = next(p for p, name in rows.items() if name == "allreduce.arena.tl")
-    phases = [e["name"] for e in sorted((e for e in events if e.get("pid") == pid and e["ph"] == "X"),
-                                        key=lambda e: e["ts"])]
+    phases = timeline_phases(path, "allreduce.arena.tl")
     if on_device():
         assert phases[0] == "MEMCPY_IN_ARENA" and phases[-1] == "MEMCPY_OUT_ARENA", phases
         assert ("IPC_REDUCE" in phases) != spans_hosts(), phases
