@@ -10,7 +10,8 @@ then, and whenever a tensor does not fit in what is free, it offers none.  Each 
 
 1. the caller's thread takes a range of its arena (:class:`Slots`), queues the tensor's copy into
    it on the side stream, records *posted*, and submits the op's agreement: an allreduce of one
-   entry per rank, its range's offset plus one, or 0 when it has no room.  It returns at once;
+   row per rank: its range's offset plus one, or 0 when it has no room, and the tensor's
+   signature.  It returns at once;
 2. on a return thread, once every rank has offered: if any offered none, every rank reduces the op
    through pinned host memory instead (the same result; the caller's ``fallback``).  Otherwise
    the side stream waits for every peer's *posted* event (or, with ``RINGCOMM_DEVICE_IPC_WAIT=host``,
@@ -33,8 +34,10 @@ has joined adds zeros, which read as "no room" (the op then takes the pinned pat
 adds zeros, as Horovod has it) or, in the sharing, as "try again at the next op".
 
 Both agreements are ordinary core ops named after the op, so a rank that submits something else
-under that name (a host tensor, another dtype) fails the op on every rank with a
-``MismatchError``, as a mismatch does on the pinned path.  Stream waits capture an event's latest
+under that name (a host tensor, an integer dtype) fails the op on every rank with a
+``MismatchError``, as a mismatch does on the pinned path.  The first agreement's row also carries
+the tensor's dtype and shape (:func:`signature`): ranks that pass the same bytes in another shape
+or dtype fail it on every rank alike (:func:`disagreement`).  Stream waits capture an event's latest
 record, and every record a wait refers to was queued before the wait, so no two side streams can
 wait for each other.
 """
@@ -45,6 +48,7 @@ import logging
 import pickle
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -55,14 +59,15 @@ import ringcomm as _rc
 from ringcomm import api as _core_api
 from ringcomm.core.ops import Average, Sum
 from ringcomm.core.process_sets import global_process_set
+from ringcomm.errors import MismatchError
 
 from .device import DeviceService, FakeOps, service_for
-from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, rank_row, shard_bounds,
+from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, shard_bounds,
                          stage_dtype, sum_shard, wait_for_peers)
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["Slots", "Arena", "arena_for", "ARENA_ALIGN"]
+__all__ = ["Slots", "Arena", "arena_for", "signature", "disagreement", "ARENA_ALIGN"]
 
 _log = logging.getLogger(__name__)
 
@@ -118,6 +123,51 @@ class Slots:
         if i > 0 and free[i - 1][0] + free[i - 1][1] == start:
             prev = free.pop(i - 1)
             free[i - 1] = (prev[0], prev[1] + free[i - 1][1])
+
+
+#: Dimensions of a tensor's shape its agreement row carries one by one (a digest stands for the rest).
+SIGNATURE_DIMS = 8
+#: Entries of a rank's row in an op's agreement: its range's offset plus one (0: none), then the
+#: tensor's :func:`signature`.
+ROW = 1 + 3 + SIGNATURE_DIMS
+_DTYPES = {zlib.crc32(str(dt).encode()): str(dt).removeprefix("torch.")
+           for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def signature(t: torch.Tensor) -> list[int]:
+    """``t``'s dtype, number of dimensions, first :data:`SIGNATURE_DIMS` sizes (zeros after the
+    last) and a digest of the others, as integers (pure): ranks whose tensors differ in dtype or
+    shape have different signatures.
+
+    >>> signature(torch.zeros(2, 3))[1:5]
+    [2, 2, 3, 0]
+    """
+    dims = list(t.shape)
+    head = dims[:SIGNATURE_DIMS] + [0] * max(0, SIGNATURE_DIMS - len(dims))
+    rest = zlib.crc32(repr(dims[SIGNATURE_DIMS:]).encode()) if len(dims) > SIGNATURE_DIMS else 0
+    return [zlib.crc32(str(t.dtype).encode()), len(dims), *head, rest]
+
+
+def disagreement(name: str, rows: np.ndarray) -> str:
+    """'' when every rank's :func:`signature` (``rows[k]``) is the same, else the message of the
+    op's failure, naming each rank's dtype and shape (pure).
+
+    >>> sig = lambda *shape: signature(torch.zeros(*shape))
+    >>> disagreement("allreduce.x", np.array([sig(4, 6), sig(4, 6)]))
+    ''
+    >>> disagreement("allreduce.x", np.array([sig(4, 6), sig(24)]))[55:]
+    'rank 0: float32 [4, 6], rank 1: float32 [24]. Pass a tensor of the same shape and dtype on every rank.'
+    """
+    if all((r == rows[0]).all() for r in rows[1:]):
+        return ""
+
+    def described(r: np.ndarray) -> str:
+        ndim = int(r[1])
+        dims = [int(d) for d in r[2:2 + min(ndim, SIGNATURE_DIMS)]] + (["..."] if ndim > SIGNATURE_DIMS else [])
+        return f"{_DTYPES.get(int(r[0]), 'another dtype')} {dims}"
+    ranks = ", ".join(f"rank {k}: {described(r)}" for k, r in enumerate(rows))
+    return (f"allreduce '{name}': ranks disagree on the tensor: {ranks}. "
+            "Pass a tensor of the same shape and dtype on every rank.")
 
 
 class _Range:
@@ -294,13 +344,19 @@ class Arena:
             ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
             ops.record(self.posted[self.rank], side)
             _span(ops, core_name, "MEMCPY_IN_ARENA", t0, self.posted[self.rank])
-        agreement = _rc.allreduce_async(rank_row(self.rank, self.size, offset + 1, np.int64), op=Sum, name=core_name)
+        row = np.zeros((self.size, ROW), dtype=np.int64)  # a rank that has joined adds zeros
+        row[self.rank] = [offset + 1, *signature(t)]
+        agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
 
         def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
-            offsets = [int(v) - 1 for v in np.asarray(raw).reshape(-1)]  # a rank that has joined: -1
+            rows = np.asarray(raw).reshape(self.size, ROW)
+            offsets = [int(v) - 1 for v in rows[:, 0]]  # a rank that has joined: -1
             if min(offsets) < 0:
                 held.give()  # nobody reads it: the op goes through host memory on every rank
                 return fallback(f"{core_name}.host")
+            problem = disagreement(core_name, rows[:, 1:])  # alike on every rank: the same rows
+            if problem:
+                return MismatchError(problem)
             if not self._unlinked:  # every rank has opened every arena: the fake's files may go
                 self._unlinked = True
                 self.ipc.opened()
@@ -324,6 +380,8 @@ class Arena:
         def finish(result: Any) -> torch.Tensor:  # synchronize()
             if isinstance(result, Handle):
                 return result.wait()
+            if isinstance(result, MismatchError):
+                raise result
             if not isinstance(result, OnDevice):  # across hosts: the hosts' allreduce comes first
                 result = result.wait()
             result.check(core_name, self.rank)

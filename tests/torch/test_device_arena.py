@@ -225,6 +225,27 @@ def test_a_rank_that_submits_another_kind_under_the_name_fails_the_op_on_every_r
     assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="arena.after"), torch.full((3,), float(hvd.size())))
 
 
+@pytest.mark.parametrize("case", ["shape", "dtype"])
+def test_ranks_whose_tensors_differ_in_shape_or_dtype_fail_the_op_on_every_rank(ops, case):
+    """The same bytes in another shape (17x1311 against 17x23x57) or dtype (float32 against
+    float16 of twice the elements) fail the op through the arena as on the pinned path: a
+    MismatchError on every rank naming each rank's tensor; the next op works."""
+    if not on_device():
+        pytest.skip("no arena here")
+    settled(mine(4))
+    last = hvd.rank() == hvd.size() - 1
+    if case == "shape":
+        t = torch.ones(17, 23, 57) if last else torch.ones(17, 23 * 57)
+    else:
+        t = torch.ones(2000, dtype=torch.float16) if last else torch.ones(1000)
+    with pytest.raises(MismatchError, match="ranks disagree on the tensor") as err:
+        hvd.allreduce(t, op=hvd.Sum, name=f"arena.differ.{case}")
+    assert f"rank {hvd.size() - 1}: " + ("float32 [17, 23, 57]" if case == "shape" else "float16 [2000]") \
+        in str(err.value), err.value
+    assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"arena.differ.{case}.after"),
+                       torch.full((3,), float(hvd.size())))
+
+
 def test_a_rank_that_cannot_sum_its_shard_fails_the_op_on_every_rank_and_the_next_op_works(ops, monkeypatch):
     """Rank 1's sum raises (on one host: the shard's sum; across hosts: the host's partial sum): every
     rank raises, naming rank 1, and every range is free for the next op, which succeeds everywhere."""
