@@ -403,6 +403,25 @@ def reserve_name(kind: str, process_set: Any) -> str:
     return rt.auto_name(kind, None, pset)
 
 
+def claim_name(kind: str, name: str, process_set: Any) -> None:
+    """Take ``name`` for a ``kind`` op of ``process_set`` that is submitted later, from another
+    thread (ringcomm_torch once a CUDA tensor's copy is done): while it is in flight, another op of
+    that name claimed meanwhile raises :class:`DuplicateNameError` at its call, as it does for ops
+    submitted at once; the next op submitted under the name is taken as the claimed one.
+    :func:`drop_claim` gives the name back if the op is never submitted."""
+    rt = current(kind)
+    pset, _ = rt.resolve_set(process_set, kind)
+    rt.claim_name(kind, name, pset)
+
+
+def drop_claim(kind: str, name: str, process_set: Any) -> None:
+    """Give back a name :func:`claim_name` took, whose op was not submitted (nothing if it was)."""
+    rt = active()
+    if rt is not None:
+        pset, _ = rt.resolve_set(process_set, kind)
+        rt.drop_claim(name, pset)
+
+
 def refuse_call(kind: str, name: str | None, process_set: Any, reason: str, parts: int = 1) -> None:
     """For layers above the core whose own argument checks fail before they call it (ringcomm_torch):
     the ``kind`` op (a core API's kind, as for :func:`reserve_name`) named ``name`` (None: the next

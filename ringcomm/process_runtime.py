@@ -70,6 +70,7 @@ class Runtime:
         self.dispatcher.start()
         self._lock = threading.Lock()
         self._names: set[tuple[int, str]] = set()
+        self._claimed: set[tuple[int, str]] = set()  # of those, names taken before their op is submitted
         self._naming = OpNames()  # the names of unnamed ops (under the lock)
 
     def auto_name(self, kind: str, name: str | None, pset: int = 0) -> str:
@@ -141,17 +142,40 @@ class Runtime:
             )
         return pid, ranks
 
+    def _duplicate(self, kind: str, name: str, pset: int) -> DuplicateNameError:
+        return DuplicateNameError(
+            f"{kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
+            f"{' in process set %d' % pset if pset else ''}; wait for it (synchronize) or use another name"
+        )
+
+    def claim_name(self, kind: str, name: str, pset: int) -> None:
+        """Take ``name`` for an op that is submitted later, from another thread (a layer above
+        that first copies the op's data): a second op of that name raises now, as it would if
+        this one were submitted already; :meth:`submit` of this op then uses the claim."""
+        key = (pset, name)
+        with self._lock:
+            if key in self._names:
+                raise self._duplicate(kind, name, pset)
+            self._names.add(key)
+            self._claimed.add(key)
+
+    def drop_claim(self, name: str, pset: int) -> None:
+        """Give back a claimed name whose op was never submitted (nothing if it was)."""
+        key = (pset, name)
+        with self._lock:
+            if key in self._claimed:
+                self._claimed.discard(key)
+                self._names.discard(key)
+
     def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
                grouped: bool = False) -> Handle:
         name = req.name
         key = (req.pset, name)
         with self._lock:
-            if key in self._names:
-                raise DuplicateNameError(
-                    f"{req.kind}: an op named {name!r} is already in flight on rank {self.topo.rank}"
-                    f"{' in process set %d' % req.pset if req.pset else ''}; "
-                    "wait for it (synchronize) or use another name"
-                )
+            if key in self._claimed:  # claimed when the op was made: submitted now
+                self._claimed.discard(key)
+            elif key in self._names:
+                raise self._duplicate(req.kind, name, req.pset)
             self._names.add(key)
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)

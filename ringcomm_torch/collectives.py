@@ -119,12 +119,27 @@ def _start(staged: Sequence[Staged], core_kind: str, core_name: str | None, proc
            start: Callable[[str | None], Any]) -> Any:
     """``start(core_name)`` submits the core op: now, or for CUDA tensors on the stager thread once
     their copies to the host are done (the caller does not wait for the GPU).  An unnamed op
-    deferred so takes its ``core_kind.noname.N`` name now, in program order, as the others do."""
+    deferred so takes its ``core_kind.noname.N`` name now, in program order, as the others do; a
+    named one claims its name now, so that a duplicate raises at its call."""
     if all(s.ready is None for s in staged):
         return start(core_name)
     if core_name is None:
         core_name = _rc.api.reserve_name(core_kind, process_set)
-    return begin(staged, lambda: start(core_name), core_name)
+    else:  # a second op of this name raises at its call, as it does for ops submitted at once
+        _rc.api.claim_name(core_kind, core_name, process_set)
+    name: str = core_name
+
+    def submit() -> Any:
+        try:
+            return start(name)
+        except BaseException:
+            _rc.api.drop_claim(core_kind, name, process_set)  # nothing if the core took the op
+            raise
+    try:
+        return begin(staged, submit, name)
+    except BaseException:
+        _rc.api.drop_claim(core_kind, name, process_set)
+        raise
 
 
 def _nbytes(staged: Sequence[Staged]) -> int:

@@ -130,6 +130,18 @@ def test_duplicate_in_flight_name(job, monkeypatch) -> None:
     rc.allreduce(np.ones(2), name="dup")  # free again once finished
 
 
+def test_a_claimed_name_is_in_flight_until_its_op_is_submitted_and_done_or_the_claim_dropped(job) -> None:
+    rc.api.claim_name("allreduce", "later", rc.global_process_set)
+    with pytest.raises(rc.DuplicateNameError, match="'later' is already in flight on rank 0"):
+        rc.api.claim_name("allgather", "later", rc.global_process_set)  # another op of the claimed name
+    assert rc.allreduce(np.ones(2), op=rc.Sum, name="later").tolist() == [1, 1]  # the claimed op itself
+    rc.allreduce(np.ones(2), name="later")  # free again once done
+    rc.api.claim_name("allreduce", "dropped", rc.global_process_set)
+    rc.api.drop_claim("allreduce", "dropped", rc.global_process_set)  # never submitted
+    rc.allreduce(np.ones(2), name="dropped")
+    rc.api.drop_claim("allreduce", "dropped", rc.global_process_set)  # nothing claimed: nothing happens
+
+
 def test_collectives_before_init_and_after_shutdown(monkeypatch) -> None:
     if rc.is_initialized():
         rc.shutdown()

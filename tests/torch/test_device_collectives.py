@@ -223,3 +223,29 @@ def test_a_return_thread_takes_a_finished_op_before_an_older_one_still_in_flight
     late.gate.set()
     a.wait()
     assert order == [0, 2, 1]
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast"])
+def test_a_second_op_of_a_name_in_flight_raises_at_its_call_while_the_first_waits_for_its_copy(kind):
+    """A device op hands its data to the core only once its copy is done, yet a second op of the
+    same name raises DuplicateNameError (a ValueError, as Horovod's) at its call, before any copy,
+    and the name is free again once the first is done, on every rank alike."""
+    from ringcomm.errors import DuplicateNameError
+
+    start = {"allreduce": lambda t, nm: hvd.allreduce_async(t, op=hvd.Sum, name=nm),
+             "allgather": lambda t, nm: hvd.allgather_async(t, name=nm),
+             "broadcast": lambda t, nm: hvd.broadcast_async(t, 0, name=nm)}[kind]
+    ops = device.FakeOps()
+    name = f"dup.{kind}"
+    with device.override(ops):
+        ops.hold()  # the first op's copy to the host stays pending: the core has not seen it
+        first = start(mine(), name)
+        with pytest.raises(DuplicateNameError, match="already in flight") as err:
+            start(mine(), name)
+        assert isinstance(err.value, ValueError)
+        ops.fire()
+        hvd.synchronize(first)
+        again = hvd.synchronize(start(mine(), name))  # the name is free again
+    want = {"allreduce": summed(), "allgather": torch.cat([mine() - hvd.rank() + r for r in range(hvd.size())]),
+            "broadcast": mine() - hvd.rank()}[kind]
+    assert torch.equal(again, want), (again, want)
