@@ -70,11 +70,12 @@ class Settings:
     #: early), filled in reverse parameter order (the order backward produces them); each bucket
     #: starts its reduction once all its gradients are ready.  0: one op per parameter.
     bucket_bytes: int = 25 * 1024 * 1024
-    #: DistributedOptimizer's CUDA buckets, in a job whose ranks all share one host and whose GPUs are
-    #: one or have peer access: reduced on the GPUs through CUDA IPC, each rank summing its shard of
-    #: every rank's bucket (``ringcomm_torch/device_ipc.py``); 0: always through pinned host memory.
-    #: On one H200 shared by two ranks, resnet18 training at batch 64 ran at 6831 img/s per rank this
-    #: way and 4568 through pinned memory.
+    #: DistributedOptimizer's CUDA buckets, in a job where some host runs two ranks or more and the
+    #: GPUs of each host's ranks are one or have peer access: reduced on the GPUs through CUDA IPC,
+    #: each rank summing its shard of its host's ranks' buckets, and only that shard crossing hosts
+    #: (``ringcomm_torch/device_ipc.py``; not in an elastic job); 0: always through pinned host
+    #: memory.  On one H200 shared by two ranks, resnet18 training at batch 64 ran at 6831 img/s
+    #: this way and 4568 through pinned memory.
     device_ipc: bool = True
     #: With the device path on, each rank shares one device buffer of this many bytes with the other
     #: ranks of its host, once, at its first CUDA allreduce (``ringcomm_torch/device_arena.py``):
