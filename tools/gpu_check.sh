@@ -97,17 +97,19 @@ training() {  # training BATCH LIMIT REPEATS: the four setups side by side in on
 cuda_tests cuda-tests-np1 90 1
 cuda_tests cuda-tests-np2 120 2
 
+way_env() {  # way_env pinned|stream|host: the settings of one way of a CUDA allreduce
+    if [ "$1" = pinned ]; then echo RINGCOMM_DEVICE_IPC=0; else
+        echo RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT="$1"; fi
+}
+export -f way_env
+
 # one CUDA allreduce three ways at np 2, alternating: through pinned memory (RINGCOMM_DEVICE_IPC=0),
 # through the arena with the side stream waiting for the peer's events (stream), and with a host
 # thread waiting for them instead (host): whether a stream that waits on another process's work
 # costs the two ranks sharing one GPU a time slice
 step ipc-ways 120 bash -c 'for round in 1 2; do for way in pinned stream host; do
-    case $way in
-        pinned) set -- RINGCOMM_DEVICE_IPC=0 ;;
-        *) set -- RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way ;;
-    esac
     echo "way $way, round $round"
-    env "$@" "$PY" -m ringcomm.bench allreduce --device cuda --np 2 --sizes 4K 1M 64M --repeats 1 \
+    env $(way_env $way) "$PY" -m ringcomm.bench allreduce --device cuda --np 2 --sizes 4K 1M 64M --repeats 1 \
         --systems ringcomm --no-plot --out-dir "$RAW" --json "$RAW/ipc-$way-$round.json" | grep "^| 2 "
 done; done'
 grep -h "^way\|^| 2 " "$OUT/ipc-ways.log" >>"$SUMMARY"
@@ -116,11 +118,7 @@ mv "$OUT/ipc-ways.log" "$RAW/" 2>/dev/null
 # the same three ways split into phases (tools/allreduce_phases.py): the caller's call, its
 # synchronize(), and what the GPU still had to do after it
 step phases 90 bash -c 'for way in pinned stream host; do
-    case $way in
-        pinned) set -- RINGCOMM_DEVICE_IPC=0 ;;
-        *) set -- RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way ;;
-    esac
-    env "$@" "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/allreduce_phases.py --sizes 4K 1M 64M --ops 100
+    env $(way_env $way) "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/allreduce_phases.py --sizes 4K 1M 64M --ops 100
 done'
 grep -h "phases np" "$OUT/phases.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
 mv "$OUT/phases.log" "$RAW/" 2>/dev/null
