@@ -403,15 +403,15 @@ def reserve_name(kind: str, process_set: Any) -> str:
     return rt.auto_name(kind, None, pset)
 
 
-def claim_name(kind: str, name: str, process_set: Any) -> None:
+def claim_name(kind: str, name: str, process_set: Any) -> str:
     """Take ``name`` for a ``kind`` op of ``process_set`` that is submitted later, from another
-    thread (ringcomm_torch once a CUDA tensor's copy is done): while it is in flight, another op of
-    that name claimed meanwhile raises :class:`DuplicateNameError` at its call, as it does for ops
-    submitted at once; the next op submitted under the name is taken as the claimed one.
-    :func:`drop_claim` gives the name back if the op is never submitted."""
+    thread (ringcomm_torch once a CUDA tensor's copy is done); returns the name to submit that op
+    under.  Until the op is done, any other op of that name raises :class:`DuplicateNameError`
+    at its call, as it does for ops submitted at once.  :func:`drop_claim` gives the name back if
+    the op is never submitted."""
     rt = current(kind)
     pset, _ = rt.resolve_set(process_set, kind)
-    rt.claim_name(kind, name, pset)
+    return rt.claim_name(kind, name, pset)
 
 
 def drop_claim(kind: str, name: str, process_set: Any) -> None:

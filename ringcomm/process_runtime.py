@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .core import wire
-from .core.naming import WIRE_KINDS, OpCall, OpNames
+from .core.naming import WIRE_KINDS, ClaimedName, OpCall, OpNames
 from .core.process_sets import ProcessSet, global_process_set
 from .elastic import worker as elastic_worker
 from .dispatch import Dispatcher
@@ -148,16 +148,18 @@ class Runtime:
             f"{' in process set %d' % pset if pset else ''}; wait for it (synchronize) or use another name"
         )
 
-    def claim_name(self, kind: str, name: str, pset: int) -> None:
+    def claim_name(self, kind: str, name: str, pset: int) -> ClaimedName:
         """Take ``name`` for an op that is submitted later, from another thread (a layer above
         that first copies the op's data): a second op of that name raises now, as it would if
-        this one were submitted already; :meth:`submit` of this op then uses the claim."""
+        this one were submitted already.  The op submitted under the returned name uses the
+        claim; any other op of that name raises until the claimed op is done or the claim dropped."""
         key = (pset, name)
         with self._lock:
             if key in self._names:
                 raise self._duplicate(kind, name, pset)
             self._names.add(key)
             self._claimed.add(key)
+        return ClaimedName(name)
 
     def drop_claim(self, name: str, pset: int) -> None:
         """Give back a claimed name whose op was never submitted (nothing if it was)."""
@@ -172,11 +174,14 @@ class Runtime:
         name = req.name
         key = (req.pset, name)
         with self._lock:
-            if key in self._claimed:  # claimed when the op was made: submitted now
+            if isinstance(name, ClaimedName) and key in self._claimed:  # claimed when the op was made
                 self._claimed.discard(key)
             elif key in self._names:
                 raise self._duplicate(req.kind, name, req.pset)
             self._names.add(key)
+        if isinstance(name, ClaimedName):
+            name = str(name)
+            req = req._replace(name=name)
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)

@@ -126,7 +126,7 @@ def _start(staged: Sequence[Staged], core_kind: str, core_name: str | None, proc
     if core_name is None:
         core_name = _rc.api.reserve_name(core_kind, process_set)
     else:  # a second op of this name raises at its call, as it does for ops submitted at once
-        _rc.api.claim_name(core_kind, core_name, process_set)
+        core_name = _rc.api.claim_name(core_kind, core_name, process_set)
     name: str = core_name
 
     def submit() -> Any:

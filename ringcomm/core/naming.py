@@ -45,6 +45,19 @@ WIRE_KINDS = {
 }
 
 
+class ClaimedName(str):
+    """An op's name taken before the op is submitted (:meth:`ringcomm.process_runtime.Runtime.claim_name`):
+    the op submitted under this very object is the claimed one; any other op of that name
+    submitted meanwhile is a duplicate, as it would be if the claimed op were in flight already.
+
+        >>> later = ClaimedName("allreduce.grad")
+        >>> later == "allreduce.grad", isinstance(later, ClaimedName), isinstance("allreduce.grad", ClaimedName)
+        (True, True, False)
+    """
+
+    __slots__ = ()
+
+
 class OpCall(NamedTuple):
     """One call of a collective on one rank, named: made when the op is named, before its arguments
     are checked, and what the rank tells rank 0 if it refuses them (:meth:`refusal`).

@@ -131,10 +131,13 @@ def test_duplicate_in_flight_name(job, monkeypatch) -> None:
 
 
 def test_a_claimed_name_is_in_flight_until_its_op_is_submitted_and_done_or_the_claim_dropped(job) -> None:
-    rc.api.claim_name("allreduce", "later", rc.global_process_set)
+    later = rc.api.claim_name("allreduce", "later", rc.global_process_set)
+    assert later == "later"
     with pytest.raises(rc.DuplicateNameError, match="'later' is already in flight on rank 0"):
         rc.api.claim_name("allgather", "later", rc.global_process_set)  # another op of the claimed name
-    assert rc.allreduce(np.ones(2), op=rc.Sum, name="later").tolist() == [1, 1]  # the claimed op itself
+    with pytest.raises(rc.DuplicateNameError, match="'later' is already in flight on rank 0"):
+        rc.allreduce_async(np.ones(2), name="later")  # an op submitted at once under the name is another op
+    assert rc.allreduce(np.ones(2), op=rc.Sum, name=later).tolist() == [1, 1]  # the claimed op itself
     rc.allreduce(np.ones(2), name="later")  # free again once done
     rc.api.claim_name("allreduce", "dropped", rc.global_process_set)
     rc.api.drop_claim("allreduce", "dropped", rc.global_process_set)  # never submitted

@@ -249,3 +249,23 @@ def test_a_second_op_of_a_name_in_flight_raises_at_its_call_while_the_first_wait
     want = {"allreduce": summed(), "allgather": torch.cat([mine() - hvd.rank() + r for r in range(hvd.size())]),
             "broadcast": mine() - hvd.rank()}[kind]
     assert torch.equal(again, want), (again, want)
+
+
+def test_a_host_op_of_the_name_a_device_op_waits_under_raises_and_the_device_op_completes():
+    """The device op that waits for its copy holds its name: a host op of that name is a second op
+    in flight (DuplicateNameError at its call), not the first one arriving, and the device op
+    completes with its own data."""
+    import numpy as np
+
+    from ringcomm.errors import DuplicateNameError
+    from ringcomm_torch.collectives import core_name
+
+    ops = device.FakeOps()
+    with device.override(ops):
+        ops.hold()
+        first = hvd.allreduce_async(mine(), op=hvd.Sum, name="dup.mixed")
+        with pytest.raises(DuplicateNameError, match="already in flight"):
+            rc.allreduce_async(np.ones(3, np.float32), name=core_name("allreduce", "dup.mixed"))
+        ops.fire()
+        got = hvd.synchronize(first)
+    assert torch.equal(got, summed()), (got, summed())
