@@ -4,9 +4,10 @@ The kernel maps a fresh block's pages at first touch.  torch's CPU allocator
 leaves large blocks to 4 KiB pages, so the first write of a 1 GiB result takes
 262,144 page faults; with ``madvise(MADV_HUGEPAGE)`` it takes 512, one per
 2 MiB page.  NumPy advises its own arrays of 4 MiB and more so (the core's
-results, e.g. an allgather's, already have it); :func:`empty_host` does the
-same for the tensors this package allocates and the core then fills: an
-out-of-place allreduce or broadcast writes the result straight into one.
+results already have it); :func:`empty_host` does the same for the tensors
+this package allocates and the core then fills: an out-of-place allreduce or
+broadcast writes the result straight into one, and so does an allgather whose
+ranks each give as many rows as this one.
 
 Only advice: without transparent huge pages (another OS, THP set to ``never``)
 nothing changes but the page size.

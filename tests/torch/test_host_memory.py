@@ -237,6 +237,9 @@ def test_repeated_out_of_place_results_reuse_one_block_and_the_setting_turns_it_
         assert len(set(ptrs)) == 1  # each step's result in the block the last one left
         b = hvd.broadcast(x, 0)
         assert torch.equal(b, x) and b.data_ptr() == ptrs[0]
+        del b
+        g = hvd.allgather(x)  # the gathered rows are written straight into the block too
+        assert torch.equal(g, x) and g.data_ptr() == ptrs[0]
     finally:
         hvd.shutdown()
     monkeypatch.setenv("RINGCOMM_HOST_CACHE_BYTES", "0")

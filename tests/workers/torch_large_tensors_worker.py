@@ -112,6 +112,11 @@ def check_data_movement() -> None:
     expected = torch.cat([ints(r, torch.float32, 1 << 20)[: (r + 1) * 1024].view(r + 1, 1024) for r in range(N)])
     bits_eq(hvd.allgather(rows), expected, "allgather of uneven first dims")
     bits_eq(hvd.allgather(x), torch.cat([ints(r, torch.float32, 1 << 20) for r in range(N)]), "allgather")
+    # megabytes of rows, as many on no two ranks: the result made ahead for as many rows as this
+    # rank's on every rank does not fit, and the core makes its own
+    tall = x.view(256, 4096)[: 128 + 64 * R]
+    expected = torch.cat([ints(r, torch.float32, 1 << 20).view(256, 4096)[: 128 + 64 * r] for r in range(N)])
+    bits_eq(hvd.allgather(tall), expected, "allgather of uneven first dims, megabytes each")
 
 
 def check_grouped_and_gradients() -> None:
