@@ -24,19 +24,20 @@ import numpy as np
 import torch
 
 import ringcomm as _rc
+from ringcomm.arguments import check_root
 from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
 from ringcomm.core.ops import ReduceOp
 from ringcomm.handles import GroupHandle
 
 from .basics import check_process_set, global_process_set, rank, set_size
-from .device_arena import arena_for
+from .device_arena import arena_for, broadcast_arena_for
 from .handles import Handle, completed, poll, synchronize
 from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 from .tensors import Staged, begin, empty_result, stage, stageable_dtype
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
-    "allreduce_async", "allreduce_async_", "allreduce_", "staged_allreduce",
+    "allreduce_async", "allreduce_async_", "allreduce_", "staged_allreduce", "staged_broadcast",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
     "allgather_async", "grouped_allgather_async",
     "broadcast_async", "broadcast_async_", "broadcast_",
@@ -370,11 +371,30 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
     check_process_set(process_set, what)
     cname = core_name("broadcast", name)
     with refusing("broadcast", cname, process_set):
-        s = stage(tensor, reduce=False, what=what)
+        arena = broadcast_arena_for(tensor, process_set)
+        if arena is None:
+            s = stage(tensor, reduce=False, what=what)
+        else:  # the core would check the root: this op checks it here, refused on every rank alike
+            root_rank = check_root(root_rank, f"broadcast {cname!r}" if cname else "broadcast", _rc.api.size())
+    if arena is not None:  # CUDA, every rank on one host: copied from the root's arena on the GPUs
+        return arena.broadcast(
+            tensor, root=root_rank, in_place=in_place,
+            core_name=cname or _rc.api.reserve_name("broadcast", process_set), name=name,
+            fallback=lambda nm: staged_broadcast(tensor, stage(tensor, reduce=False, what=what), root_rank, in_place,
+                                                 name, nm, process_set))
+    return staged_broadcast(tensor, s, root_rank, in_place, name, cname, process_set)
+
+
+def staged_broadcast(tensor: torch.Tensor, s: Staged, root_rank: int, in_place: bool, name: str | None,
+                     cname: str | None, process_set: Any, consumer: Any = None) -> Handle:
+    """Broadcast ``tensor``, staged as ``s``, under core name ``cname`` (None: numbered by the
+    core), into itself (``in_place``) or a new tensor; ``consumer`` as for :func:`staged_allreduce`."""
+    if consumer is not None:
+        s.consumer = consumer
     if not in_place and s.direct:
         # the staged array aliases the caller's tensor: receive into a fresh tensor instead
         result_t = empty_result(tensor)
-        out = stage(result_t, reduce=False, what=what).array  # its wire view (bfloat16: int16 bits)
+        out = stage(result_t, reduce=False, what="broadcast").array  # its wire view (bfloat16: int16 bits)
 
         def finish(_raw: Any) -> torch.Tensor:
             return result_t

@@ -1,6 +1,8 @@
 """Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's
 backward sums, the ``"ringcomm"`` backend's) of at least ``RINGCOMM_DEVICE_IPC_MIN_BYTES``, reduced on the device among each host's ranks through CUDA IPC, as
-:mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory.
+:mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory; and
+per-tensor CUDA broadcasts of that size in a job on one host (``hvd.broadcast``, the backend's,
+so DDP's buffers each forward), copied from the root's arena on the device.
 
 Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
 interprocess events (*posted*, *done*).  At the first CUDA allreduce that may take this path the
@@ -28,6 +30,14 @@ then, and whenever a tensor does not fit in what is free, it offers none.  Each 
    *done* (or waits for them itself, as above), copies the range into the result on the side stream, and makes the stream that
    consumes the result wait for that copy.  The range is free again at once: whatever writes into
    it next is queued on the same side stream, after those waits.
+
+A broadcast (:meth:`Arena.broadcast`) has the same two agreements.  Only the root takes a range and
+copies its tensor in; its row holds the range's offset plus one, another rank's 1 (it can read
+the root's arena) or 0, then the root rank and the signature.  Once every rank can, each other
+rank's side stream waits for the root's *posted*, copies the root's range into its result and
+records *done*; the root's ``synchronize()`` makes its side stream wait for every *done* before
+the range is taken again.  No thread waits for the device, so DDP's forward, which waits for its
+buffers' broadcast, does not wait for the GPU to finish the last step.
 
 The agreements are allreduces because after ``hvd.join()`` only allreduces proceed: a rank that
 has joined adds zeros, which read as "no room" (the op then takes the pinned path, where that rank
@@ -67,7 +77,8 @@ from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_g
 from .device_ipc_ops import ipc_for
 from .handles import Handle
 
-__all__ = ["Slots", "Arena", "arena_for", "signature", "disagreement", "ARENA_ALIGN"]
+__all__ = ["Slots", "Arena", "arena_for", "broadcast_arena_for", "signature", "disagreement", "root_disagreement",
+           "ARENA_ALIGN"]
 
 _log = logging.getLogger(__name__)
 
@@ -130,8 +141,12 @@ SIGNATURE_DIMS = 8
 #: Entries of a rank's row in an op's agreement: its range's offset plus one (0: none), then the
 #: tensor's :func:`signature`.
 ROW = 1 + 3 + SIGNATURE_DIMS
+#: Entries of a rank's row in a broadcast's agreement: the root's range's offset plus one (another
+#: rank: 1 when it can read the root's arena, else 0), the root rank, then the tensor's signature.
+BROADCAST_ROW = 2 + 3 + SIGNATURE_DIMS
 _DTYPES = {zlib.crc32(str(dt).encode()): str(dt).removeprefix("torch.")
-           for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+           for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                      torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
 
 
 def signature(t: torch.Tensor) -> list[int]:
@@ -148,9 +163,9 @@ def signature(t: torch.Tensor) -> list[int]:
     return [zlib.crc32(str(t.dtype).encode()), len(dims), *head, rest]
 
 
-def disagreement(name: str, rows: np.ndarray) -> str:
+def disagreement(name: str, rows: np.ndarray, kind: str = "allreduce") -> str:
     """'' when every rank's :func:`signature` (``rows[k]``) is the same, else the message of the
-    op's failure, naming each rank's dtype and shape (pure).
+    ``kind`` op's failure, naming each rank's dtype and shape (pure).
 
     >>> sig = lambda *shape: signature(torch.zeros(*shape))
     >>> disagreement("allreduce.x", np.array([sig(4, 6), sig(4, 6)]))
@@ -166,8 +181,24 @@ def disagreement(name: str, rows: np.ndarray) -> str:
         dims = [int(d) for d in r[2:2 + min(ndim, SIGNATURE_DIMS)]] + (["..."] if ndim > SIGNATURE_DIMS else [])
         return f"{_DTYPES.get(int(r[0]), 'another dtype')} {dims}"
     ranks = ", ".join(f"rank {k}: {described(r)}" for k, r in enumerate(rows))
-    return (f"allreduce '{name}': ranks disagree on the tensor: {ranks}. "
+    return (f"{kind} '{name}': ranks disagree on the tensor: {ranks}. "
             "Pass a tensor of the same shape and dtype on every rank.")
+
+
+def root_disagreement(name: str, roots: np.ndarray) -> str:
+    """'' when every rank named the same root (``roots[k]``: rank ``k``'s), else the message of
+    the broadcast's failure, naming each rank's (pure).
+
+    >>> root_disagreement("broadcast.w", np.array([0, 0]))
+    ''
+    >>> root_disagreement("broadcast.w", np.array([0, 1]))
+    "broadcast 'broadcast.w': ranks disagree on root_rank: rank 0: 0, rank 1: 1. Pass the same root_rank on every rank."
+    """
+    if (roots == roots[0]).all():
+        return ""
+    named = ", ".join(f"rank {k}: {int(r)}" for k, r in enumerate(roots))
+    return (f"broadcast '{name}': ranks disagree on root_rank: {named}. "
+            "Pass the same root_rank on every rank.")
 
 
 class _Range:
@@ -314,6 +345,17 @@ class Arena:
             self.start()
         return -1
 
+    def readable(self, t: torch.Tensor) -> bool:
+        """Whether this rank has opened every peer's arena, for ``t``'s device; the first call
+        starts the sharing."""
+        with self._lock:
+            state = self.state
+            if state == "ready":
+                return t.device == self.service.device
+        if state == "new":
+            self.start()
+        return False
+
     def give(self, offset: int) -> None:
         with self._lock:
             self.slots.give(offset)
@@ -396,6 +438,75 @@ class Arena:
 
         return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
 
+    def broadcast(self, t: torch.Tensor, *, root: int, in_place: bool, core_name: str, name: str | None,
+                  fallback: Callable[[str], Handle], consumer: Any = None) -> Handle:
+        """Start copying rank ``root``'s ``t`` into every rank's result on the device (see the module
+        docstring; every rank is on this host); ``fallback(core_name)`` starts the same op through
+        pinned host memory and returns its handle.  ``consumer``: as for :meth:`allreduce`.
+        Returns at once."""
+        ops, svc = self.ops, self.service
+        mine = self.rank == root
+        offset = self.offer(t) if mine else (0 if self.readable(t) else -1)
+        if offset >= 0 and len(self.local) < self.size:  # a rank on another host cannot read the root's arena
+            if mine:
+                self.give(offset)
+            offset = -1
+        held = _Range(self, offset if mine else -1)
+        side = svc.after(svc.current())  # t's producers (and a result's earlier readers) come first
+        if mine and offset >= 0:
+            t0 = time.perf_counter()
+            ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
+            ops.record(self.posted[self.rank], side)
+            _span(ops, core_name, "MEMCPY_IN_ARENA", t0, self.posted[self.rank])
+        target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        row = np.zeros((self.size, BROADCAST_ROW), dtype=np.int64)  # a rank that has joined adds zeros
+        row[self.rank] = [offset + 1, root, *signature(t)]
+        agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
+
+        def copy(raw: Any) -> Any:  # on a return thread, once every rank has offered
+            rows = np.asarray(raw).reshape(self.size, BROADCAST_ROW)
+            if (rows[:, 0] <= 0).any():  # the root has no room, or a rank cannot read it, or has joined
+                held.give()
+                return fallback(f"{core_name}.host")
+            problem = (root_disagreement(core_name, rows[:, 1])
+                       or disagreement(core_name, rows[:, 2:], "broadcast"))  # alike on every rank
+            if problem:
+                return MismatchError(problem)
+            if not self._unlinked:
+                self._unlinked = True
+                self.ipc.opened()
+            error = None
+            t0 = time.perf_counter()
+            try:
+                source = self._view(root, int(rows[root, 0]) - 1, t).view(t.shape)
+                if not mine:
+                    wait_for_peers(ops, side, [ev if k == root else None for k, ev in enumerate(self.posted)],
+                                   self.rank)
+                if not (mine and in_place):
+                    ops.copy(target, source, side)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
+                error = exc
+            ops.record(self.done[self.rank], side)  # the root's range may be taken again after it
+            if not (mine and in_place):
+                _span(ops, core_name, "MEMCPY_OUT_ARENA", t0)
+            return agree_done(self.rank, self.size, f"{core_name}.done", error, global_process_set)
+
+        returning = svc.then(agreement, copy, core_name)
+
+        def finish(result: Any) -> torch.Tensor:  # synchronize()
+            if isinstance(result, Handle):
+                return result.wait()
+            if isinstance(result, MismatchError):
+                raise result
+            if not (mine and in_place):  # a root's own tensor in place is as it was
+                ops.stream_wait(svc.current() if consumer is None else consumer, svc.mark())
+            if mine:  # every rank has read the range before anything is written into it again
+                wait_for_peers(ops, side, self.done, self.rank)
+            result.check(core_name, self.rank, "broadcast", "copy the root's tensor")
+            return target
+
+        return Handle("broadcast", name, returning, finish, held.give, t.numel() * t.element_size())
+
     def _across_hosts(self, t: torch.Tensor, offsets: list[int], side: Any, core_name: str, prescale: float,
                       postscale: float, average: bool) -> Any:
         """On a return thread, in a job that spans hosts: :func:`~.device_ipc.across_hosts` over this
@@ -433,10 +544,25 @@ def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
     """This rank's arena when an allreduce of ``t`` with ``op`` over ``process_set`` takes the
     agreement of the module docstring, else None.  Every input is alike on every rank of a valid
     op (the settings, the job's layout, the op, the set, the dtype), so every rank decides alike."""
-    settings = _rc.api.current_settings()
-    if not settings.device_ipc or op not in (Sum, Average) or not isinstance(t, torch.Tensor):
+    if op not in (Sum, Average) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
-    if t.layout is not torch.strided or not t.is_floating_point() or t.numel() == 0:
+    return _arena(t, process_set, one_host=False)
+
+
+def broadcast_arena_for(t: torch.Tensor, process_set: Any) -> Arena | None:
+    """This rank's arena when a broadcast of ``t`` over ``process_set`` is copied through the
+    root's arena (every rank on one host; any dtype: only bytes move), else None; alike on every
+    rank, as :func:`arena_for`."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return _arena(t, process_set, one_host=True)
+
+
+def _arena(t: torch.Tensor, process_set: Any, one_host: bool) -> Arena | None:
+    """This rank's arena for a per-tensor op of ``t`` over ``process_set`` where some host has two
+    ranks or more (``one_host``: where every rank is on one host), the kind of op aside."""
+    settings = _rc.api.current_settings()
+    if not settings.device_ipc or t.layout is not torch.strided or t.numel() == 0:
         return None
     if t.numel() * t.element_size() < settings.device_ipc_min_bytes:  # small: through pinned memory
         return None
@@ -446,7 +572,9 @@ def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
     if svc is None or (isinstance(svc.ops, FakeOps) and not svc.ops.ipc):
         return None
     n = _rc.api.size()
-    if n < 2 or _rc.api.cross_size() == n:  # one rank per host: nothing to sum on a device
+    hosts = _rc.api.cross_size()
+    # a broadcast's other ranks read the root's arena: one host; an allreduce sums a host's ranks: two or more
+    if n < 2 or (hosts != 1 if one_host else hosts == n):
         return None
     with _arenas_lock:
         arena = _arenas.get(id(svc.ops))

@@ -214,14 +214,14 @@ class OnDevice:
     def __init__(self, done: Any, error: BaseException | None) -> None:
         self.done, self.error = done, error
 
-    def check(self, op_name: str, rank: int) -> None:
-        """Wait for the agreement; raise on every rank if a rank could not queue its shard."""
+    def check(self, op_name: str, rank: int, kind: str = "allreduce", task: str = "reduce their shard") -> None:
+        """Wait for the agreement; raise on every rank if a rank could not queue its part (``task``)."""
         failed = [k for k, v in enumerate(np.asarray(self.done.wait()).reshape(-1)) if v]
         if failed:
             raise HorovodInternalError(
-                f"allreduce {op_name!r} on rank {rank}: rank(s) {failed} could not reduce their shard on the GPU "
-                f"({self.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to reduce through pinned host "
-                "memory") from self.error
+                f"{kind} {op_name!r} on rank {rank}: rank(s) {failed} could not {task} on the GPU "
+                f"({self.error or 'see their log'}); set RINGCOMM_DEVICE_IPC=0 to take pinned host "
+                "memory instead") from self.error
 
 
 def agree_done(rank: int, size: int, name: str, error: BaseException | None, process_set: Any) -> OnDevice:

@@ -6,7 +6,8 @@
 # the arena with host waits), then split into phases by tools/allreduce_phases.py; `bench training
 # --device cuda` (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on
 # gloo vs DDP on the "ringcomm" backend vs the bound of independent processes with no exchange,
-# alternating rounds); `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
+# alternating rounds); DDP on the "ringcomm" backend with every per-tensor op through the arena;
+# `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
 # gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
 # through pinned memory; the allreduce ways under MPS; DistributedOptimizer and DDP on the
 # "ringcomm" backend under torch.profiler (where the host waits for the GPU); a SyncBatchNorm
@@ -69,7 +70,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/torch/test_cuda.py tests/torch/test_device_buckets.py
        tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py
-       tests/torch/test_device_arena.py)
+       tests/torch/test_device_arena.py tests/torch/test_device_arena_broadcast.py)
 cuda_tests() {  # cuda_tests NAME LIMIT [ENV=VALUE...] NP: the tests at NP ranks (1: no launcher), one log for all
     local name="$1" limit="$2"
     shift 2
@@ -124,6 +125,15 @@ grep -h "phases np" "$OUT/phases.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
 mv "$OUT/phases.log" "$RAW/" 2>/dev/null
 
 training 64 200 3
+
+# DDP on the "ringcomm" backend with every per-tensor op through the arena
+# (RINGCOMM_DEVICE_IPC_MIN_BYTES=0: its first bucket and the buffers it broadcasts at each forward,
+# so that forward does not wait for the GPU) beside DDP on gloo, alternating rounds
+RINGCOMM_DEVICE_IPC_MIN_BYTES=0 step training-b64-ddp-arena 80 "$PY" -m ringcomm.bench training --device cuda \
+    --np 2 --batch 64 --steps 20 --warmup 5 --repeats 3 --setups ddp ddp_ringcomm --no-plot --out-dir "$RAW" \
+    --json "$RAW/training-b64-ddp-arena.json"
+{ echo "RINGCOMM_DEVICE_IPC_MIN_BYTES=0:"; grep -h "img/s\|^| " "$OUT/training-b64-ddp-arena.log"; } >>"$SUMMARY"
+mv "$OUT/training-b64-ddp-arena.log" "$RAW/" 2>/dev/null
 
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"

@@ -82,7 +82,7 @@ class Settings:
     #: per-tensor allreduces (``hvd.allreduce``, SyncBatchNorm, the ``"ringcomm"`` backend) that fit in
     #: what is free reduce there; the others go through pinned host memory.
     device_ipc_arena_bytes: int = 256 * 1024 * 1024
-    #: Per-tensor CUDA allreduces smaller than this many bytes go through pinned host memory even
+    #: Per-tensor CUDA allreduces and broadcasts smaller than this many bytes go through pinned host memory even
     #: with the device path on.  On one H200 shared by two ranks an allreduce through the arena took
     #: about 1.5 ms whatever its size up to 64 MiB (64 MiB: 1.71 ms, 25x gloo), and through pinned
     #: memory 0.67 ms at 4 KiB and 1.17 ms at 1 MiB (measured on another day): they cross near 2 MiB.

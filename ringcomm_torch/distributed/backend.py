@@ -28,8 +28,8 @@ import ringcomm as rc
 from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
-from ..collectives import staged_allreduce
-from ..device_arena import Arena, arena_for
+from ..collectives import staged_allreduce, staged_broadcast
+from ..device_arena import Arena, arena_for, broadcast_arena_for
 from ..tensors import Staged, begin, host_memory, stage
 from .work import RingcommWork, as_backend_error, completer
 
@@ -185,6 +185,20 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
         return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: [t])
 
+    def _device_broadcast(self, arena: Arena, t: torch.Tensor, root: int) -> RingcommWork:
+        """:meth:`broadcast` of one device tensor from the root's arena (``root``: a global rank),
+        ordered before later work of the stream current here, as on the pinned path."""
+        name = self._name("bc")
+        consumer = arena.service.current()
+        try:
+            handle = arena.broadcast(
+                t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
+                fallback=lambda nm: staged_broadcast(t, stage(t, reduce=False, what="broadcast"), root, True, name, nm,
+                                                     self._pset, consumer))
+        except BaseException as exc:
+            raise as_backend_error(f"broadcast on rank {self._rank}", exc) from exc
+        return completer.submit(f"broadcast on rank {self._rank}", [handle], lambda _results: [t])
+
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         op = reduce_op(opts.reduceOp, "reduce")
         root = self._root(opts.rootRank, "reduce")
@@ -254,6 +268,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = self._root(opts.rootRank, "broadcast")
+        arena = broadcast_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
+        if arena is not None:  # one CUDA tensor (DDP's buffers), every rank on one host: copied on the GPUs
+            return self._device_broadcast(arena, tensors[0], root)
         staged = [stage(t, reduce=False, what="broadcast") for t in tensors]
         name = self._name("bc")
 

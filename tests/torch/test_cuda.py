@@ -99,6 +99,40 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
         assert arena.staged_bytes - staged == 4 * 10 * shard[0] + 2 * shard[1]  # shards only, float16 as float16
 
 
+def test_a_single_tensor_broadcast_on_one_host_is_copied_from_the_roots_arena():
+    """With RINGCOMM_DEVICE_IPC=1, every rank on one host: a broadcast of any dtype gives every rank
+    the root's bits, reads what the current stream queued before the call, and is ordered before
+    what it queues after; nothing goes through pinned host memory."""
+    import time
+
+    from ringcomm_torch import device_arena
+
+    t = torch.zeros(1 << 15, device="cuda")
+    arena = device_arena.broadcast_arena_for(t, hvd.global_process_set)
+    if arena is None:
+        pytest.skip("broadcasts take pinned memory here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
+    arena.start()
+    deadline = time.monotonic() + 60
+    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
+        assert time.monotonic() < deadline, arena.state
+        time.sleep(0.01)
+    if arena.state != "ready" or len(arena.local) < hvd.size():
+        pytest.skip(f"the ranks span hosts or the arena is off ({arena.reason})")
+    pool = device.service_for(t).pool
+    before = pool.allocations
+    root = hvd.size() - 1
+    for step in range(1, 4):
+        t.fill_(float(hvd.rank() * 10 + step))  # queued before the call
+        out = hvd.broadcast(t, root)
+        out.add_(1)  # queued after: runs on the root's values
+        hvd.broadcast_(t, 0)
+        assert float(out[-1]) == root * 10 + step + 1
+        assert float(t[0]) == step
+    ints = torch.arange(999, device="cuda", dtype=torch.int64) * (hvd.rank() + 1)
+    assert torch.equal(hvd.broadcast(ints, root), torch.arange(999, device="cuda") * (root + 1))
+    assert pool.allocations == before
+
+
 def test_sync_batch_norm_on_cuda_matches_the_host():
     import copy
 
