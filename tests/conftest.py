@@ -63,6 +63,20 @@ def hosts_of_job(size: int) -> int:
     return min(TEST_HOSTS, size)
 
 
+def settle_arena(arena, seconds: float = 60.0) -> None:
+    """Start sharing a device arena (``ringcomm_torch.device_arena.Arena``) where no op did yet, and
+    wait until every rank's has settled: shared (``"ready"``) or given up (``"off"``)."""
+    import time
+
+    import ringcomm_torch as hvd
+
+    arena.start()
+    deadline = time.monotonic() + seconds
+    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
+        assert time.monotonic() < deadline, arena.state
+        time.sleep(0.01)
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

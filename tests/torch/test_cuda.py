@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
                 allow_module_level=True)
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import name_test_host, timeline_phases  # noqa: E402
+from conftest import name_test_host, settle_arena, timeline_phases  # noqa: E402
 from ringcomm_torch import device  # noqa: E402
 
 
@@ -62,19 +62,13 @@ def test_single_tensor_allreduces_reduce_on_the_gpus_through_the_shared_arena():
     allreduce is right, alike on every rank and ordered on the current stream (a result read right
     after the call sees the kernels queued before it).  On one host nothing goes through pinned
     memory; across named hosts only each rank's shard of its host's sum does."""
-    import time
-
     from ringcomm_torch import device_arena, device_ipc
 
     t = torch.zeros(1 << 16, device="cuda")
     arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
     if arena is None:
         pytest.skip("the device path is off here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
-    arena.start()
-    deadline = time.monotonic() + 60
-    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
-        assert time.monotonic() < deadline, arena.state
-        time.sleep(0.01)
+    settle_arena(arena)
     assert arena.state == "ready", arena.reason
     before = device.service_for(t).pool.allocations
     staged = arena.staged_bytes
@@ -103,19 +97,13 @@ def test_a_single_tensor_broadcast_on_one_host_is_copied_from_the_roots_arena():
     """With RINGCOMM_DEVICE_IPC=1, every rank on one host: a broadcast of any dtype gives every rank
     the root's bits, reads what the current stream queued before the call, and is ordered before
     what it queues after; nothing goes through pinned host memory."""
-    import time
-
     from ringcomm_torch import device_arena
 
     t = torch.zeros(1 << 15, device="cuda")
     arena = device_arena.broadcast_arena_for(t, hvd.global_process_set)
     if arena is None:
         pytest.skip("broadcasts take pinned memory here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
-    arena.start()
-    deadline = time.monotonic() + 60
-    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
-        assert time.monotonic() < deadline, arena.state
-        time.sleep(0.01)
+    settle_arena(arena)
     if arena.state != "ready" or len(arena.local) < hvd.size():
         pytest.skip(f"the ranks span hosts or the arena is off ({arena.reason})")
     pool = device.service_for(t).pool
@@ -186,13 +174,7 @@ def test_timeline_shows_the_copies_of_the_path_taken(tmp_path):
     arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
     through_arena = False
     if arena is not None:  # every rank's arena settled before the traced op
-        import time
-
-        arena.start()
-        deadline = time.monotonic() + 60
-        while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
-            assert time.monotonic() < deadline, arena.state
-            time.sleep(0.01)
+        settle_arena(arena)
         through_arena = all(hvd.allgather_object(arena.state == "ready"))
     path = tmp_path / "cuda-timeline.json"
     hvd.start_timeline(str(path))

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import TEST_HOSTS, hosts_of_job, name_test_host, timeline_phases  # noqa: E402
+from conftest import TEST_HOSTS, hosts_of_job, name_test_host, settle_arena, timeline_phases  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import HorovodInternalError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
@@ -80,11 +80,7 @@ def settled(t: torch.Tensor) -> device_arena.Arena | None:
     arena = device_arena.arena_for(t, hvd.Sum, hvd.global_process_set)
     if arena is None:
         return None
-    arena.start()  # where no op started the sharing yet
-    deadline = time.monotonic() + 60
-    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
-        assert time.monotonic() < deadline, arena.state
-        time.sleep(0.01)
+    settle_arena(arena)
     return arena
 
 

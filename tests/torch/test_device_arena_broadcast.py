@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import hosts_of_job, name_test_host, timeline_phases  # noqa: E402
+from conftest import hosts_of_job, name_test_host, settle_arena, timeline_phases  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import InvalidInputError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena  # noqa: E402
@@ -51,11 +51,7 @@ def settled(t: torch.Tensor) -> device_arena.Arena | None:
     arena = device_arena.broadcast_arena_for(t, hvd.global_process_set)
     if arena is None:
         return None
-    arena.start()
-    deadline = time.monotonic() + 60
-    while not all(hvd.allgather_object(arena.state in ("ready", "off"))):
-        assert time.monotonic() < deadline, arena.state
-        time.sleep(0.01)
+    settle_arena(arena)
     return arena
 
 
