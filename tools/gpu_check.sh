@@ -7,12 +7,12 @@
 # --device cuda` (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on
 # gloo vs DDP on the "ringcomm" backend vs the bound of independent processes with no exchange,
 # alternating rounds); DDP on the "ringcomm" backend with every per-tensor op through the arena;
-# `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
+# a SyncBatchNorm training step against a BatchNorm one, its small allreduces through pinned memory
+# and through the arena; `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
 # gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
 # through pinned memory; the allreduce ways under MPS; DistributedOptimizer and DDP on the
-# "ringcomm" backend under torch.profiler (where the host waits for the GPU); a SyncBatchNorm
-# training step against a BatchNorm one; the shared-memory allreduce of host arrays on 1 thread per
-# rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven files, the benches'
+# "ringcomm" backend under torch.profiler (where the host waits for the GPU); the shared-memory
+# allreduce of host arrays on 1 thread per rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven files, the benches'
 # raw numbers packed in one archive.  summary.txt starts with the machine and grows after each
 # step, so a run cut short still tells what it measured.
 #
@@ -135,6 +135,61 @@ RINGCOMM_DEVICE_IPC_MIN_BYTES=0 step training-b64-ddp-arena 80 "$PY" -m ringcomm
 { echo "RINGCOMM_DEVICE_IPC_MIN_BYTES=0:"; grep -h "img/s\|^| " "$OUT/training-b64-ddp-arena.log"; } >>"$SUMMARY"
 mv "$OUT/training-b64-ddp-arena.log" "$RAW/" 2>/dev/null
 
+# a training step with hvd.SyncBatchNorm against the same step with torch's BatchNorm2d: two ranks on
+# one GPU, a conv net at batch 64, DistributedOptimizer, alternating rounds; every rank's running
+# statistics must agree after the SyncBatchNorm steps
+cat >"$RAW/syncbn_step.py" <<'PYEOF'
+import time
+
+import torch
+import ringcomm_torch as hvd
+
+hvd.init()
+torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+
+
+def net(norm):
+    torch.manual_seed(0)
+    layers = []
+    for cin, cout in ((3, 32), (32, 64), (64, 64)):
+        layers += [torch.nn.Conv2d(cin, cout, 3, padding=1), norm(cout), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(64, 10)).cuda()
+
+
+def timed(model, steps=20, warmup=5):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(64, 3, 32, 32, device="cuda") + hvd.rank()
+    y = torch.randint(0, 10, (64,), device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+plain, synced = net(torch.nn.BatchNorm2d), net(hvd.SyncBatchNorm)
+rounds = [(timed(plain), timed(synced)) for _ in range(3)]
+stats = hvd.allgather(synced[1].running_mean.unsqueeze(0))
+assert all(torch.allclose(stats[0], row) for row in stats), "SyncBatchNorm running means differ between ranks"
+if hvd.rank() == 0:
+    for bn, sbn in rounds:
+        print(f"syncbn: BatchNorm2d {bn:.2f} ms/step, SyncBatchNorm {sbn:.2f} ms/step, ratio {sbn / bn:.2f}")
+PYEOF
+# its small allreduces (a few hundred bytes, in forward and backward) through pinned memory (the
+# default RINGCOMM_DEVICE_IPC_MIN_BYTES) and through the arena (0), alternating launches
+step syncbn 110 bash -c 'for mb in default 0 default 0; do
+    echo "syncbn launch with RINGCOMM_DEVICE_IPC_MIN_BYTES=$mb"
+    if [ "$mb" = 0 ]; then export RINGCOMM_DEVICE_IPC_MIN_BYTES=0; else unset RINGCOMM_DEVICE_IPC_MIN_BYTES; fi
+    "$PY" -m ringcomm.launch.launcher -np 2 "$PY" "$RAW/syncbn_step.py"
+done'
+grep -h "syncbn\|Error\|error" "$OUT/syncbn.log" | tail -n 16 >>"$SUMMARY"
+
 step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 --sizes 4K 1M 64M --repeats 2 \
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
@@ -192,55 +247,6 @@ step profile-b64-ddp 90 bash -c 'port=$((29500 + RANDOM % 1000)); for r in 0 1; 
         --profile "$RAW/profile-b64-ddp.json" &
 done; wait'
 mv "$OUT/profile-b64-ddp.log" "$RAW/" 2>/dev/null
-
-# a training step with hvd.SyncBatchNorm against the same step with torch's BatchNorm2d: two ranks on
-# one GPU, a conv net at batch 64, DistributedOptimizer, alternating rounds; every rank's running
-# statistics must agree after the SyncBatchNorm steps
-cat >"$RAW/syncbn_step.py" <<'PYEOF'
-import time
-
-import torch
-import ringcomm_torch as hvd
-
-hvd.init()
-torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-
-
-def net(norm):
-    torch.manual_seed(0)
-    layers = []
-    for cin, cout in ((3, 32), (32, 64), (64, 64)):
-        layers += [torch.nn.Conv2d(cin, cout, 3, padding=1), norm(cout), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(64, 10)).cuda()
-
-
-def timed(model, steps=20, warmup=5):
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
-    x = torch.randn(64, 3, 32, 32, device="cuda") + hvd.rank()
-    y = torch.randint(0, 10, (64,), device="cuda")
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-plain, synced = net(torch.nn.BatchNorm2d), net(hvd.SyncBatchNorm)
-rounds = [(timed(plain), timed(synced)) for _ in range(3)]
-stats = hvd.allgather(synced[1].running_mean.unsqueeze(0))
-assert all(torch.allclose(stats[0], row) for row in stats), "SyncBatchNorm running means differ between ranks"
-if hvd.rank() == 0:
-    for bn, sbn in rounds:
-        print(f"syncbn: BatchNorm2d {bn:.2f} ms/step, SyncBatchNorm {sbn:.2f} ms/step, ratio {sbn / bn:.2f}")
-PYEOF
-step syncbn 120 "$PY" -m ringcomm.launch.launcher -np 2 "$PY" "$RAW/syncbn_step.py"
-grep -h "syncbn:\|Error\|error" "$OUT/syncbn.log" | tail -n 6 >>"$SUMMARY"
 
 # the shared-memory allreduce's copies and sums on 1 thread per rank vs 4 (RINGCOMM_SHM_ALLREDUCE_THREADS;
 # the default takes 4 with 2 ranks on 16 cores), host arrays, alternating twice
