@@ -7,8 +7,8 @@
 # --device cuda` (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on
 # gloo vs DDP on the "ringcomm" backend vs the bound of independent processes with no exchange,
 # alternating rounds); DDP on the "ringcomm" backend with every per-tensor op through the arena;
-# a SyncBatchNorm training step against a BatchNorm one, its small allreduces through pinned memory
-# and through the arena; `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
+# a SyncBatchNorm training step against a BatchNorm one, its backward's small allreduces through
+# pinned memory and through the arena; `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
 # gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
 # through pinned memory; the allreduce ways under MPS; DistributedOptimizer and DDP on the
 # "ringcomm" backend under torch.profiler (where the host waits for the GPU); the shared-memory
@@ -181,8 +181,9 @@ if hvd.rank() == 0:
     for bn, sbn in rounds:
         print(f"syncbn: BatchNorm2d {bn:.2f} ms/step, SyncBatchNorm {sbn:.2f} ms/step, ratio {sbn / bn:.2f}")
 PYEOF
-# its small allreduces (a few hundred bytes, in forward and backward) through pinned memory (the
-# default RINGCOMM_DEVICE_IPC_MIN_BYTES) and through the arena (0), alternating launches
+# its backward's small allreduces (a few hundred bytes; its forward's allgathers always take pinned
+# memory) through pinned memory (the default RINGCOMM_DEVICE_IPC_MIN_BYTES) and through the arena
+# (0), alternating launches
 step syncbn 110 bash -c 'for mb in default 0 default 0; do
     echo "syncbn launch with RINGCOMM_DEVICE_IPC_MIN_BYTES=$mb"
     if [ "$mb" = 0 ]; then export RINGCOMM_DEVICE_IPC_MIN_BYTES=0; else unset RINGCOMM_DEVICE_IPC_MIN_BYTES; fi
