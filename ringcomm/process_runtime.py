@@ -172,16 +172,17 @@ class Runtime:
     def submit(self, req: wire.Request, arrays: list[np.ndarray], outs: list[np.ndarray | None] | None = None,
                grouped: bool = False) -> Handle:
         name = req.name
+        claimed = type(name) is ClaimedName  # the op whose name was claimed when it was made
+        if claimed:
+            name = str(name)
+            req = req._replace(name=name)
         key = (req.pset, name)
         with self._lock:
-            if isinstance(name, ClaimedName) and key in self._claimed:  # claimed when the op was made
+            if claimed and key in self._claimed:
                 self._claimed.discard(key)
             elif key in self._names:
                 raise self._duplicate(req.kind, name, req.pset)
             self._names.add(key)
-        if isinstance(name, ClaimedName):
-            name = str(name)
-            req = req._replace(name=name)
         # the name is free again once the op finishes: one set operation, atomic on its own (only
         # the check and the add above must happen together)
         release = functools.partial(self._names.discard, key)

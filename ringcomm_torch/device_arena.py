@@ -360,6 +360,13 @@ class Arena:
         with self._lock:
             self.slots.give(offset)
 
+    def _opened_everywhere(self) -> None:
+        """Every rank has opened every arena (an op's agreement offered ranges on every rank): the
+        fake's files may go, once."""
+        if not self._unlinked:
+            self._unlinked = True
+            self.ipc.opened()
+
     def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
         """Rank ``k``'s range at ``offset`` (``k`` on this host), flat, in ``t``'s dtype."""
         nbytes = t.numel() * t.element_size()
@@ -399,9 +406,7 @@ class Arena:
             problem = disagreement(core_name, rows[:, 1:])  # alike on every rank: the same rows
             if problem:
                 return MismatchError(problem)
-            if not self._unlinked:  # every rank has opened every arena: the fake's files may go
-                self._unlinked = True
-                self.ipc.opened()
+            self._opened_everywhere()
             if len(self.local) < self.size:
                 return self._across_hosts(t, offsets, side, core_name, prescale, postscale, average)
             error = None
@@ -472,9 +477,7 @@ class Arena:
                        or disagreement(core_name, rows[:, 2:], "broadcast"))  # alike on every rank
             if problem:
                 return MismatchError(problem)
-            if not self._unlinked:
-                self._unlinked = True
-                self.ipc.opened()
+            self._opened_everywhere()
             error = None
             t0 = time.perf_counter()
             try:
