@@ -14,7 +14,7 @@ names a lost rank within seconds.
 
 Two torch functions learn about the backend when this module is imported:
 
-* ``dist.new_group(ranks)`` first registers a ringcomm process set with those ranks on
+* ``dist.new_group(ranks)`` (and DeviceMesh's, one per mesh dimension) first registers a ringcomm process set with those ranks on
   every rank (torch calls a backend only on the group's members, while ringcomm registers a
   set on every rank); the group's collectives then run on that set.
 * ``dist.monitored_barrier()`` (torch runs it only on gloo) runs on a ringcomm group too and
@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -115,6 +116,10 @@ def register() -> None:
             mod.new_group = _wrap_new_group(mod.new_group)  # type: ignore[attr-defined]
         if not getattr(mod.monitored_barrier, "_ringcomm_wrapped", False):
             mod.monitored_barrier = _wrap_monitored_barrier(mod.monitored_barrier)  # type: ignore[attr-defined]
+    # DeviceMesh makes its groups through the new_group it imported (one per mesh dimension)
+    mesh: Any = sys.modules.get("torch.distributed.device_mesh")
+    if hasattr(mesh, "new_group") and not getattr(mesh.new_group, "_ringcomm_wrapped", False):
+        mesh.new_group = _wrap_new_group(mesh.new_group)
     _init.torch_env_for_ringcomm_run(os.environ)
 
 

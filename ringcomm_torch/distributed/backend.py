@@ -76,6 +76,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         self._seq = itertools.count()
         self._mb = itertools.count()
         self._store: Any = None  # torch's store for this group (monitored_barrier)
+        self._group_name = self._group_desc = ""  # set by torch once it has made the group
         self._tag = "g" if process_set is rc.global_process_set else f"s{process_set.process_set_id}"
 
     # -- identity -------------------------------------------------------------
@@ -88,6 +89,22 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def getSize(self) -> int:  # noqa: N802
         return self._size
+
+    # torch names a group after creating it (``_set_group_name``) and reads the name back through its
+    # backends (``group_name``), which a Python group has none of: DeviceMesh, FSDP2 and DTensor read it
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]  # torch's GroupName is a str
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"<RingcommProcessGroup rank {self._rank} of {self._size}, global ranks {list(self._ranks)}>"

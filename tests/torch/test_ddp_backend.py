@@ -65,9 +65,18 @@ def assert_ok(out: str, mode: str, np_: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ddp_equals_gloo_under_torchrun_np2():
-    """DDP on "ringcomm" and on gloo from one seed: the same parameters (1e-6) after 20 steps; torchrun."""
-    assert_ok(torchrun(2, str(CHECKS), "equiv"), "equiv", 2)
+def test_ddp_and_fsdp_equal_gloo_under_torchrun_np2():
+    """DDP and FSDP2 on "ringcomm" and on gloo from one seed: the same parameters (1e-6); torchrun."""
+    out = torchrun(2, str(CHECKS), "equiv,fsdp")
+    for mode in ("equiv", "fsdp"):
+        assert_ok(out, mode, 2)
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_and_hsdp_over_a_two_dimensional_mesh_equal_gloo_np4():
+    """FSDP2 over a 1-D mesh and HSDP over a 2x2 one (DeviceMesh makes a group per row and per
+    column through new_group): gloo's parameters within 1e-6; DTensor and functional collectives."""
+    assert_ok(ringcomm_run(4, str(CHECKS), "fsdp", timeout=110), "fsdp", 4)
 
 
 @pytest.mark.timeout(300)
@@ -83,11 +92,11 @@ def test_torchrun_restart_after_a_rank_is_killed_joins_the_new_attempt():
 
 
 @pytest.mark.timeout(120)
-def test_ddp_equals_gloo_comm_hooks_and_monitored_barrier_under_ringcomm_run_np3():
-    """Equivalence at np 3; fp16_compress_hook and PowerSGD (which chains collectives inside future
+def test_ddp_fsdp_comm_hooks_and_monitored_barrier_under_ringcomm_run_np3():
+    """Equivalence at np 3 (DDP, and FSDP2 with shards of uneven sizes); fp16_compress_hook and PowerSGD (which chains collectives inside future
     callbacks) on both backends; monitored_barrier names the rank that arrives late (rank 1)."""
-    out = ringcomm_run(3, str(CHECKS), "equiv,hooks,monitored")
-    for mode in ("equiv", "hooks", "monitored"):
+    out = ringcomm_run(3, str(CHECKS), "equiv,fsdp,hooks,monitored")
+    for mode in ("equiv", "fsdp", "hooks", "monitored"):
         assert_ok(out, mode, 3)
     assert "powersgd hook" in out and "fp16 hook" in out, out[-3000:]
     for r in (0, 2):

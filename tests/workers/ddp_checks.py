@@ -11,7 +11,7 @@ and ``init_method="tcp://MASTER_ADDR:MASTER_PORT"``, as Slurm scripts do.  Print
 Modes: ``equiv`` (DDP 20 steps on both backends from the same seed: parameters within 1e-6),
 ``collectives`` (every collective against gloo or NumPy), ``device`` (the collectives and DDP
 through the fake device, checking where the device work is queued and waited for), ``hooks`` (fp16/bf16 compression and
-PowerSGD comm hooks), ``train`` (trains until killed: prints ``STEP n``; a failure prints
+PowerSGD comm hooks), ``fsdp`` (FSDP2, DTensor and functional collectives over a DeviceMesh), ``train`` (trains until killed: prints ``STEP n``; a failure prints
 ``CAUGHT`` with the error and exits 3), ``monitored`` (rank 1 arrives late at a monitored barrier).
 """
 
@@ -200,8 +200,8 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
 
 
 def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
-    """The backend's device path, on the fake device (every tensor a device tensor): every collective
-    and DDP training give gloo's results; the calling thread (and autograd's, which runs DDP's
+    """The backend's device path, on the fake device (every tensor a device tensor): every collective,
+    DDP and FSDP training give gloo's results; the calling thread (and autograd's, which runs DDP's
     hooks) only queues device work, and the stager waits for the copies to the host."""
     import threading
 
@@ -211,12 +211,56 @@ def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
     with device.override(ops):
         check_collectives(rank, gloo)
         check_equiv(rank, gloo)
+        check_fsdp(rank, gloo)
     waited = {t for c, t in ops.calls if c == "wait_event"}
     assert waited == {"ringcomm-torch-stager"}, f"rank {rank}: device waits on threads {waited}"
     here = [c for c, t in ops.calls if t == threading.current_thread().name]
     assert here.count("copy") > 50 and here.count("stream_wait") > 50, f"rank {rank}: {len(here)} calls here"
     home = ops.count("copy", "ringcomm-torch-completer")  # the results, queued as each op completes
     assert home > 50, f"rank {rank}: {home} copies home on the backend's completer"
+
+
+def check_fsdp(rank: int, gloo: dist.ProcessGroup) -> None:
+    """FSDP2 (``fully_shard``) over a DeviceMesh of each backend from one seed: the same parameters
+    (1e-6) after 10 steps, shards of uneven sizes at np 3, and HSDP over a 2-D "ringcomm" mesh at
+    an even np of 4 or more; a DTensor made whole and the functional
+    collectives over the "ringcomm" mesh give the arithmetic's results."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    n = dist.get_world_size()
+    meshes = {"ringcomm": init_device_mesh("cpu", (n,)), "gloo": DeviceMesh.from_group(gloo, "cpu")}
+    assert meshes["ringcomm"].get_group().group_name == dist.distributed_c10d._get_default_group().group_name
+    trained = {}
+    for backend, mesh in meshes.items():
+        net = model(11)
+        for layer in net:
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        train(net, rank, 10)
+        trained[backend] = [p.full_tensor() for p in net.parameters()]
+    if n >= 4 and n % 2 == 0:  # HSDP: shards within each half of the ranks, replicas across the halves
+        hybrid = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+        net = model(11)
+        fully_shard(net, mesh=hybrid)
+        train(net, rank, 10)
+        trained["ringcomm hybrid"] = [p.full_tensor() for p in net.parameters()]
+    diff = max(float((a - b).detach().abs().max()) for name in trained if name != "gloo"
+               for a, b in zip(trained[name], trained["gloo"]))
+    assert diff <= 1e-6, f"rank {rank}: FSDP on ringcomm and on gloo differ by {diff}"
+    mesh = meshes["ringcomm"]
+    whole = torch.arange(5 * n * 2, dtype=torch.float32).reshape(5 * n, 2)
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    assert sharded.to_local().shape == (5, 2) and torch.equal(sharded.full_tensor(), whole)
+    mine = torch.arange(4.0) + rank
+    summed = funcol.all_reduce(mine, "sum", mesh)
+    assert torch.equal(summed, torch.arange(4.0) * n + sum(range(n))), summed
+    gathered = funcol.all_gather_tensor(mine, 0, mesh)
+    assert torch.equal(gathered, torch.cat([torch.arange(4.0) + r for r in range(n)])), gathered
+    print(f"rank {rank}: FSDP max |ringcomm - gloo| after 10 steps = {diff:.3g}", flush=True)
 
 
 def check_hooks(rank: int, gloo: dist.ProcessGroup) -> None:
@@ -294,6 +338,8 @@ def main(rank: int, mode: str, init_method: str | None = None, world: int | None
             check_collectives(rank, gloo)
         elif one == "hooks":
             check_hooks(rank, gloo)
+        elif one == "fsdp":
+            check_fsdp(rank, gloo)
         elif one == "device":
             check_device(rank, gloo)
         elif one == "train":
