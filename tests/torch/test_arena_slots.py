@@ -1,4 +1,4 @@
-"""The device arena's ranges (:class:`ringcomm_torch.device_arena.Slots`), its shards and its
+"""The device arena's ranges (:class:`ringcomm_torch.device_arena_rows.Slots`), its shards and its
 grouping of ranks by host: pure, in memory."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
-from ringcomm_torch.device_arena import Slots  # noqa: E402
+from ringcomm_torch.device_arena_rows import Slots  # noqa: E402
 from ringcomm_torch.device_ipc import host_groups, shard_bounds  # noqa: E402
 
 ALIGN = 256
