@@ -30,14 +30,15 @@ from ringcomm.core.ops import ReduceOp
 from ringcomm.handles import GroupHandle
 
 from .basics import check_process_set, global_process_set, rank, set_size
-from .device_arena import arena_for, broadcast_arena_for
+from . import device_arena_ops
+from .device_arena import arena_for, one_host_arena_for
 from .handles import Handle, completed, poll, synchronize
 from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 from .tensors import Staged, begin, empty_result, stage, stageable_dtype
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
-    "allreduce_async", "allreduce_async_", "allreduce_", "staged_allreduce", "staged_broadcast",
+    "allreduce_async", "allreduce_async_", "allreduce_", "staged_allreduce", "staged_broadcast", "staged_op",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
     "allgather_async", "grouped_allgather_async",
     "broadcast_async", "broadcast_async_", "broadcast_",
@@ -175,8 +176,8 @@ def _allreduce(tensor: torch.Tensor, output: torch.Tensor | None, name: str | No
         if arena is None:
             s = stage(tensor, reduce=True, what=what)
     if arena is not None:  # CUDA, on one host: reduced on the GPUs when every rank has room
-        return arena.allreduce(
-            tensor, in_place=output is tensor, core_name=cname or _rc.api.reserve_name("allreduce", process_set),
+        return device_arena_ops.allreduce(
+            arena, tensor, in_place=output is tensor, core_name=cname or _rc.api.reserve_name("allreduce", process_set),
             name=name, average=op is Average, prescale=prescale_factor, postscale=postscale_factor,
             fallback=lambda nm: staged_allreduce(tensor, stage(tensor, reduce=True, what=what), output is tensor,
                                                  name, nm, op, prescale_factor, postscale_factor, process_set))
@@ -197,6 +198,17 @@ def staged_allreduce(tensor: torch.Tensor, s: Staged, in_place: bool, name: str 
                   lambda nm: _rc.allreduce_async(s.array, op=op, name=nm, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, out=out, process_set=process_set))
     return Handle("allreduce", name, core, lambda _raw: result(), s.release, s.array.nbytes)
+
+
+def staged_op(kind: str, s: Staged, cname: str | None, process_set: Any, start: Callable[[str | None], Any],
+              finish: Callable[[Any], Any], consumer: Any = None) -> Handle:
+    """One tensor's ``kind`` op through pinned host memory, staged as ``s``: ``start(core_name)``
+    submits the core op (at once, or once the copies to the host are done), ``finish(raw)`` turns
+    the core's result into the torch one in ``synchronize()``; ``consumer`` as for
+    :func:`staged_allreduce`."""
+    if consumer is not None:
+        s.consumer = consumer
+    return Handle(kind, None, _start([s], kind, cname, process_set, start), finish, s.release, s.array.nbytes)
 
 
 def _reduced_into(tensor: torch.Tensor, s: Staged, in_place: bool) -> tuple[np.ndarray, Callable[[], torch.Tensor]]:
@@ -371,14 +383,14 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
     check_process_set(process_set, what)
     cname = core_name("broadcast", name)
     with refusing("broadcast", cname, process_set):
-        arena = broadcast_arena_for(tensor, process_set)
+        arena = one_host_arena_for(tensor, process_set)
         if arena is None:
             s = stage(tensor, reduce=False, what=what)
         else:  # the core would check the root: this op checks it here, refused on every rank alike
             root_rank = check_root(root_rank, f"broadcast {cname!r}" if cname else "broadcast", _rc.api.size())
     if arena is not None:  # CUDA, every rank on one host: copied from the root's arena on the GPUs
-        return arena.broadcast(
-            tensor, root=root_rank, in_place=in_place,
+        return device_arena_ops.broadcast(
+            arena, tensor, root=root_rank, in_place=in_place,
             core_name=cname or _rc.api.reserve_name("broadcast", process_set), name=name,
             fallback=lambda nm: staged_broadcast(tensor, stage(tensor, reduce=False, what=what), root_rank, in_place,
                                                  name, nm, process_set))

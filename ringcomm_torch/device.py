@@ -278,13 +278,12 @@ class FakeOps:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self._note("copy", dst, src)
-        snapshot = src.detach().clone()
 
         def run() -> None:
             with torch.no_grad():
-                dst.copy_(snapshot)
+                dst.copy_(src)
         with self._lock:
-            if self._held:
+            if self._held:  # read at fire(), as the device reads a copy's source when it runs it
                 if dst.is_floating_point() or dst.dtype is torch.uint8:
                     dst.view(torch.uint8).fill_(0xFF)  # all ones: NaN in every float dtype
                 self._deferred.append(run)

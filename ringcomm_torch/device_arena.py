@@ -1,55 +1,20 @@
-"""Per-tensor CUDA allreduces (``hvd.allreduce`` and its async and in-place forms, SyncBatchNorm's
-backward sums, the ``"ringcomm"`` backend's) of at least ``RINGCOMM_DEVICE_IPC_MIN_BYTES``, reduced on the device among each host's ranks through CUDA IPC, as
-:mod:`.device_ipc` reduces the optimizer's buckets, instead of through pinned host memory; and
-per-tensor CUDA broadcasts of that size in a job on one host (``hvd.broadcast``, the backend's,
-so DDP's buffers each forward), copied from the root's arena on the device.
+"""Each rank's *arena*: one shared device buffer (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``) and two
+interprocess events (*posted*, *done*), through which the per-tensor CUDA ops of
+:mod:`.device_arena_ops` move among a host's ranks on the device (CUDA IPC) instead of through
+pinned host memory: allreduces of at least ``RINGCOMM_DEVICE_IPC_MIN_BYTES`` (``hvd.allreduce`` and
+its forms, SyncBatchNorm's backward sums, the ``"ringcomm"`` backend's, so DDP's buckets), and,
+in a job on one host, broadcasts (DDP's buffers each forward), and the backend's allgathers and
+reduce-scatters (FSDP's).
 
-Each rank has one shared device buffer, its *arena* (``RINGCOMM_DEVICE_IPC_ARENA_BYTES``), and two
-interprocess events (*posted*, *done*).  At the first CUDA allreduce that may take this path the
-ranks share them without waiting: one allreduce of a row per rank holding its pickled handles,
-which a return thread opens.  A rank offers ranges once it has opened every peer's arena.  Until
-then, and whenever a tensor does not fit in what is free, it offers none.  Each op, for ``n`` ranks:
+At the first op that may take this path the ranks share their arenas and events without
+waiting: one allreduce of a row per rank holding its pickled handles, which a return thread
+opens.  A rank offers ranges (:class:`~.device_arena_rows.Slots`) once it has opened every
+peer's arena.  Until then, and whenever a tensor does not fit in what is free, it offers none,
+and the op takes pinned memory on every rank.
 
-1. the caller's thread takes a range of its arena (:class:`Slots`), queues the tensor's copy into
-   it on the side stream, records *posted*, and submits the op's agreement: an allreduce of one
-   row per rank: its range's offset plus one, or 0 when it has no room, and the tensor's
-   signature.  It returns at once;
-2. on a return thread, once every rank has offered: if any offered none, every rank reduces the op
-   through pinned host memory instead (the same result; the caller's ``fallback``).  Otherwise
-   the side stream waits for every peer's *posted* event (or, with ``RINGCOMM_DEVICE_IPC_WAIT=host``,
-   the return thread does), sums this rank's shard of the tensor
-   over every rank's range in rank order (so every rank gets the same bits; Horovod's prescale,
-   postscale and Average as on the host), copies the sum into every rank's range, records
-   *done*, and submits a second agreement: whether each rank queued its shard;
-   In a job that spans hosts, each rank sums its shard over its own host's ranges only, and
-   that shard alone goes to pinned memory: one allreduce of every rank sums each host's
-   shards (:meth:`Arena._across_hosts`), the shard comes back to this rank's range, and
-   from there to the host's other ranges on the device.  The device-to-host and
-   host-to-device bytes fall by the host's number of ranks;
-3. ``synchronize()`` waits for that agreement, makes the side stream wait for every peer's
-   *done* (or waits for them itself, as above), copies the range into the result on the side stream, and makes the stream that
-   consumes the result wait for that copy.  The range is free again at once: whatever writes into
-   it next is queued on the same side stream, after those waits.
-
-A broadcast (:meth:`Arena.broadcast`) has the same two agreements.  Only the root takes a range and
-copies its tensor in; its row holds the range's offset plus one, another rank's 1 (it can read
-the root's arena) or 0, then the root rank and the signature.  Once every rank can, each other
-rank's side stream waits for the root's *posted*, copies the root's range into its result and
-records *done*; the root's ``synchronize()`` makes its side stream wait for every *done* before
-the range is taken again.  No thread waits for the device, so DDP's forward, which waits for its
-buffers' broadcast, does not wait for the GPU to finish the last step.
-
-The agreements are allreduces because after ``hvd.join()`` only allreduces proceed: a rank that
-has joined adds zeros, which read as "no room" (the op then takes the pinned path, where that rank
-adds zeros, as Horovod has it) or, in the sharing, as "try again at the next op".
-
-Both agreements are ordinary core ops named after the op, so a rank that submits something else
-under that name (a host tensor, an integer dtype) fails the op on every rank with a
-``MismatchError``, as a mismatch does on the pinned path.  The first agreement's row also carries
-the tensor's dtype and shape (:func:`signature`): ranks that pass the same bytes in another shape
-or dtype fail it on every rank alike (:func:`disagreement`).  Stream waits capture an event's latest
-record, and every record a wait refers to was queued before the wait, so no two side streams can
-wait for each other.
+The sharing is an allreduce, as every op's agreements are, because after ``hvd.join()`` only
+allreduces proceed: a rank that has joined adds zeros, which read in the sharing as "try again
+at the next op".
 """
 
 from __future__ import annotations
@@ -57,7 +22,6 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,38 +29,20 @@ import numpy as np
 import torch
 
 import ringcomm as _rc
-from ringcomm import api as _core_api
 from ringcomm.core.ops import Average, Sum
 from ringcomm.core.process_sets import global_process_set
-from ringcomm.errors import MismatchError
 
 from .device import DeviceService, FakeOps, service_for
-from .device_arena_rows import BROADCAST_ROW, ROW, Slots, disagreement, root_disagreement, signature
-from .device_ipc import (OnDevice, across_hosts, agree_done, choose_path, host_groups, shard_bounds,
-                         stage_dtype, sum_shard, wait_for_peers)
+from .device_arena_rows import Slots
+from .device_ipc import choose_path, host_groups
 from .device_ipc_ops import ipc_for
-from .handles import Handle
 
-__all__ = ["Arena", "arena_for", "broadcast_arena_for"]
+__all__ = ["Arena", "arena_for", "one_host_arena_for"]
 
 _log = logging.getLogger(__name__)
 
 #: Bytes each rank has for its pickled handles in the sharing op (CUDA's take well under 1 KiB).
 SHARE_ROW_BYTES = 4096
-
-
-class _Range:
-    """One op's range of this rank's arena, given back once (by whichever comes first)."""
-
-    __slots__ = ("arena", "offset")
-
-    def __init__(self, arena: Arena, offset: int) -> None:
-        self.arena, self.offset = arena, offset
-
-    def give(self) -> None:
-        if self.offset >= 0:
-            offset, self.offset = self.offset, -1
-            self.arena.give(offset)
 
 
 class Arena:
@@ -244,183 +190,19 @@ class Arena:
         with self._lock:
             self.slots.give(offset)
 
-    def _opened_everywhere(self) -> None:
+    def opened_everywhere(self) -> None:
         """Every rank has opened every arena (an op's agreement offered ranges on every rank): the
         fake's files may go, once."""
         if not self._unlinked:
             self._unlinked = True
             self.ipc.opened()
 
-    def _view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
+    def view(self, k: int, offset: int, t: torch.Tensor) -> torch.Tensor:
         """Rank ``k``'s range at ``offset`` (``k`` on this host), flat, in ``t``'s dtype."""
         nbytes = t.numel() * t.element_size()
         peer = self.peers[k]
         assert peer is not None, f"rank {k} is on another host"
         return peer[offset:offset + nbytes].view(t.dtype)
-
-    # -- one op -------------------------------------------------------------------------
-
-    def allreduce(self, t: torch.Tensor, *, in_place: bool, core_name: str, name: str | None, average: bool,
-                  prescale: float, postscale: float, fallback: Callable[[str], Handle],
-                  consumer: Any = None) -> Handle:
-        """Start reducing ``t`` (see the module docstring); ``fallback(core_name)`` starts the same op
-        through pinned host memory and returns its handle.  ``consumer``: the stream that uses the
-        result (default: the current one in ``synchronize()``).  Returns at once."""
-        ops, svc = self.ops, self.service
-        offset = self.offer(t)
-        held = _Range(self, offset)
-        # t's producers have finished before anything on the side stream reads it, here or, on the
-        # pinned path, on the return thread
-        side = svc.after(svc.current())
-        if offset >= 0:
-            t0 = time.perf_counter()
-            ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
-            ops.record(self.posted[self.rank], side)
-            _span(ops, core_name, "MEMCPY_IN_ARENA", t0, self.posted[self.rank])
-        row = np.zeros((self.size, ROW), dtype=np.int64)  # a rank that has joined adds zeros
-        row[self.rank] = [offset + 1, *signature(t)]
-        agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
-
-        def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
-            rows = np.asarray(raw).reshape(self.size, ROW)
-            offsets = [int(v) - 1 for v in rows[:, 0]]  # a rank that has joined: -1
-            if min(offsets) < 0:
-                held.give()  # nobody reads it: the op goes through host memory on every rank
-                return fallback(f"{core_name}.host")
-            problem = disagreement(core_name, rows[:, 1:])  # alike on every rank: the same rows
-            if problem:
-                return MismatchError(problem)
-            self._opened_everywhere()
-            if len(self.local) < self.size:
-                return self._across_hosts(t, offsets, side, core_name, prescale, postscale, average)
-            error = None
-            t0 = time.perf_counter()
-            try:
-                wait_for_peers(ops, side, self.posted, self.rank)
-                lo, hi = shard_bounds(t.numel(), self.rank, self.size)
-                views = [self._view(k, off, t) for k, off in enumerate(offsets)]
-                sum_shard(ops, side, views, lo, hi, prescale, postscale, average)
-                ops.record(self.done[self.rank], side)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
-                error = exc
-            _span(ops, core_name, "IPC_REDUCE", t0)
-            return agree_done(self.rank, self.size, f"{core_name}.done", error, global_process_set)
-
-        returning = svc.then(agreement, reduce, core_name)
-
-        def finish(result: Any) -> torch.Tensor:  # synchronize()
-            if isinstance(result, Handle):
-                return result.wait()
-            if isinstance(result, MismatchError):
-                raise result
-            if not isinstance(result, OnDevice):  # across hosts: the hosts' allreduce comes first
-                result = result.wait()
-            result.check(core_name, self.rank)
-            t0 = time.perf_counter()
-            wait_for_peers(ops, side, self.done, self.rank)
-            target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            ops.copy(target, self._view(self.rank, held.offset, t).view(t.shape), side)
-            copied = svc.mark()
-            ops.stream_wait(svc.current() if consumer is None else consumer, copied)
-            _span(ops, core_name, "MEMCPY_OUT_ARENA", t0, copied)
-            return target
-
-        return Handle("allreduce", name, returning, finish, held.give, t.numel() * t.element_size())
-
-    def broadcast(self, t: torch.Tensor, *, root: int, in_place: bool, core_name: str, name: str | None,
-                  fallback: Callable[[str], Handle], consumer: Any = None) -> Handle:
-        """Start copying rank ``root``'s ``t`` into every rank's result on the device (see the module
-        docstring; every rank is on this host); ``fallback(core_name)`` starts the same op through
-        pinned host memory and returns its handle.  ``consumer``: as for :meth:`allreduce`.
-        Returns at once."""
-        ops, svc = self.ops, self.service
-        mine = self.rank == root
-        offset = self.offer(t) if mine else (0 if self.readable(t) else -1)
-        if offset >= 0 and len(self.local) < self.size:  # a rank on another host cannot read the root's arena
-            if mine:
-                self.give(offset)
-            offset = -1
-        held = _Range(self, offset if mine else -1)
-        side = svc.after(svc.current())  # t's producers (and a result's earlier readers) come first
-        if mine and offset >= 0:
-            t0 = time.perf_counter()
-            ops.pack_parts([self._view(self.rank, offset, t).view(t.shape)], [t], side)
-            ops.record(self.posted[self.rank], side)
-            _span(ops, core_name, "MEMCPY_IN_ARENA", t0, self.posted[self.rank])
-        target = t if in_place else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        row = np.zeros((self.size, BROADCAST_ROW), dtype=np.int64)  # a rank that has joined adds zeros
-        row[self.rank] = [offset + 1, root, *signature(t)]
-        agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
-
-        def copy(raw: Any) -> Any:  # on a return thread, once every rank has offered
-            rows = np.asarray(raw).reshape(self.size, BROADCAST_ROW)
-            if (rows[:, 0] <= 0).any():  # the root has no room, or a rank cannot read it, or has joined
-                held.give()
-                return fallback(f"{core_name}.host")
-            problem = (root_disagreement(core_name, rows[:, 1])
-                       or disagreement(core_name, rows[:, 2:], "broadcast"))  # alike on every rank
-            if problem:
-                return MismatchError(problem)
-            self._opened_everywhere()
-            error = None
-            t0 = time.perf_counter()
-            try:
-                source = self._view(root, int(rows[root, 0]) - 1, t).view(t.shape)
-                if not mine:
-                    wait_for_peers(ops, side, [ev if k == root else None for k, ev in enumerate(self.posted)],
-                                   self.rank)
-                if not (mine and in_place):
-                    ops.copy(target, source, side)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank by the second agreement
-                error = exc
-            ops.record(self.done[self.rank], side)  # the root's range may be taken again after it
-            if not (mine and in_place):
-                _span(ops, core_name, "MEMCPY_OUT_ARENA", t0)
-            return agree_done(self.rank, self.size, f"{core_name}.done", error, global_process_set)
-
-        returning = svc.then(agreement, copy, core_name)
-
-        def finish(result: Any) -> torch.Tensor:  # synchronize()
-            if isinstance(result, Handle):
-                return result.wait()
-            if isinstance(result, MismatchError):
-                raise result
-            if not (mine and in_place):  # a root's own tensor in place is as it was
-                ops.stream_wait(svc.current() if consumer is None else consumer, svc.mark())
-            if mine:  # every rank has read the range before anything is written into it again
-                wait_for_peers(ops, side, self.done, self.rank)
-            result.check(core_name, self.rank, "broadcast", "copy the root's tensor")
-            return target
-
-        return Handle("broadcast", name, returning, finish, held.give, t.numel() * t.element_size())
-
-    def _across_hosts(self, t: torch.Tensor, offsets: list[int], side: Any, core_name: str, prescale: float,
-                      postscale: float, average: bool) -> Any:
-        """On a return thread, in a job that spans hosts: :func:`~.device_ipc.across_hosts` over this
-        host's ranges, through a pinned buffer of the pool (returns at once)."""
-        svc, local = self.service, self.local
-        stage = stage_dtype(t.dtype)
-        nbytes = t.numel() * torch.empty((), dtype=stage).element_size()
-        buf = svc.pool.acquire(nbytes)
-        me = local.index(self.rank)
-        lo, hi = shard_bounds(t.numel(), me, len(local))
-        self.staged_bytes += (hi - lo) * (nbytes // max(1, t.numel()))
-
-        def prepare() -> list[torch.Tensor]:
-            wait_for_peers(self.ops, side, self.posted, self.rank)  # None for another host's ranks
-            return [self._view(k, offsets[k], t) for k in local]
-
-        return across_hosts(svc, side, prepare, me, buf[:nbytes].view(stage), prescale, postscale, average, self.rank,
-                            self.size, self.done[self.rank], core_name, global_process_set, lambda: svc.release(buf))
-
-
-def _span(ops: Any, core_name: str, phase: str, start: float, event: Any = None) -> None:
-    """With a timeline: ``phase`` on the op's row from ``start`` until now, after waiting for
-    ``event`` (so that a copy's span is the copy itself, as the pinned path's are); else nothing."""
-    if _core_api.timeline_active():
-        if event is not None:
-            ops.wait_event(event)
-        _core_api.timeline_span(core_name, phase, start, time.perf_counter())
 
 
 _arenas: dict[int, Arena] = {}
@@ -428,21 +210,26 @@ _arenas_lock = threading.Lock()
 
 
 def arena_for(t: torch.Tensor, op: Any, process_set: Any) -> Arena | None:
-    """This rank's arena when an allreduce of ``t`` with ``op`` over ``process_set`` takes the
-    agreement of the module docstring, else None.  Every input is alike on every rank of a valid
-    op (the settings, the job's layout, the op, the set, the dtype), so every rank decides alike."""
-    if op not in (Sum, Average) or not isinstance(t, torch.Tensor) or not t.is_floating_point():
+    """This rank's arena when an allreduce of ``t`` with ``op`` over ``process_set`` takes it (see
+    :func:`~.device_arena_ops.allreduce`), else None.  Every input is alike on every rank of a valid
+    op (the settings, the job's layout, the op, the set, the dtype, the size), so every rank decides alike."""
+    if not _reduces(t, op):
         return None
     return _arena(t, process_set, one_host=False)
 
 
-def broadcast_arena_for(t: torch.Tensor, process_set: Any) -> Arena | None:
-    """This rank's arena when a broadcast of ``t`` over ``process_set`` is copied through the
-    root's arena (every rank on one host; any dtype: only bytes move), else None; alike on every
-    rank, as :func:`arena_for`."""
-    if not isinstance(t, torch.Tensor):
+def one_host_arena_for(t: torch.Tensor, process_set: Any, op: Any = None) -> Arena | None:
+    """This rank's arena when an op of ``t`` over ``process_set`` whose ranks read each other's
+    arenas takes it (a broadcast, an allgather; a reduce-scatter with ``op``): every rank on one host;
+    any dtype unless the op reduces; else None; alike on every rank, as :func:`arena_for`."""
+    if not isinstance(t, torch.Tensor) or (op is not None and not _reduces(t, op)):
         return None
     return _arena(t, process_set, one_host=True)
+
+
+def _reduces(t: Any, op: Any) -> bool:
+    """Whether the device sums ``t`` for ``op``: Sum or Average of a floating-point tensor."""
+    return op in (Sum, Average) and isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def _arena(t: torch.Tensor, process_set: Any, one_host: bool) -> Arena | None:
@@ -460,7 +247,7 @@ def _arena(t: torch.Tensor, process_set: Any, one_host: bool) -> Arena | None:
         return None
     n = _rc.api.size()
     hosts = _rc.api.cross_size()
-    # a broadcast's other ranks read the root's arena: one host; an allreduce sums a host's ranks: two or more
+    # ranks that read each other's arenas: one host; an allreduce sums a host's ranks: two or more
     if n < 2 or (hosts != 1 if one_host else hosts == n):
         return None
     with _arenas_lock:

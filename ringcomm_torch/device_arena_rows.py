@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import torch
 
-__all__ = ["ARENA_ALIGN", "Slots", "SIGNATURE_DIMS", "ROW", "BROADCAST_ROW", "signature", "disagreement",
+__all__ = ["ARENA_ALIGN", "Slots", "SIGNATURE_DIMS", "ROW", "signature", "disagreement",
            "root_disagreement"]
 
 #: Every range of an arena starts at a multiple of this many bytes (CUDA's own allocations do).
@@ -68,11 +68,9 @@ class Slots:
 #: Dimensions of a tensor's shape its agreement row carries one by one (a digest stands for the rest).
 SIGNATURE_DIMS = 8
 #: Entries of a rank's row in an op's agreement: its range's offset plus one (0: none), then the
-#: tensor's :func:`signature`.
+#: tensor's :func:`signature`.  A broadcast's row holds the root rank between the two, and another
+#: rank's first entry is 1 when it can read the root's arena, else 0.
 ROW = 1 + 3 + SIGNATURE_DIMS
-#: Entries of a rank's row in a broadcast's agreement: the root's range's offset plus one (another
-#: rank: 1 when it can read the root's arena, else 0), the root rank, then the tensor's signature.
-BROADCAST_ROW = 2 + 3 + SIGNATURE_DIMS
 _DTYPES = {zlib.crc32(str(dt).encode()): str(dt).removeprefix("torch.")
            for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
                       torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}

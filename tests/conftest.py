@@ -77,6 +77,22 @@ def settle_arena(arena, seconds: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+class Untouched:
+    """No pinned buffer taken and no stager wait (the host waiting for the device) on the fake
+    device ``ops`` (``ringcomm_torch.device.FakeOps``) since made."""
+
+    def __init__(self, ops) -> None:
+        from ringcomm_torch.device_threads import STAGER_THREAD
+
+        self.ops, self.thread = ops, STAGER_THREAD
+        self.pinned = ops.pinned_allocations
+        self.waits = ops.count("wait_event", thread=STAGER_THREAD)
+
+    def __bool__(self) -> bool:
+        return (self.ops.pinned_allocations == self.pinned
+                and self.ops.count("wait_event", thread=self.thread) == self.waits)
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOMM_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

@@ -70,7 +70,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a deadline, log to $OUT/NA
 
 TESTS=(-m pytest -q -p no:cacheprovider -o addopts= tests/torch/test_cuda.py tests/torch/test_device_buckets.py
        tests/torch/test_device_return.py tests/torch/test_device_collectives.py tests/torch/test_device_ipc.py
-       tests/torch/test_device_arena.py tests/torch/test_device_arena_broadcast.py)
+       tests/torch/test_device_arena.py tests/torch/test_device_arena_broadcast.py
+       tests/torch/test_device_arena_shards.py)
 cuda_tests() {  # cuda_tests NAME LIMIT [ENV=VALUE...] NP: the tests at NP ranks (1: no launcher), one log for all
     local name="$1" limit="$2"
     shift 2

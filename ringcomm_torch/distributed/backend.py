@@ -28,8 +28,9 @@ import ringcomm as rc
 from ringcomm.core import ops as _ops
 from ringcomm.errors import InvalidInputError
 
-from ..collectives import staged_allreduce, staged_broadcast
-from ..device_arena import Arena, arena_for, broadcast_arena_for
+from .. import device_arena_ops
+from ..collectives import staged_allreduce, staged_broadcast, staged_op
+from ..device_arena import Arena, arena_for, one_host_arena_for
 from ..tensors import Staged, begin, host_memory, stage
 from .work import RingcommWork, as_backend_error, completer
 
@@ -193,8 +194,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         name = self._name("ar")
         consumer = arena.service.current()
         try:
-            handle = arena.allreduce(
-                t, in_place=True, core_name=name, name=name, average=op is rc.Average, prescale=1.0, postscale=1.0,
+            handle = device_arena_ops.allreduce(
+                arena, t, in_place=True, core_name=name, name=name, average=op is rc.Average, prescale=1.0, postscale=1.0,
                 consumer=consumer,
                 fallback=lambda nm: staged_allreduce(t, stage(t, reduce=True, what=what), True, name, nm, op, 1.0,
                                                      1.0, self._pset, consumer))
@@ -208,8 +209,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         name = self._name("bc")
         consumer = arena.service.current()
         try:
-            handle = arena.broadcast(
-                t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
+            handle = device_arena_ops.broadcast(
+                arena, t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
                 fallback=lambda nm: staged_broadcast(t, stage(t, reduce=False, what="broadcast"), root, True, name, nm,
                                                      self._pset, consumer))
         except BaseException as exc:
@@ -253,6 +254,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def _reduce_scatter(self, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp, what: str) -> RingcommWork:
+        arena = one_host_arena_for(whole, self._pset, op)
+        if arena is not None:  # a CUDA tensor (FSDP's gradients), every rank on one host: summed on the GPUs
+            return self._device_reduce_scatter(arena, out, whole, op, what)
         s = stage(whole, reduce=True, what=what)
         rows = s.array.reshape(self._size, -1)
         name = self._name("rs")
@@ -262,6 +266,26 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return [out]
         return self._start(what, lambda: [rc.reducescatter_async(rows, op=op, name=name, process_set=self._pset)],
                            finish, [s])
+
+    def _device_reduce_scatter(self, arena: Arena, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp,
+                               what: str) -> RingcommWork:
+        """:meth:`_reduce_scatter` of a device tensor through the host's shared arenas, ordered before
+        later work of the stream current here, as on the pinned path."""
+        name = self._name("rs")
+        consumer = arena.service.current()
+
+        def pinned(nm: str) -> Any:
+            s = stage(whole, reduce=True, what=what)
+            return staged_op("reducescatter", s, nm, self._pset,
+                             lambda n: rc.reducescatter_async(s.array.reshape(self._size, -1), op=op, name=n,
+                                                              process_set=self._pset),
+                             lambda raw: s.write_back(out, np.asarray(raw).reshape(-1)), consumer)
+        try:
+            handle = device_arena_ops.reduce_scatter(arena, whole, out, average=op is rc.Average, core_name=name,
+                                                     name=name, consumer=consumer, fallback=pinned)
+        except BaseException as exc:
+            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
+        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: [out])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> RingcommWork:
@@ -285,7 +309,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = self._root(opts.rootRank, "broadcast")
-        arena = broadcast_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
+        arena = one_host_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
         if arena is not None:  # one CUDA tensor (DDP's buffers), every rank on one host: copied on the GPUs
             return self._device_broadcast(arena, tensors[0], root)
         staged = [stage(t, reduce=False, what="broadcast") for t in tensors]
@@ -303,7 +327,43 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> RingcommWork:
+        if len(inputs) == 1 and len(output_lists[0]) == self._size \
+                and all(o.numel() == inputs[0].numel() for o in output_lists[0]):
+            arena = one_host_arena_for(inputs[0], self._pset)
+            if arena is not None:  # one CUDA tensor, every rank on one host: copied on the GPUs
+                outs = output_lists[0]
+                return self._device_allgather(arena, inputs[0], outs, None, "allgather", lambda: output_lists)
         return self.allgather_coalesced(output_lists, inputs, opts, what="allgather")
+
+    def _device_allgather(self, arena: Arena, t: torch.Tensor, parts: list[torch.Tensor],
+                          copy_into: tuple[torch.Tensor, torch.Tensor] | None, what: str,
+                          result: Callable[[], Any]) -> RingcommWork:
+        """An allgather of one device tensor through the host's shared arenas into ``parts`` (one
+        per rank; with ``copy_into``, ``(output, gathered)``, rows of ``gathered``, copied into
+        ``output`` after), ordered before later work of the stream current here, as on the pinned path."""
+        name = self._name("ag")
+        consumer = arena.service.current()
+
+        def pinned(nm: str) -> Any:
+            s = stage(t, reduce=False, what=what)
+
+            def finish(raw: Any) -> Any:
+                rows = np.asarray(raw).reshape(self._size, -1)
+                if copy_into is not None:
+                    s.write_back(copy_into[0], rows.reshape(-1))
+                else:
+                    for r, part in enumerate(parts):
+                        s.write_back(part, rows[r])
+                return parts
+            return staged_op("allgather", s, nm, self._pset,
+                             lambda n: rc.allgather_async(s.array.reshape(1, -1), name=n, process_set=self._pset),
+                             finish, consumer)
+        try:
+            handle = device_arena_ops.allgather(arena, t, parts, copy_into=copy_into, core_name=name, name=name,
+                                                consumer=consumer, fallback=pinned)
+        except BaseException as exc:
+            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
+        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: result())
 
     def _allgather_rows(self, staged: list[Any], name: str, out: np.ndarray | None = None) -> list[Any]:
         """Start the allgather of each staged tensor as one row per rank: one op, or one grouped op.
@@ -335,6 +395,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._start(what, submit, finish, staged)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
+        arena = one_host_arena_for(input, self._pset) if output.numel() == input.numel() * self._size else None
+        if arena is not None:  # a CUDA tensor (FSDP's parameters), every rank on one host: copied on the GPUs
+            # gathered into the output, or, where it is not contiguous, beside it and copied in after
+            gathered = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype,
+                                                                          device=output.device)
+            rows = list(gathered.view(self._size, -1).unbind(0))
+            return self._device_allgather(arena, input, rows, None if gathered is output else (output, gathered),
+                                          "allgather_into_tensor", lambda: [output])
         return self.all_gather_single_coalesced([output], [input], opts, what="allgather_into_tensor")
 
     _allgather_base = all_gather_single

@@ -100,7 +100,7 @@ def test_a_single_tensor_broadcast_on_one_host_is_copied_from_the_roots_arena():
     from ringcomm_torch import device_arena
 
     t = torch.zeros(1 << 15, device="cuda")
-    arena = device_arena.broadcast_arena_for(t, hvd.global_process_set)
+    arena = device_arena.one_host_arena_for(t, hvd.global_process_set)
     if arena is None:
         pytest.skip("broadcasts take pinned memory here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
     settle_arena(arena)
@@ -118,6 +118,39 @@ def test_a_single_tensor_broadcast_on_one_host_is_copied_from_the_roots_arena():
         assert float(t[0]) == step
     ints = torch.arange(999, device="cuda", dtype=torch.int64) * (hvd.rank() + 1)
     assert torch.equal(hvd.broadcast(ints, root), torch.arange(999, device="cuda") * (root + 1))
+    assert pool.allocations == before
+
+
+def test_the_backends_allgather_and_reduce_scatter_on_one_host_go_through_the_arenas():
+    """With RINGCOMM_DEVICE_IPC=1, every rank on one host: the "ringcomm" backend's CUDA
+    all_gather_into_tensor and reduce_scatter_tensor (FSDP's) give every rank's bits and the sum,
+    read what the current stream queued before the call, and take no pinned buffer."""
+    import torch.distributed as dist
+
+    import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
+    from ringcomm_torch import device_arena
+
+    n, me = hvd.size(), hvd.rank()
+    t = torch.zeros(1 << 15, device="cuda")
+    arena = device_arena.one_host_arena_for(t, hvd.global_process_set)
+    if arena is None:
+        pytest.skip("these ops take pinned memory here (one rank, several hosts or RINGCOMM_DEVICE_IPC=0)")
+    settle_arena(arena)
+    if arena.state != "ready" or len(arena.local) < n:
+        pytest.skip(f"the ranks span hosts or the arena is off ({arena.reason})")
+    if not dist.is_initialized():  # the job is running already: the group adopts it
+        dist.init_process_group("ringcomm", store=dist.HashStore(), rank=me, world_size=n)
+    pool = device.service_for(t).pool
+    before = pool.allocations
+    for step in range(1, 4):
+        t.fill_(float(me * 10 + step))  # queued before the call
+        out = torch.empty(n * t.numel(), device="cuda")
+        dist.all_gather_into_tensor(out, t)
+        want = torch.tensor([r * 10.0 + step for r in range(n)], device="cuda").repeat_interleave(t.numel())
+        assert torch.equal(out, want)
+        block = torch.empty(t.numel() // n, device="cuda")
+        dist.reduce_scatter_tensor(block, t[: block.numel() * n], op=dist.ReduceOp.AVG)
+        assert torch.allclose(block, torch.full_like(block, sum(r * 10.0 + step for r in range(n)) / n))
     assert pool.allocations == before
 
 

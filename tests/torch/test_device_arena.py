@@ -25,7 +25,7 @@ import ringcomm_torch as hvd  # noqa: E402
 from conftest import TEST_HOSTS, hosts_of_job, name_test_host, settle_arena, timeline_phases  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import HorovodInternalError, MismatchError  # noqa: E402
-from ringcomm_torch import device, device_arena, device_ipc  # noqa: E402
+from ringcomm_torch import device, device_arena, device_arena_ops, device_ipc  # noqa: E402
 from ringcomm_torch.device_threads import RETURN_THREAD  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -251,7 +251,7 @@ def test_a_rank_that_cannot_sum_its_shard_fails_the_op_on_every_rank_and_the_nex
     if hvd.rank() == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("the device refused the sum")
-        monkeypatch.setattr(device_ipc if spans_hosts() else device_arena,
+        monkeypatch.setattr(device_ipc if spans_hosts() else device_arena_ops,
                             "partial_sum" if spans_hosts() else "sum_shard", broken)
     with pytest.raises(HorovodInternalError, match=r"rank\(s\) \[1\] could not reduce their shard"):
         hvd.allreduce(mine(100, seed=11), op=hvd.Sum, name="arena.broken")
@@ -341,8 +341,8 @@ def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkey
     x = mine(8 * 6, seed=10).reshape(6, 8)
     grads = []
     through: list[int] = []
-    real = device_arena.Arena.allreduce
-    monkeypatch.setattr(device_arena.Arena, "allreduce", lambda *a, **k: through.append(1) or real(*a, **k))
+    real = device_arena_ops.allreduce
+    monkeypatch.setattr(device_arena_ops, "allreduce", lambda *a, **k: through.append(1) or real(*a, **k))
     for fake in (ops, None):  # the arena, then the host path
         with device.override(fake):
             model = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.001)

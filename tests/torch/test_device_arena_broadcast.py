@@ -18,11 +18,10 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import ringcomm_torch as hvd  # noqa: E402
-from conftest import hosts_of_job, name_test_host, settle_arena, timeline_phases  # noqa: E402
+from conftest import Untouched, hosts_of_job, name_test_host, settle_arena, timeline_phases  # noqa: E402
 from ringcomm import api as core_api  # noqa: E402
 from ringcomm.errors import InvalidInputError, MismatchError  # noqa: E402
 from ringcomm_torch import device, device_arena  # noqa: E402
-from ringcomm_torch.device_threads import STAGER_THREAD  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +47,7 @@ def on_device() -> bool:
 
 def settled(t: torch.Tensor) -> device_arena.Arena | None:
     """This rank's arena for broadcasts once every rank's has settled, or None (no arena)."""
-    arena = device_arena.broadcast_arena_for(t, hvd.global_process_set)
+    arena = device_arena.one_host_arena_for(t, hvd.global_process_set)
     if arena is None:
         return None
     settle_arena(arena)
@@ -69,19 +68,6 @@ def the_roots(shape, dtype, root: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 100 + root)
     x = torch.randn(shape, generator=g) * 50
     return x > 0 if dtype is torch.bool else x.to(dtype)
-
-
-class Untouched:
-    """No pinned buffer taken and no stager wait (the host waiting for the device) since made."""
-
-    def __init__(self, ops) -> None:
-        self.ops = ops
-        self.pinned = ops.pinned_allocations
-        self.waits = ops.count("wait_event", thread=STAGER_THREAD)
-
-    def __bool__(self) -> bool:
-        return (self.ops.pinned_allocations == self.pinned
-                and self.ops.count("wait_event", thread=STAGER_THREAD) == self.waits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8,
@@ -253,10 +239,10 @@ def test_what_takes_the_arena_is_decided_alike_on_every_rank(monkeypatch):
     with device.override(device.FakeOps(ipc=True)):
         x = torch.ones(1000, dtype=torch.int16)  # 2000 bytes
         if on_device() and real.device_ipc_min_bytes <= 2000:
-            assert device_arena.broadcast_arena_for(x, hvd.global_process_set) is not None
+            assert device_arena.one_host_arena_for(x, hvd.global_process_set) is not None
         monkeypatch.setattr(core_api, "current_settings", lambda: dataclasses.replace(real, device_ipc_min_bytes=2001))
-        assert device_arena.broadcast_arena_for(x, hvd.global_process_set) is None
+        assert device_arena.one_host_arena_for(x, hvd.global_process_set) is None
         monkeypatch.setattr(core_api, "current_settings", lambda: dataclasses.replace(real, device_ipc=False))
-        assert device_arena.broadcast_arena_for(torch.ones(10 ** 6), hvd.global_process_set) is None
+        assert device_arena.one_host_arena_for(torch.ones(10 ** 6), hvd.global_process_set) is None
     with device.override(device.FakeOps(ipc=False)):
-        assert device_arena.broadcast_arena_for(torch.ones(10 ** 6), hvd.global_process_set) is None
+        assert device_arena.one_host_arena_for(torch.ones(10 ** 6), hvd.global_process_set) is None

@@ -115,9 +115,10 @@ def test_the_device_test_files_pass_under_the_launcher():
 @pytest.mark.parametrize("np_,setting,wait", [(2, "1", "stream"), (3, "1", "stream"), (2, "1", "host"), (2, "0", "stream")],
                          ids=["np2", "np3", "np2-host-waits", "np2-off"])
 def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np_, setting, wait):
-    """tests/torch/test_device_ipc.py, test_device_arena.py and test_device_arena_broadcast.py under
-    the launcher (a 1 MiB arena, every size through it): bitwise alike on every rank and the pinned
-    path's results within rounding, the root's bits for a broadcast; no wait for a peer in backward
+    """tests/torch/test_device_ipc.py and the three test_device_arena*.py files under the launcher
+    (a 1 MiB arena, every size through it): bitwise alike on every rank and the pinned path's
+    results within rounding, the root's bits for a broadcast, every rank's for an allgather, the
+    sum in rank order for a reduce-scatter, FSDP2 training; no wait for a peer in backward
     or in the call, whichever waits
     (RINGCOMM_DEVICE_IPC_WAIT); RINGCOMM_DEVICE_IPC=0 falls back."""
     env = dict(os.environ, RINGCOMM_DEVICE_IPC=setting, RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20),
@@ -125,29 +126,31 @@ def test_buckets_and_single_tensors_reduce_on_the_device_through_the_fake_ipc(np
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *rank_python(np_), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py",
-           "tests/torch/test_device_arena.py", "tests/torch/test_device_arena_broadcast.py"]
+           "tests/torch/test_device_arena.py", "tests/torch/test_device_arena_broadcast.py",
+           "tests/torch/test_device_arena_shards.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("46 passed, 1 skipped" if setting == "1" else "33 passed, 14 skipped") == np_, out[-3000:]
+    assert out.count("64 passed, 1 skipped" if setting == "1" else "49 passed, 16 skipped") == np_, out[-3000:]
 
 
 @pytest.mark.timeout(200)
 def test_buckets_and_single_tensors_across_two_hosts_reduce_each_hosts_shards_on_the_device():
-    """tests/torch/test_device_ipc.py, test_device_arena.py and test_device_arena_broadcast.py at np 4
-    as two hosts of two ranks each (interleaved): each host's ranks sum on the (fake) device, only
-    each rank's shard goes through host memory, and every rank gets the same bits, within rounding
-    of the pinned path; broadcasts take pinned memory."""
+    """tests/torch/test_device_ipc.py and the three test_device_arena*.py files at np 4 as two hosts
+    of two ranks each (interleaved): each host's ranks sum on the (fake) device, only each rank's
+    shard goes through host memory, and every rank gets the same bits, within rounding of the
+    pinned path; broadcasts, allgathers and reduce-scatters take pinned memory."""
     env = dict(os.environ, RINGCOMM_DEVICE_IPC="1", RINGCOMM_DEVICE_IPC_ARENA_BYTES=str(1 << 20),
                RINGCOMM_DEVICE_IPC_MIN_BYTES="0", ARENA_TEST_HOSTS="2")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "4", *rank_python(4), "-m", "pytest", "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "tests/torch/test_device_ipc.py",
-           "tests/torch/test_device_arena.py", "tests/torch/test_device_arena_broadcast.py"]
+           "tests/torch/test_device_arena.py", "tests/torch/test_device_arena_broadcast.py",
+           "tests/torch/test_device_arena_shards.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert out.count("42 passed, 5 skipped") == 4, out[-3000:]
+    assert out.count("58 passed, 7 skipped") == 4, out[-3000:]
 
 
 
