@@ -146,6 +146,23 @@ def test_exchange_only_training_runs_ringcomm_against_ddp_on_both_backends(tmp_p
     assert "Training step (exchange only, cpu)" in proc.stdout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_fsdp_setups_run_only_when_named_and_compare_the_backends(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--np", "2", "--steps", "2", "--warmup", "1",
+           "--repeats", "1", "--setups", "fsdp", "fsdp_ringcomm", "--json", str(out), "--out-dir", str(tmp_path),
+           "--no-plot", "--job-timeout", "60"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    section = json.loads(out.read_text())["training"]
+    runs = {r["setup"]: r for r in section["runs"]}
+    assert set(runs) == {"single", "fsdp", "fsdp_ringcomm"}, set(runs)
+    assert all(r["ok"] and r["img_per_s"] > 0 for r in runs.values()), runs
+    assert {r["of"] for r in section["bound_ratios"]} == {"fsdp_ringcomm/fsdp"}
+    assert 'FSDP2 ("ringcomm" backend)' in proc.stdout
+
+
 def test_latency_percentiles_and_raw_round_trip() -> None:
     from ringcomm.bench import latency
 

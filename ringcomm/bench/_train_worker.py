@@ -2,7 +2,8 @@
 
 Modes: ``single`` (one process, no communication), ``ddp`` (torch DDP over
 gloo; needs ``--rank/--world-size/--port``), ``ddp_ringcomm`` (the same DDP on the
-``"ringcomm"`` torch.distributed backend), ``ringcomm``
+``"ringcomm"`` torch.distributed backend), ``fsdp`` and ``fsdp_ringcomm`` (FSDP2 instead of
+DDP, each top-level child of the model a unit), ``ringcomm``
 (``ringcomm_torch.DistributedOptimizer``; start it with the ringcomm
 launcher), ``lockstep`` (ringcomm launcher, a plain optimizer and one
 1-element allreduce per step: the ranks keep in step but exchange no
@@ -137,6 +138,25 @@ class _Lockstep:
         self._opt.step()
 
 
+#: The modes that run on torch.distributed (``--rank/--world-size/--port``), on gloo or ``*_ringcomm``.
+TORCH_DISTRIBUTED = ("ddp", "ddp_ringcomm", "fsdp", "fsdp_ringcomm")
+
+
+def _fully_sharded(model: nn.Module, device_type: str, world: int) -> nn.Module:
+    """``model`` under FSDP2 over every rank: each top-level child with parameters a unit of its own
+    (its parameters gathered before its forward and freed after), then the rest.  ExchangeOnly reads
+    its body's parameters in its own forward: it is one unit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device_type, (world,))
+    for child in () if isinstance(model, ExchangeOnly) else model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer
            ) -> tuple[nn.Module, Any, int, int, Callable[[], None], Callable[[Any], list[Any]]]:
     """Wrap model/optimizer for ``args.mode``; returns them with rank, size, barrier and gather-to-all.
@@ -145,12 +165,12 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     """
     if args.mode == "single":
         return model, optimizer, 0, 1, lambda: None, lambda obj: [obj]
-    if args.mode in ("ddp", "ddp_ringcomm"):
+    if args.mode in TORCH_DISTRIBUTED:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         backend = "gloo"
-        if args.mode == "ddp_ringcomm":
+        if args.mode.endswith("_ringcomm"):
             import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
 
             backend = "ringcomm"
@@ -162,8 +182,12 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
             dist.all_gather_object(out, obj)
             return out
 
-        return (DistributedDataParallel(model), optimizer, dist.get_rank(), dist.get_world_size(), dist.barrier,
-                gather)
+        if args.mode.startswith("fsdp"):
+            model = _fully_sharded(model, "cuda" if args.device == "cuda" else "cpu", dist.get_world_size())
+            optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # over the sharded parameters
+        else:
+            model = DistributedDataParallel(model)
+        return model, optimizer, dist.get_rank(), dist.get_world_size(), dist.barrier, gather
     module = "horovod.torch" if args.mode == "horovod" else "ringcomm_torch"
     try:
         hvd = importlib.import_module(module)
@@ -190,7 +214,7 @@ def _setup(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringcomm.bench._train_worker", description=__doc__)
-    parser.add_argument("--mode", choices=("single", "ddp", "ddp_ringcomm", "ringcomm", "lockstep", "horovod"),
+    parser.add_argument("--mode", choices=("single", *TORCH_DISTRIBUTED, "ringcomm", "lockstep", "horovod"),
                         required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=("small", "resnet18", "exchange"), default="small")
@@ -272,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         os.replace(args.out + ".tmp", args.out)
     barrier()
-    if args.mode in ("ddp", "ddp_ringcomm"):
+    if args.mode in TORCH_DISTRIBUTED:
         import torch.distributed as dist
 
         dist.destroy_process_group()

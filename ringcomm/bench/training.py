@@ -18,7 +18,8 @@ share it) and compares ringcomm_torch with DDP on gloo and DDP on the ``"ringcom
 the independent processes as the bound; the summary gives each setup's spread over rounds
 (slowest and fastest round / median).  ``model="exchange"`` (``--model exchange``) runs the same
 comparison on the CPU with resnet18's gradients and next to no compute: what a step costs when
-the exchange is all it waits for, as on a GPU.
+the exchange is all it waits for, as on a GPU.  FSDP2 on either backend runs on any device where
+``--setups`` names it (``fsdp``, ``fsdp_ringcomm``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ SETUPS = (("ddp", "gloo"), ("ringcomm", "ringcomm"), ("horovod", "horovod"), ("l
           ("independent", "independent"))
 #: The setups of a GPU run.
 CUDA_SETUPS = (("ddp", "gloo"), ("ddp_ringcomm", "gloo"), ("ringcomm", "ringcomm"), ("independent", "independent"))
+#: Setups that run only when ``--setups`` names them, on any device.
+OPT_IN = (("fsdp", "gloo"), ("fsdp_ringcomm", "gloo"))
 LABELS = {"single": "one process", "ddp": "DDP (gloo)", "ddp_ringcomm": "DDP (\"ringcomm\" backend)",
+          "fsdp": "FSDP2 (gloo)", "fsdp_ringcomm": "FSDP2 (\"ringcomm\" backend)",
           "ringcomm": "ringcomm_torch DistributedOptimizer",
           "horovod": "Horovod DistributedOptimizer",
           "lockstep": "bound: in lockstep, no gradients exchanged (ringcomm)",
@@ -52,7 +56,7 @@ MODELS = {"small": "SmallCNN: conv3x3(3->32)+pool, conv3x3(32->64)+pool, fc(4096
                       "step, as on a GPU; SGD momentum"}
 #: Ratios of img/s within a round that the report shows: (numerator, denominator).
 RATIOS = (("ringcomm", "ddp"), ("lockstep", "ddp"), ("independent", "ddp"), ("ringcomm", "lockstep"),
-          ("ddp_ringcomm", "ddp"))
+          ("ddp_ringcomm", "ddp"), ("fsdp_ringcomm", "fsdp"))
 
 
 @dataclasses.dataclass
@@ -135,6 +139,7 @@ def run(cfg: TrainingConfig) -> dict[str, Any]:
     notes: list[str] = []
     setups = [(s, sys_) for s, sys_ in (CUDA_SETUPS if cfg.device == "cuda" or cfg.model_name == "exchange"
                                         else SETUPS) if not cfg.setups or s in cfg.setups]
+    setups += [x for x in OPT_IN if x[0] in cfg.setups]
     why_rc = ringcomm_torch_status()
     if why_rc is not None:
         setups = [x for x in setups if x[0] != "ringcomm"]
