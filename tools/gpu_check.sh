@@ -10,7 +10,7 @@
 # a SyncBatchNorm training step against a BatchNorm one, its backward's small allreduces through
 # pinned memory and through the arena; `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
 # gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
-# through pinned memory; the allreduce ways under MPS; DistributedOptimizer and DDP on the
+# through pinned memory; FSDP2 on gloo and on "ringcomm"; the allreduce ways under MPS; DistributedOptimizer and DDP on the
 # "ringcomm" backend under torch.profiler (where the host waits for the GPU); the shared-memory
 # allreduce of host arrays on 1 thread per rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven files, the benches'
 # raw numbers packed in one archive.  summary.txt starts with the machine and grows after each
@@ -216,6 +216,14 @@ RINGCOMM_DEVICE_IPC=0 step training-b64-pinned 120 "$PY" -m ringcomm.bench train
     --steps 20 --warmup 5 --repeats 3 --setups ringcomm --no-plot --out-dir "$RAW" --json "$RAW/training-b64-pinned.json"
 { echo "RINGCOMM_DEVICE_IPC=0:"; grep -h "img/s\|^| " "$OUT/training-b64-pinned.log"; } >>"$SUMMARY"
 mv "$OUT/training-b64-pinned.log" "$RAW/" 2>/dev/null
+
+# FSDP2 on gloo and on the "ringcomm" backend (its parameter gathers and gradient reduce-scatters
+# through the arenas, every size), resnet18 at batch 64, alternating rounds
+RINGCOMM_DEVICE_IPC_MIN_BYTES=0 step training-b64-fsdp 90 "$PY" -m ringcomm.bench training --device cuda \
+    --np 2 --batch 64 --steps 10 --warmup 3 --repeats 2 --setups fsdp fsdp_ringcomm --no-plot --out-dir "$RAW" \
+    --json "$RAW/training-b64-fsdp.json"
+{ echo "FSDP2:"; grep -h "img/s\|^| \|FAILED" "$OUT/training-b64-fsdp.log" | tail -n 8; } >>"$SUMMARY"
+mv "$OUT/training-b64-fsdp.log" "$RAW/" 2>/dev/null
 
 # the same ways under CUDA's multi-process service (MPS), where both ranks' work runs in one
 # context: its own pipe folder, so no other step's process joins it; stopped at the end
