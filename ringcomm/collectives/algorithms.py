@@ -32,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from ..core import ring
+from ..core.lane import reduce_ordered
 from ..errors import HorovodInternalError
 from ..core.ops import ReduceOp, combine, reduce_into, scale_inplace
 
@@ -415,6 +416,27 @@ def ring_reducescatter(
         return mine
     reducescatter_pass(link, buf, counts, op, seq, seg_elems, postscale).run()
     return mine
+
+
+def direct_reducescatter(link: Link, inp: np.ndarray, counts: Sequence[int], op: ReduceOp, seq: int,
+                         seg_elems: int, prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
+    """Reduce-scatter ``inp`` (1-D, contiguous, read only): this rank sends rank j its block j
+    (``ring.offsets(counts)``), then reduces its own block over every rank's in rank order, segment
+    by segment as they arrive, with :func:`~ringcomm.core.lane.reduce_ordered`'s arithmetic (so the
+    lane's reducescatter gives the same bits).  Returns this rank's block, a new array."""
+    size, rank = link.size, link.rank
+    bounds = ring.offsets(counts)
+    for off in range(1, size):
+        dst = (rank + off) % size
+        for k, (a, b) in enumerate(ring.segments(*bounds[dst], seg_elems)):
+            link.send(dst, seq, k, inp[a:b])
+    lo, hi = bounds[rank]
+    out = np.empty(hi - lo, dtype=inp.dtype)
+    for k, (a, b) in enumerate(ring.segments(lo, hi, seg_elems)):
+        parts = [inp[a:b] if src == rank else _view(link.recv(src, seq, k), inp.dtype, b - a) for src in range(size)]
+        reduce_ordered(op, parts, prescale, postscale, out[a - lo:b - lo])
+    link.flush()
+    return out
 
 
 def reducescatter_pass(link: Link, buf: np.ndarray, counts: Sequence[int], op: ReduceOp, seq: int, seg_elems: int,

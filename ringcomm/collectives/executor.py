@@ -201,15 +201,11 @@ class Executor:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))
             rows = ring.split_sizes(arr.shape[0], size)
-            buf = self._scratch(dtype, arr.size)
-            buf[...] = arr.reshape(-1)
             op = ReduceOp(resp.op)
-            ops.scale_inplace(buf, resp.prescale)
-            a, b = algorithms.ring_reducescatter(
-                link, buf, [r * row for r in rows], op, seq, seg,
-                ops.postscale(op, size, resp.postscale),
-            )
-            return [buf[a:b].reshape(rows[rank], *rest).copy()]
+            block = algorithms.direct_reducescatter(
+                link, np.ascontiguousarray(arr).reshape(-1), [r * row for r in rows], op, seq, seg, resp.prescale,
+                ops.postscale(op, size, resp.postscale))
+            return [block.reshape(rows[rank], *rest)]
         raise HorovodInternalError(f"unknown collective {kind!r}")  # pragma: no cover
 
     def _allreduce(self, resp: Response, entries: list[Entry], seq: int, dtype: np.dtype, seg: int,

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import ops, routing, wire
+from . import ops, ring, routing, wire
 from .ops import ReduceOp
 
 #: Collectives the lane can finish from posted payloads.
@@ -314,10 +314,13 @@ def dtype_of(req: wire.Request) -> np.dtype:
 
 
 def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None], grouped: bool,
-           parts: Sequence[np.ndarray], size: int) -> Any:
-    """The result of fast op ``req`` on this rank, from ``parts``: every rank's posted payload, flat,
-    viewed as the op's dtype (:func:`dtype_of`), in rank order.  ``arrays``/``outs``/``grouped``
-    are this rank's submission.  No result aliases a part (they are views of the lane's slots).
+           parts: Sequence[np.ndarray], size: int, *, rank: int) -> Any:
+    """The result of fast op ``req`` on ``rank`` (of ``size``), from ``parts``: every rank's posted
+    payload, flat, viewed as the op's dtype (:func:`dtype_of`), in rank order.
+    ``arrays``/``outs``/``grouped`` are this rank's submission.  No result aliases a part (they are
+    views of the lane's slots).  A reducescatter's block is this rank's rows of the first
+    dimension as the engine splits them (:func:`ring.split_sizes`), reduced over the ranks in rank
+    order as an allreduce is.
     """
     kind = req.kind
     if kind == wire.BARRIER:
@@ -345,4 +348,13 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         out = ops.result_array(outs[0] if outs else None, (sum(p.size for p in parts) // row, *rest), parts[0].dtype)
         np.concatenate(parts, out=out.reshape(-1))
         return out
+    if kind == wire.REDUCESCATTER:
+        rest = arr.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        rows = ring.split_sizes(arr.shape[0], size)
+        lo = sum(rows[:rank]) * row
+        hi = lo + rows[rank] * row
+        op = _REDUCE_OPS[req.op]
+        block = reduce_ordered(op, [p[lo:hi] for p in parts], req.prescale, ops.postscale(op, size, req.postscale))
+        return block.reshape(rows[rank], *rest)
     raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out

@@ -441,7 +441,8 @@ class LaneDriver:
         req = e.req
         try:
             result = None if req.kind == wire.BARRIER else lane.finish(
-                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size)
+                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size,
+                rank=self.rank)
         except BaseException as exc:  # pragma: no cover - the slots agreed on dtype and shapes
             del self._pending[k]
             self._publish_read()

@@ -258,6 +258,34 @@ def test_reducescatter_blocks(size, rows, seg, data) -> None:
         np.testing.assert_array_equal(out, expected[a:b])
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(0, 30), st.integers(1, 6), st.sampled_from(["float32", "float16", "int64"]),
+       st.sampled_from([ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX, ReduceOp.PRODUCT]),
+       st.sampled_from([1.0, 0.5]), st.integers(0, 2**31))
+def test_direct_reducescatter_is_each_ranks_block_of_the_lanes_reduction_bitwise(size, rows, seg, dtype, op, pre,
+                                                                                seed) -> None:
+    """Each rank's block, segment by segment as it arrives, has the bits of the lane's rank-order
+    reduction of the whole arrays (so the engine and the lane agree); the input is left as it was."""
+    from ringcomm.core import lane, ops
+
+    if op is ReduceOp.AVERAGE and dtype == "int64":
+        return
+    inputs = make_inputs(size, rows, dtype, seed)
+    before = [a.tobytes() for a in inputs]
+    counts = ring.split_sizes(rows, size)
+    post = ops.postscale(op, size, 1.0)
+    expected = lane.reduce_ordered(op, inputs, pre, post) if rows else np.zeros(0, dtype)
+
+    def fn(link, r):
+        return algorithms.direct_reducescatter(link, inputs[r], counts, op, 0, seg, pre, post)
+
+    outs = run_ranks(queue_links(size), fn)
+    for r, out in enumerate(outs):
+        a, b = ring.offsets(counts)[r]
+        assert out.dtype == np.dtype(dtype) and out.tobytes() == expected[a:b].tobytes(), (r, out, expected[a:b])
+    assert [a.tobytes() for a in inputs] == before
+
+
 @pytest.mark.parametrize("nbytes", [0, 12, algorithms.DIRECT_BROADCAST_BYTES + 8])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_broadcast_direct_and_chain(size: int, nbytes: int) -> None:

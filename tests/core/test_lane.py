@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringcomm.core import lane, ops, wire
+from ringcomm.core import lane, ops, ring, wire
 from ringcomm.core.ops import ReduceOp
 from ringcomm.core.service import Service
 
@@ -121,14 +121,14 @@ def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size,
     r = req(dtype=dtype, shapes=((n,),), op=int(op), prescale=pre, postscale=post)
     parts = [a.view(np.uint8).view(lane.dtype_of(r)) for a in arrays]  # as the lane reads them: raw bytes, typed
     before = [a.tobytes() for a in arrays]
-    results = [lane.finish(r, [arrays[i]], [None], False, parts, size) for i in range(size)]
+    results = [lane.finish(r, [arrays[i]], [None], False, parts, size, rank=i) for i in range(size)]
     assert [a.tobytes() for a in arrays] == before  # the posted payloads are left as they are
     for res in results:
         assert res.dtype == np.dtype(dtype) and res.shape == (n,)
         assert res.tobytes() == results[0].tobytes()
     # reduced into the caller's buffer (here in place: the buffer is the rank's input): the same bytes
     mine = arrays[0].copy()
-    assert lane.finish(r, [mine], [mine], False, parts, size) is mine
+    assert lane.finish(r, [mine], [mine], False, parts, size, rank=0) is mine
     assert mine.tobytes() == results[0].tobytes()
     # rank 0's small path through the service, fed the same payloads
     svc = Service(size, b"s" * 32, 1 << 26, 1 << 20, 0)
@@ -143,6 +143,29 @@ def test_a_fast_allreduce_is_bitwise_rank_0s_small_reduction_on_every_rank(size,
             acc = c if acc is None else acc + c
         ops.scale_inplace(acc, ops.postscale(op, size, post))
         assert acc.tobytes() == results[0].tobytes()
+
+
+@given(st.integers(1, 5), st.sampled_from(FLOATS + ["int32"]), st.sampled_from(list(ReduceOp)),
+       st.integers(0, 9), st.integers(1, 4), st.sampled_from([1.0, 0.5]), st.sampled_from([1.0, 0.25]),
+       st.integers(0, 2**31))
+def test_a_fast_reducescatter_gives_each_rank_its_rows_of_the_fast_allreduce(size, dtype, op, first, width, pre,
+                                                                             post, seed):
+    """Each rank's block: its rows of the first dimension as the engine splits them (the first
+    ranks take one more where they do not divide), bitwise the same rows of the lane's allreduce
+    of the same payloads; the blocks in rank order are that allreduce."""
+    if op is ReduceOp.ADASUM:
+        return
+    rng = np.random.default_rng(seed)
+    arrays = [(rng.standard_normal((first, width)) * 10).astype(dtype) for _ in range(size)]
+    rs = req(kind=wire.REDUCESCATTER, dtype=dtype, shapes=((first, width),), op=int(op), prescale=pre,
+             postscale=post)
+    parts = [a.reshape(-1) for a in arrays]
+    blocks = [lane.finish(rs, [arrays[i]], [None], False, parts, size, rank=i) for i in range(size)]
+    whole = lane.finish(req(dtype=dtype, shapes=((first, width),), op=int(op), prescale=pre, postscale=post),
+                        [arrays[0]], [None], False, parts, size, rank=0)
+    assert [b.shape for b in blocks] == [(n, width) for n in ring.split_sizes(first, size)]
+    assert all(not np.shares_memory(b, p) for b in blocks for p in parts)
+    assert np.concatenate(blocks).tobytes() == whole.tobytes()
 
 
 def _service_reduce(svc, r, arrays):
@@ -161,22 +184,22 @@ def test_fast_broadcast_allgather_barrier_and_grouped_results():
     two_d = req(dtype="int64", shapes=((2, 3),), op=int(ReduceOp.SUM))
     out2 = np.empty_like(a)  # a 2-D out= is reduced into through a flat view of it
     flat = a.reshape(-1)
-    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2) is out2 and (out2 == 2 * a).all()
+    assert lane.finish(two_d, [a], [out2], False, [flat, flat], 2, rank=0) is out2 and (out2 == 2 * a).all()
     zeros = np.zeros_like(a)
     b = req(kind=wire.BROADCAST, dtype="int64", shapes=((2, 3),), root=1, op=0)
     parts = [np.zeros(0, np.int64), a.reshape(-1)]
-    assert (lane.finish(b, [zeros], [None], False, parts, 2) == a).all()
+    assert (lane.finish(b, [zeros], [None], False, parts, 2, rank=0) == a).all()
     out = np.empty_like(a)
-    assert lane.finish(b, [zeros], [out], False, parts, 2) is out and (out == a).all()
+    assert lane.finish(b, [zeros], [out], False, parts, 2, rank=0) is out and (out == a).all()
     g = req(kind=wire.ALLGATHER, dtype="int64", shapes=((1, 3),), op=0)
     rows = [a[:1], a[1:], np.zeros((0, 3), np.int64)]
-    got = lane.finish(g, [rows[0]], [None], False, [r.reshape(-1) for r in rows], 3)
+    got = lane.finish(g, [rows[0]], [None], False, [r.reshape(-1) for r in rows], 3, rank=0)
     assert got.shape == (2, 3) and (got == a).all()
-    assert lane.finish(req(kind=wire.BARRIER, shapes=()), [], [], False, [np.zeros(0, np.uint8)] * 2, 2) is None
+    assert lane.finish(req(kind=wire.BARRIER, shapes=()), [], [], False, [np.zeros(0, np.uint8)] * 2, 2, rank=0) is None
     x, y = np.ones(3, np.float32), np.full(2, 2.0, np.float32)
     grouped = req(shapes=((3,), (2,)))
     flat = np.concatenate([x, y])
-    res = lane.finish(grouped, [x, y], [None, None], True, [flat] * 2, 2)
+    res = lane.finish(grouped, [x, y], [None, None], True, [flat] * 2, 2, rank=0)
     assert [r.tolist() for r in res] == [[2, 2, 2], [4, 4]]
 
 

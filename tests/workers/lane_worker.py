@@ -77,6 +77,11 @@ def digests() -> None:
             out[f"bc {dtype} {root}"] = hashlib.sha256(b.tobytes()).hexdigest()
         a = rc.allgather(data(r + 3, (r + 1, 2), dtype))
         out[f"ag {dtype}"] = hashlib.sha256(a.tobytes()).hexdigest() + str(a.shape)
+        if dtype != "bool":
+            for op in (rc.Sum, rc.Average, rc.Max):
+                for rows in (2 * n + 1, 1):  # the first ranks take a row more; fewer rows than ranks
+                    s = rc.reducescatter(data(50 * r + rows, (rows, 3), dtype), op=op)
+                    out[f"rs {dtype} {op.name} {rows}"] = hashlib.sha256(s.tobytes()).hexdigest() + str(s.shape)
         rc.barrier()
     out["object"] = repr(rc.allgather_object({"rank": r}))
     with open(os.path.join(OUT, f"rank{r}.json"), "w") as f:
