@@ -77,6 +77,17 @@ def settle_arena(arena, seconds: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.fixture(scope="module")
+def ops():
+    """One fake device with IPC (``ringcomm_torch.device.FakeOps(ipc=True)``) for a whole test module,
+    standing in for every tensor's device: its arena is shared once, as a GPU's is."""
+    from ringcomm_torch import device
+
+    fake = device.FakeOps(ipc=True)
+    with device.override(fake):
+        yield fake
+
+
 class Untouched:
     """No pinned buffer taken and no stager wait (the host waiting for the device) on the fake
     device ``ops`` (``ringcomm_torch.device.FakeOps``) since made."""

@@ -38,14 +38,6 @@ def _init():
     yield
 
 
-@pytest.fixture(scope="module")
-def ops():
-    """One fake device with IPC for the whole module: its arena is shared once, as a GPU's is."""
-    fake = device.FakeOps(ipc=True)
-    with device.override(fake):
-        yield fake
-
-
 def on_device() -> bool:
     """Whether the job's CUDA allreduces take the arena (alike on every rank): some host has two ranks."""
     return core_api.current_settings().device_ipc and hvd.size() > 1 and hosts_of_job(hvd.size()) < hvd.size()

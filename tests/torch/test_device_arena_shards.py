@@ -41,13 +41,6 @@ def _init():
     yield
 
 
-@pytest.fixture(scope="module")
-def ops():
-    fake = device.FakeOps(ipc=True)
-    with device.override(fake):
-        yield fake
-
-
 def on_device() -> bool:
     """Whether the backend's CUDA allgathers take the arena (alike on every rank): one host."""
     return core_api.current_settings().device_ipc and hvd.size() > 1 and hosts_of_job(hvd.size()) == 1
