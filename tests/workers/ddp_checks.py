@@ -224,7 +224,8 @@ def check_fsdp(rank: int, gloo: dist.ProcessGroup) -> None:
     """FSDP2 (``fully_shard``) over a DeviceMesh of each backend from one seed: the same parameters
     (1e-6) after 10 steps, shards of uneven sizes at np 3, and HSDP over a 2-D "ringcomm" mesh at
     an even np of 4 or more; a DTensor made whole and the functional
-    collectives over the "ringcomm" mesh give the arithmetic's results."""
+    collectives over the "ringcomm" mesh give the arithmetic's results; then
+    :func:`check_fsdp_mixed_precision_and_checkpoint`."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -261,6 +262,56 @@ def check_fsdp(rank: int, gloo: dist.ProcessGroup) -> None:
     gathered = funcol.all_gather_tensor(mine, 0, mesh)
     assert torch.equal(gathered, torch.cat([torch.arange(4.0) + r for r in range(n)])), gathered
     print(f"rank {rank}: FSDP max |ringcomm - gloo| after 10 steps = {diff:.3g}", flush=True)
+    check_fsdp_mixed_precision_and_checkpoint(rank, meshes)
+
+
+def check_fsdp_mixed_precision_and_checkpoint(rank: int, meshes: dict) -> None:
+    """FSDP2 with bfloat16 parameters and float32 gradient reduction, no resharding after forward and
+    two micro-batches per step (``set_requires_gradient_sync``), AdamW, on each backend's mesh from
+    one seed: the same parameters (1e-6); then torch.distributed.checkpoint saves the "ringcomm"
+    model and optimizer, and loading them back undoes a change to every parameter."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trained = {}
+    for backend, mesh in meshes.items():
+        net = model(13)
+        for layer in net:
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(net, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for step in range(6):
+            net.set_requires_gradient_sync(step % 2 == 1)
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(net(x).float(), y).backward()
+            if step % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        trained[backend] = (net, opt)
+    params = {b: [p.full_tensor().detach() for p in net.parameters()] for b, (net, _) in trained.items()}
+    diff = max(float((a - b).abs().max()) for a, b in zip(params["ringcomm"], params["gloo"]))
+    assert diff <= 1e-6, f"rank {rank}: mixed-precision FSDP on ringcomm and on gloo differ by {diff}"
+    net, opt = trained["ringcomm"]
+    where = [tempfile.mkdtemp(prefix="ringcomm-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save({"model": net.state_dict(), "optim": opt.state_dict()}, checkpoint_id=where[0])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    state = {"model": net.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=where[0])
+    net.load_state_dict(state["model"])
+    back = [p.full_tensor().detach() for p in net.parameters()]
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    assert all(torch.equal(a, b) for a, b in zip(back, params["ringcomm"])), f"rank {rank}: the checkpoint did not load"
+    print(f"rank {rank}: mixed-precision FSDP max |ringcomm - gloo| = {diff:.3g}; checkpoint round trip ok", flush=True)
 
 
 def check_hooks(rank: int, gloo: dist.ProcessGroup) -> None:
