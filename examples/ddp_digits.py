@@ -4,6 +4,7 @@
     ringcomm-run -np 2 python examples/ddp_digits.py                          # env:// too
     python examples/ddp_digits.py --spawn 2 --dist-url tcp://127.0.0.1:23456   # mp.spawn
     torchrun --standalone --nproc-per-node 2 examples/ddp_digits.py --backend gloo   # the same on gloo
+    torchrun --standalone --nproc-per-node 2 examples/ddp_digits.py --fsdp    # FSDP2 instead of DDP
 
 A plain DDP script, as the tutorials write them: ``init_process_group`` (the only
 ringcomm-specific word is the backend name), a ``DistributedSampler``, ``DistributedDataParallel``,
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="batch size per rank (default: 32)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default: 0.05)")
     p.add_argument("--seed", type=int, default=42, help="random seed (default: 42)")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     return p.parse_args()
 
 
@@ -64,6 +66,17 @@ def digits(seed: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[perm[:cut]], y[perm[:cut]]), TensorDataset(x[perm[cut:]], y[perm[cut:]])
 
 
+def sharded(model: CNN, world: int) -> nn.Module:
+    """FSDP2: each layer's parameters sharded over the ranks, gathered for its forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))  # its group runs on the default group's backend
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def mean_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
@@ -82,11 +95,11 @@ def main_worker(rank: int, args: argparse.Namespace) -> None:
     sampler = DistributedSampler(train_set, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, batch_size=256, sampler=DistributedSampler(test_set, shuffle=False))
-    model = nn.parallel.DistributedDataParallel(CNN())
+    model = sharded(CNN(), world) if args.fsdp else nn.parallel.DistributedDataParallel(CNN())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
     if rank == 0:
         print(f"digits: {len(train_set)} train / {len(test_set)} test images, {world} rank(s), backend "
-              f"{dist.get_backend()}", flush=True)
+              f"{dist.get_backend()}{', FSDP2' if args.fsdp else ''}", flush=True)
     for epoch in range(1, args.epochs + 1):
         model.train()
         sampler.set_epoch(epoch)

@@ -1,5 +1,5 @@
 """examples/ddp_digits.py, a plain DDP script whose only ringcomm word is the backend name, trains
-under torchrun and under ringcomm-run."""
+under torchrun and under ringcomm-run, and with FSDP2 (``--fsdp``) instead of DDP."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def final_accuracy(out: str) -> float:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("launcher", ["torchrun", "ringcomm-run"])
-def test_ddp_digits_trains(launcher):
+@pytest.mark.parametrize("launcher,wrap", [("torchrun", "ddp"), ("ringcomm-run", "ddp"), ("torchrun", "fsdp")])
+def test_ddp_digits_trains(launcher, wrap):
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE]
     else:
         cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", sys.executable, EXAMPLE]
-    out = run([*cmd, "--epochs", "6"], 110)
-    assert "backend ringcomm" in out, out[-3000:]
+    out = run([*cmd, "--epochs", "6", *(["--fsdp"] if wrap == "fsdp" else [])], 110)
+    assert "backend ringcomm" + (", FSDP2" if wrap == "fsdp" else "") in out, out[-3000:]
     assert final_accuracy(out) > 85.0, out[-3000:]
