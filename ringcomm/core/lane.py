@@ -64,7 +64,8 @@ def op_key(req: wire.Request) -> int:
     """A 63-bit hash of what every rank's op at one index must share to run fast.
 
     Everything of the request but what may differ between ranks (an allgather's
-    first dimension; a broadcast's non-root buffers are the root's shape anyway).
+    first dimension; a broadcast's non-root buffers are the root's shape anyway).  An
+    alltoall's splits are in it: it runs fast only where every rank splits alike.
     The name's part is a CRC and the rest's a cached BLAKE2b: both the same in
     every process (Python's ``hash`` of a string is not).
 
@@ -76,7 +77,7 @@ def op_key(req: wire.Request) -> int:
     shapes: Any = req.shapes
     if req.kind == wire.ALLGATHER:
         shapes = tuple(s[1:] for s in req.shapes)
-    sig = (req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale)
+    sig = (req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale, req.splits)
     h = _SIGNATURES.get(sig)
     if h is None:
         if len(_SIGNATURES) > 4096:
@@ -318,7 +319,8 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
     """The result of fast op ``req`` on ``rank`` (of ``size``), from ``parts``: every rank's posted
     payload, flat, viewed as the op's dtype (:func:`dtype_of`), in rank order.
     ``arrays``/``outs``/``grouped`` are this rank's submission.  No result aliases a part (they are
-    views of the lane's slots).  A reducescatter's block is this rank's rows of the first
+    views of the lane's slots).  An alltoall's rows are every rank's block for this rank, in rank
+    order, with the rows per rank (every rank split alike).  A reducescatter's block is this rank's rows of the first
     dimension as the engine splits them (:func:`ring.split_sizes`), reduced over the ranks in rank
     order as an allreduce is.
     """
@@ -348,6 +350,14 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         out = ops.result_array(outs[0] if outs else None, (sum(p.size for p in parts) // row, *rest), parts[0].dtype)
         np.concatenate(parts, out=out.reshape(-1))
         return out
+    if kind == wire.ALLTOALL:  # every rank's splits are this rank's (the op key holds them)
+        rest = arr.shape[1:]
+        row = int(np.prod(rest, dtype=np.int64))
+        mine = req.splits[rank]
+        lo = sum(req.splits[:rank]) * row
+        out = np.empty((mine * size, *rest), dtype=parts[0].dtype)
+        np.concatenate([p[lo:lo + mine * row] for p in parts], out=out.reshape(-1))
+        return out, np.full(size, mine, dtype=np.int64)
     if kind == wire.REDUCESCATTER:
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))

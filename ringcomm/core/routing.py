@@ -40,7 +40,8 @@ from .ops import ReduceOp
 #: Kinds that move data; the others (barrier, join, shutdown, set management) complete on their response.
 DATA_KINDS = (wire.ALLREDUCE, wire.ALLGATHER, wire.BROADCAST, wire.ALLTOALL, wire.REDUCESCATTER)
 #: Collectives the lane can finish from posted payloads.
-LANE_KINDS = frozenset({wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.REDUCESCATTER, wire.BARRIER})
+LANE_KINDS = frozenset({wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL, wire.REDUCESCATTER,
+                        wire.BARRIER})
 #: Allreduces of at least this many bytes take the hierarchical path when it is on automatically.
 HIERARCHICAL_MIN_BYTES = 1 << 20
 

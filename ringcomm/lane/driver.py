@@ -3,12 +3,12 @@
 Every op of the global process set takes the next index of this rank's lane, a region of slots
 (:class:`ringcomm.core.lane.LaneRegion`: :mod:`ringcomm.lane.shm_lane` on one host,
 :mod:`ringcomm.lane.net_lane` across hosts); what each index becomes is decided from the ranks'
-slots alone (:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather or barrier is
-posted *fast*: its payload goes into this rank's slot, and the thread that waits for its handle
+slots alone (:mod:`ringcomm.core.lane`). A small allreduce, broadcast, allgather, reducescatter,
+alltoall or barrier is posted *fast*: its payload goes into this rank's slot, and the thread that waits for its handle
 (a :class:`~ringcomm.lane.handle.LaneHandle`, which calls :meth:`LaneDriver.drive`) reads the
 others' slots, computes the result and returns: no thread hop, no message, no round trip through
 rank 0.
-Anything else (a large op, an alltoall, a refused call, a timeline being written) is posted as
+Anything else (a large op, a refused call, a timeline being written) is posted as
 *engine*: the ranks divert that index, each hands its op to the engine, and rank 0 negotiates it as
 always.
 

@@ -90,7 +90,10 @@ def test_what_a_rank_asks_to_run_fast():
     assert not lane.eligible(req(pset=1), a, 0, 1 << 20)
     assert not lane.eligible(req(op=int(ReduceOp.ADASUM)), a, 0, 1 << 20)
     assert not lane.eligible(req(refused="rank 1: bad"), a, 0, 1 << 20)
-    assert not lane.eligible(req(kind=wire.ALLTOALL), a, 0, 1 << 20)
+    assert not lane.eligible(req(kind=wire.ALLTOALL), a, 0, 15)  # an alltoall posts its whole array
+    assert lane.eligible(req(kind=wire.ALLTOALL, splits=(2, 2)), a, 0, 16)
+    # ranks that split differently have different keys: the op goes to the engine
+    assert lane.op_key(req(kind=wire.ALLTOALL, splits=(1, 3))) != lane.op_key(req(kind=wire.ALLTOALL, splits=(2, 2)))
     assert lane.eligible(req(kind=wire.BARRIER, shapes=()), [], 0, 1)
     # a broadcast posts the root's buffer only, but every rank checks that it fits
     b = req(kind=wire.BROADCAST, root=1)
@@ -166,6 +169,25 @@ def test_a_fast_reducescatter_gives_each_rank_its_rows_of_the_fast_allreduce(siz
     assert [b.shape for b in blocks] == [(n, width) for n in ring.split_sizes(first, size)]
     assert all(not np.shares_memory(b, p) for b in blocks for p in parts)
     assert np.concatenate(blocks).tobytes() == whole.tobytes()
+
+
+@given(st.integers(1, 5), st.integers(0, 4), st.integers(0, 3), st.integers(0, 2**31))
+def test_a_fast_alltoall_gives_each_rank_its_block_of_every_ranks_array(size, most, width, seed):
+    """Every rank split alike (the op key holds the splits): rank r gets block r of each rank's
+    array in rank order, and the rows it got from each."""
+    rng = np.random.default_rng(seed)
+    splits = tuple(int(v) for v in rng.integers(0, most + 1, size))
+    rows = sum(splits)
+    arrays = [rng.integers(0, 100, (rows, width)).astype(np.int32) for _ in range(size)]
+    a2a = req(kind=wire.ALLTOALL, dtype="int32", shapes=((rows, width),), splits=splits)
+    parts = [a.reshape(-1) for a in arrays]
+    starts = [sum(splits[:r]) for r in range(size)]
+    for r in range(size):
+        out, got = lane.finish(a2a, [arrays[r]], [None], False, parts, size, rank=r)
+        want = np.concatenate([a[starts[r]:starts[r] + splits[r]] for a in arrays])
+        assert out.shape == (splits[r] * size, width) and (out == want).all()
+        assert got.tolist() == [splits[r]] * size
+        assert not any(np.shares_memory(out, p) for p in parts)
 
 
 def _service_reduce(svc, r, arrays):

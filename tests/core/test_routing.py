@@ -51,11 +51,11 @@ def settings_st() -> st.SearchStrategy[Settings]:
 # -- the conditions as the callers held them (the reference) -------------------------------------
 
 def old_fast_nbytes(req: wire.Request, arrays: list[np.ndarray], rank: int, max_bytes: int) -> int:
-    """``core/lane.fast_nbytes`` as it was, with reducescatters on the lane (each rank posts its whole
-    array and reduces its rows of every rank's)."""
+    """``core/lane.fast_nbytes`` as it was, with reducescatters and alltoalls on the lane (each rank
+    posts its whole array and takes its rows of every rank's)."""
     kind = req.kind
-    if req.pset != 0 or kind not in {wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.REDUCESCATTER,
-                                     wire.BARRIER} \
+    if req.pset != 0 or kind not in {wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL,
+                                     wire.REDUCESCATTER, wire.BARRIER} \
             or req.refused or max_bytes <= 0:
         return -1
     if kind == wire.ALLREDUCE and req.op == ReduceOp.ADASUM:

@@ -77,6 +77,11 @@ def digests() -> None:
             out[f"bc {dtype} {root}"] = hashlib.sha256(b.tobytes()).hexdigest()
         a = rc.allgather(data(r + 3, (r + 1, 2), dtype))
         out[f"ag {dtype}"] = hashlib.sha256(a.tobytes()).hexdigest() + str(a.shape)
+        # an alltoall split evenly, by splits every rank passes alike, and by splits that differ per rank
+        for k, splits in enumerate((None, [(i + 1) % 3 for i in range(n)], [(i + r) % 3 for i in range(n)])):
+            rows = 2 * n if splits is None else sum(splits)
+            got, counts = rc.alltoall(data(70 * r + k, (rows, 3), dtype), splits)
+            out[f"a2a {dtype} {k}"] = hashlib.sha256(got.tobytes()).hexdigest() + str(got.shape) + str(counts.tolist())
         if dtype != "bool":
             for op in (rc.Sum, rc.Average, rc.Max):
                 for rows in (2 * n + 1, 1):  # the first ranks take a row more; fewer rows than ranks
