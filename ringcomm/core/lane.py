@@ -351,10 +351,12 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         np.concatenate(parts, out=out.reshape(-1))
         return out
     if kind == wire.ALLTOALL:  # every rank's splits are this rank's (the op key holds them)
+        splits = req.splits
+        assert splits is not None, "an alltoall's request carries its splits"
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
-        mine = req.splits[rank]
-        lo = sum(req.splits[:rank]) * row
+        mine = splits[rank]
+        lo = sum(splits[:rank]) * row
         out = np.empty((mine * size, *rest), dtype=parts[0].dtype)
         np.concatenate([p[lo:lo + mine * row] for p in parts], out=out.reshape(-1))
         return out, np.full(size, mine, dtype=np.int64)
