@@ -45,6 +45,10 @@ FAST_KINDS = routing.LANE_KINDS
 
 FAST, WAIT, DIVERT = "fast", "wait", "divert"
 
+#: The type of an alltoall's splits at the head of its payload (:func:`payload`).
+_SPLIT = np.dtype("<i8")
+_BYTES = np.dtype(np.uint8)
+
 
 class Seen(NamedTuple):
     """What a rank reads of one rank's lane at one index."""
@@ -58,14 +62,15 @@ class Seen(NamedTuple):
 
 _SIGNATURES: dict[tuple[Any, ...], int] = {}
 _KEYS: dict[wire.Request, int] = {}  # a training loop submits the same requests every step
+_HEADS: dict[Any, np.ndarray] = {}  # an alltoall's splits as it posts them, per splits
 
 
 def op_key(req: wire.Request) -> int:
     """A 63-bit hash of what every rank's op at one index must share to run fast.
 
-    Everything of the request but what may differ between ranks (an allgather's
-    first dimension; a broadcast's non-root buffers are the root's shape anyway).  An
-    alltoall's splits are in it: it runs fast only where every rank splits alike.
+    Everything of the request but what may differ between ranks (an allgather's or an
+    alltoall's first dimension, an alltoall's splits: each rank posts its splits with its
+    rows; a broadcast's non-root buffers are the root's shape anyway).
     The name's part is a CRC and the rest's a cached BLAKE2b: both the same in
     every process (Python's ``hash`` of a string is not).
 
@@ -75,9 +80,9 @@ def op_key(req: wire.Request) -> int:
     if key is not None:
         return key
     shapes: Any = req.shapes
-    if req.kind == wire.ALLGATHER:
+    if req.kind == wire.ALLGATHER or req.kind == wire.ALLTOALL:
         shapes = tuple(s[1:] for s in req.shapes)
-    sig = (req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale, req.splits)
+    sig = (req.kind, req.dtype, shapes, req.op, req.root, req.prescale, req.postscale)
     h = _SIGNATURES.get(sig)
     if h is None:
         if len(_SIGNATURES) > 4096:
@@ -91,10 +96,37 @@ def op_key(req: wire.Request) -> int:
 
 
 def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -> int:
-    """What this rank posts for a fast op: its buffers (a broadcast: the root's only; a barrier: nothing)."""
+    """What this rank posts for a fast op (:func:`payload`): its buffers (a broadcast: the root's
+    only; a barrier: nothing; an alltoall: its splits first)."""
     if req.kind == wire.BARRIER or (req.kind == wire.BROADCAST and rank != req.root):
         return 0
-    return int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
+    nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
+    if req.kind == wire.ALLTOALL:
+        nbytes += _SPLIT.itemsize * len(req.splits or ())
+    return nbytes
+
+
+def payload(req: wire.Request, arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
+    """What this rank posts for fast op ``req``, in order: its arrays; an alltoall's splits (one
+    64-bit count of rows per rank) first, so that each rank finds its block of every rank's rows
+    whatever the others' splits (:func:`finish`).
+
+        payload(Request("x", "alltoall", "float32", ((3,),), splits=(1, 2)), [a]) -> [[1, 2], a]
+    """
+    if req.kind != wire.ALLTOALL:
+        return arrays
+    head = _HEADS.get(req.splits)
+    if head is None:
+        if len(_HEADS) > 4096:
+            _HEADS.clear()
+        head = _HEADS[req.splits] = np.asarray(req.splits, dtype=_SPLIT)
+    return [head, *arrays]
+
+
+def posted_dtype(req: wire.Request) -> np.dtype:
+    """The dtype :func:`finish` reads ``req``'s posted payloads as: its own (:func:`dtype_of`), but
+    bytes for an alltoall, whose payload starts with its splits."""
+    return _BYTES if req.kind == wire.ALLTOALL else dtype_of(req)
 
 
 def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> bool:
@@ -107,6 +139,8 @@ def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_
     when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the bound)."""
     kind = req.kind
     nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
+    if kind == wire.ALLTOALL:  # its splits come first
+        nbytes += _SPLIT.itemsize * len(req.splits or ())
     facts = routing.PathFacts(routing.Where.LANE, req.pset, req.op, bool(req.refused),
                               kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes))
     if routing.route(kind, nbytes, facts, routing.RouteLimits(lane_bytes=max_bytes)) is not routing.Path.LANE:
@@ -317,10 +351,11 @@ def dtype_of(req: wire.Request) -> np.dtype:
 def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.ndarray | None], grouped: bool,
            parts: Sequence[np.ndarray], size: int, *, rank: int) -> Any:
     """The result of fast op ``req`` on ``rank`` (of ``size``), from ``parts``: every rank's posted
-    payload, flat, viewed as the op's dtype (:func:`dtype_of`), in rank order.
+    payload, flat, viewed as :func:`posted_dtype`, in rank order.
     ``arrays``/``outs``/``grouped`` are this rank's submission.  No result aliases a part (they are
     views of the lane's slots).  An alltoall's rows are every rank's block for this rank, in rank
-    order, with the rows per rank (every rank split alike).  A reducescatter's block is this rank's rows of the first
+    order, with how many rows came from each rank (each rank's part starts with its splits:
+    :func:`payload`).  A reducescatter's block is this rank's rows of the first
     dimension as the engine splits them (:func:`ring.split_sizes`), reduced over the ranks in rank
     order as an allreduce is.
     """
@@ -350,16 +385,8 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         out = ops.result_array(outs[0] if outs else None, (sum(p.size for p in parts) // row, *rest), parts[0].dtype)
         np.concatenate(parts, out=out.reshape(-1))
         return out
-    if kind == wire.ALLTOALL:  # every rank's splits are this rank's (the op key holds them)
-        splits = req.splits
-        assert splits is not None, "an alltoall's request carries its splits"
-        rest = arr.shape[1:]
-        row = int(np.prod(rest, dtype=np.int64))
-        mine = splits[rank]
-        lo = sum(splits[:rank]) * row
-        out = np.empty((mine * size, *rest), dtype=parts[0].dtype)
-        np.concatenate([p[lo:lo + mine * row] for p in parts], out=out.reshape(-1))
-        return out, np.full(size, mine, dtype=np.int64)
+    if kind == wire.ALLTOALL:
+        return _alltoall(arr, parts, size, rank, dtype_of(req))
     if kind == wire.REDUCESCATTER:
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
@@ -370,3 +397,20 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         block = reduce_ordered(op, [p[lo:hi] for p in parts], req.prescale, ops.postscale(op, size, req.postscale))
         return block.reshape(rows[rank], *rest)
     raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out
+
+
+def _alltoall(arr: np.ndarray, parts: Sequence[np.ndarray], size: int, rank: int,
+              dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's rows of a fast alltoall, and how many came from each rank, from every rank's
+    posted bytes (its splits, then its rows: :func:`payload`)."""
+    head = _SPLIT.itemsize * size
+    row = int(np.prod(arr.shape[1:], dtype=np.int64)) * dtype.itemsize  # bytes per row
+    blocks, got = [], []
+    for p in parts:
+        splits = p[:head].view(_SPLIT).tolist()
+        lo = head + sum(splits[:rank]) * row
+        got.append(splits[rank])
+        blocks.append(p[lo:lo + splits[rank] * row])
+    out = np.empty((sum(got), *arr.shape[1:]), dtype=dtype)
+    np.concatenate(blocks, out=out.reshape(-1).view(_BYTES))
+    return out, np.array(got, dtype=np.int64)

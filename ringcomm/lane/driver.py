@@ -191,7 +191,7 @@ class LaneDriver:
         k, entry = self._next, q.entry
         # lock held: a NetLane post may wait in _drain for a peer's full socket buffer to take the
         # frame; bounded by that peer reading (it reads while it waits) or the engine finding it lost
-        self._region.post(k, q.key, fast, entry.arrays if fast and q.nbytes else ())
+        self._region.post(k, q.key, fast, lane.payload(entry.req, entry.arrays) if fast and q.nbytes else ())
         self._next, q.posted, q.fast = k + 1, True, fast
         if not self._unlinked:
             self._unlink_once_all_posted()
@@ -441,7 +441,7 @@ class LaneDriver:
         req = e.req
         try:
             result = None if req.kind == wire.BARRIER else lane.finish(
-                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.dtype_of(req)), self.size,
+                req, e.arrays, e.outs, e.grouped, self._region.typed_parts(k, sizes, lane.posted_dtype(req)), self.size,
                 rank=self.rank)
         except BaseException as exc:  # pragma: no cover - the slots agreed on dtype and shapes
             del self._pending[k]

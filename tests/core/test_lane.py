@@ -90,10 +90,14 @@ def test_what_a_rank_asks_to_run_fast():
     assert not lane.eligible(req(pset=1), a, 0, 1 << 20)
     assert not lane.eligible(req(op=int(ReduceOp.ADASUM)), a, 0, 1 << 20)
     assert not lane.eligible(req(refused="rank 1: bad"), a, 0, 1 << 20)
-    assert not lane.eligible(req(kind=wire.ALLTOALL), a, 0, 15)  # an alltoall posts its whole array
-    assert lane.eligible(req(kind=wire.ALLTOALL, splits=(2, 2)), a, 0, 16)
-    # ranks that split differently have different keys: the op goes to the engine
-    assert lane.op_key(req(kind=wire.ALLTOALL, splits=(1, 3))) != lane.op_key(req(kind=wire.ALLTOALL, splits=(2, 2)))
+    # an alltoall posts its splits (8 bytes per rank) and its whole array
+    a2a = dict(kind=wire.ALLTOALL, splits=(2, 2))
+    assert lane.eligible(req(**a2a), a, 0, 32) and not lane.eligible(req(**a2a), a, 0, 31)
+    assert lane.payload_nbytes(req(**a2a), a, 0) == 32
+    # ranks that split differently, or send other numbers of rows, still run it fast; other rows do not
+    assert lane.op_key(req(kind=wire.ALLTOALL, splits=(1, 3))) == lane.op_key(req(**a2a))
+    assert lane.op_key(req(kind=wire.ALLTOALL, shapes=((9,),), splits=(9, 0))) == lane.op_key(req(**a2a))
+    assert lane.op_key(req(kind=wire.ALLTOALL, shapes=((4, 2),), splits=(2, 2))) != lane.op_key(req(**a2a))
     assert lane.eligible(req(kind=wire.BARRIER, shapes=()), [], 0, 1)
     # a broadcast posts the root's buffer only, but every rank checks that it fits
     b = req(kind=wire.BROADCAST, root=1)
@@ -171,22 +175,25 @@ def test_a_fast_reducescatter_gives_each_rank_its_rows_of_the_fast_allreduce(siz
     assert np.concatenate(blocks).tobytes() == whole.tobytes()
 
 
-@given(st.integers(1, 5), st.integers(0, 4), st.integers(0, 3), st.integers(0, 2**31))
-def test_a_fast_alltoall_gives_each_rank_its_block_of_every_ranks_array(size, most, width, seed):
-    """Every rank split alike (the op key holds the splits): rank r gets block r of each rank's
-    array in rank order, and the rows it got from each."""
+@given(st.integers(1, 5), st.integers(0, 4), st.integers(0, 3), st.integers(0, 2**31),
+       st.sampled_from(["int32", "float64", "uint8", "bool"]))
+def test_a_fast_alltoall_gives_each_rank_its_block_of_every_ranks_array(size, most, width, seed, dtype):
+    """Each rank splits its own way and posts its splits ahead of its rows (``payload``): rank r
+    gets block r of each rank's array in rank order, and how many rows it got from each."""
     rng = np.random.default_rng(seed)
-    splits = tuple(int(v) for v in rng.integers(0, most + 1, size))
-    rows = sum(splits)
-    arrays = [rng.integers(0, 100, (rows, width)).astype(np.int32) for _ in range(size)]
-    a2a = req(kind=wire.ALLTOALL, dtype="int32", shapes=((rows, width),), splits=splits)
-    parts = [a.reshape(-1) for a in arrays]
-    starts = [sum(splits[:r]) for r in range(size)]
+    splits = [tuple(int(v) for v in rng.integers(0, most + 1, size)) for _ in range(size)]
+    arrays = [rng.integers(0, 2, (sum(s), width)).astype(dtype) for s in splits]
+    reqs = [req(kind=wire.ALLTOALL, dtype=dtype, shapes=(a.shape,), splits=s) for a, s in zip(arrays, splits)]
+    assert len({lane.op_key(r) for r in reqs}) == 1
+    parts = [np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in lane.payload(r, [a])])
+             for r, a in zip(reqs, arrays)]
+    assert [p.nbytes for p in parts] == [lane.payload_nbytes(r, [a], 0) for r, a in zip(reqs, arrays)]
+    assert all(lane.posted_dtype(r) == np.uint8 for r in reqs)
     for r in range(size):
-        out, got = lane.finish(a2a, [arrays[r]], [None], False, parts, size, rank=r)
-        want = np.concatenate([a[starts[r]:starts[r] + splits[r]] for a in arrays])
-        assert out.shape == (splits[r] * size, width) and (out == want).all()
-        assert got.tolist() == [splits[r]] * size
+        out, got = lane.finish(reqs[r], [arrays[r]], [None], False, parts, size, rank=r)
+        want = np.concatenate([a[sum(s[:r]):sum(s[:r + 1])] for a, s in zip(arrays, splits)])
+        assert out.dtype == np.dtype(dtype) and out.shape == want.shape and (out == want).all()
+        assert got.tolist() == [s[r] for s in splits]
         assert not any(np.shares_memory(out, p) for p in parts)
 
 

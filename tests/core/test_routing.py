@@ -52,7 +52,7 @@ def settings_st() -> st.SearchStrategy[Settings]:
 
 def old_fast_nbytes(req: wire.Request, arrays: list[np.ndarray], rank: int, max_bytes: int) -> int:
     """``core/lane.fast_nbytes`` as it was, with reducescatters and alltoalls on the lane (each rank
-    posts its whole array and takes its rows of every rank's)."""
+    posts its whole array, an alltoall's splits first, and takes its rows of every rank's)."""
     kind = req.kind
     if req.pset != 0 or kind not in {wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL,
                                      wire.REDUCESCATTER, wire.BARRIER} \
@@ -68,6 +68,8 @@ def old_fast_nbytes(req: wire.Request, arrays: list[np.ndarray], rank: int, max_
         nbytes = 0
     else:
         nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
+    if kind == wire.ALLTOALL:  # its splits go first, 8 bytes per rank
+        nbytes += 8 * len(req.splits or ())
     return nbytes if nbytes <= max_bytes else -1
 
 

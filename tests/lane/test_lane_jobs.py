@@ -6,6 +6,7 @@ Each job runs a scenario of ``workers/lane_worker.py`` under ringcomm-run.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,6 +73,18 @@ def test_a_small_op_behind_a_large_one_a_peer_has_not_started_goes_to_the_engine
     # fast, it would wait for rank 1's next post while rank 1 waits for it in the engine
     proc = run("crossed", 2, tmp_path, RINGCOMM_SHM_LANE_BYTES="65536", RINGCOMM_NET_LANE_BYTES="65536")
     assert proc.stdout.count("CROSSED OK") == 2
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_alltoalls_whose_ranks_split_differently_take_the_lane(tmp_path, np_):
+    proc = run("uneven", np_, tmp_path, RINGCOMM_LOG_LEVEL="DEBUG")
+    assert proc.stdout.count("UNEVEN OK") == np_
+    # every op on every rank, a scatter's ranks that send nothing included (they post their splits)
+    for i in range(6):
+        fast = re.findall(rf"alltoall 'u{i}': \d+ B, process set 0: small-op lane", proc.stderr)
+        assert len(fast) == np_, (i, proc.stderr[-3000:])
+    # rows of another width on one rank: the op goes to the engine, which fails it on every rank
+    assert proc.stdout.count("UNEVEN alltoall 'wide': ranks disagree") == np_, proc.stdout[-3000:]
 
 
 def test_a_mismatch_raises_on_every_rank_and_the_next_op_works(tmp_path):

@@ -198,6 +198,33 @@ def stalljoin() -> None:
     print("STALLJOIN OK", flush=True)
 
 
+def uneven() -> None:
+    """Alltoalls whose ranks split differently (every other one a scatter: only rank 0 sends),
+    checked against what each rank should get; then ranks whose rows differ in width fail one on
+    every rank."""
+    r, n = rc.rank(), rc.size()
+
+    def splits_of(k: int, i: int) -> list[int]:  # rank k's splits for op i
+        if i % 2:  # rank 0 sends j + 1 rows to rank j; the others send nothing
+            return [j + 1 for j in range(n)] if k == 0 else [0] * n
+        return [(k + j + i) % 3 for j in range(n)]
+
+    def rows_of(k: int, i: int) -> np.ndarray:  # rank k's array for op i
+        return np.arange(sum(splits_of(k, i)) * 2, dtype=np.float32).reshape(-1, 2) + 1000 * k
+
+    for i in range(6):
+        got, counts = rc.alltoall(rows_of(r, i), splits_of(r, i), name=f"u{i}")
+        assert counts.tolist() == [splits_of(k, i)[r] for k in range(n)], (i, counts)
+        want = [rows_of(k, i)[sum(splits_of(k, i)[:r]):sum(splits_of(k, i)[:r + 1])] for k in range(n)]
+        assert np.array_equal(got, np.concatenate(want)), (i, got, want)
+    try:
+        rc.alltoall(np.zeros((n, 2 + r), np.float32), name="wide")
+    except MismatchError as exc:
+        print(f"UNEVEN {exc}", flush=True)
+    assert rc.allreduce(np.ones(3), op=rc.Sum)[0] == n
+    print("UNEVEN OK", flush=True)
+
+
 def behind() -> None:
     r, n = rc.rank(), rc.size()
     big = np.ones(16 << 20, np.float32)  # 64 MiB: through the engine, in flight for a while
@@ -231,5 +258,5 @@ init()
 start = time.monotonic()
 {"digests": digests, "sweep": sweep, "reorder": reorder, "mismatch": mismatch, "join": join,
  "timeline": timeline, "threads": threads,
- "stalljoin": stalljoin, "behind": behind, "crossed": crossed}[SCENARIO]()
+ "stalljoin": stalljoin, "uneven": uneven, "behind": behind, "crossed": crossed}[SCENARIO]()
 rc.shutdown()
