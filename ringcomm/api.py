@@ -251,7 +251,8 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
 
 
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
+                   process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
+    """Start an alltoall (see :func:`alltoall`; ``out`` as there)."""
     rt = current("alltoall")
     pset, ranks = rt.resolve_set(process_set, "alltoall")
     call = rt.name_op("alltoall", name, pset)
@@ -288,20 +289,28 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
                 )
             split_list = [int(v) for v in s]
         dt = ops.check_dtype(a.dtype, what)
+        out = check_gather_out(out, a, what, "the rows this rank receives")
+        if out is not None and np.may_share_memory(out, a):
+            raise InvalidInputError(f"{what}: out= shares memory with the array sent, whose rows it would "
+                                    f"overwrite while they go out; pass a separate array")
         req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset)
-        return rt.submit(req, [a])
+        return rt.submit(req, [a], [out])
 
 
 def alltoall(arr: Any, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
+             process_set: ProcessSet = global_process_set,
+             out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rank i sends ``splits[j]`` rows to rank j; returns ``(received rows, received_splits)``.
 
         rank 0: [0, 1, 2] splits [1, 2]    rank 1: [7, 8] splits [1, 1]
         ->  rank 0: ([0, 7], [1, 1])        rank 1: ([1, 2, 8], [2, 1])
 
     With a process set, i and j are ranks within the set (``splits`` has one entry per member).
+    With ``out`` (a C-contiguous array of ``arr``'s dtype and row shape, apart from ``arr``) the
+    received rows are written there and returned when its first dimension turns out to be their
+    number; otherwise, as without it, a new array holds them.
     """
-    return alltoall_async(arr, splits, name, process_set).wait()
+    return alltoall_async(arr, splits, name, process_set, out).wait()
 
 
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,

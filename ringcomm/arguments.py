@@ -67,15 +67,17 @@ def check_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray 
     return out
 
 
-def check_gather_out(out: np.ndarray | None, arr: np.ndarray, what: str) -> np.ndarray | None:
-    """``out`` (or None) for a gather of ``arr``: a writeable C-contiguous array of ``arr``'s dtype and
-    row shape (its first dimension is checked once every rank's is known)."""
+def check_gather_out(out: np.ndarray | None, arr: np.ndarray, what: str,
+                     rows: str = "the rows of every rank together") -> np.ndarray | None:
+    """``out`` (or None) for a gather of ``arr`` (or an alltoall: ``rows`` says what its first
+    dimension holds): a writeable C-contiguous array of ``arr``'s dtype and row shape (its first
+    dimension is checked once every rank's is known)."""
     if out is None:
         return None
     if (not isinstance(out, np.ndarray) or out.ndim != arr.ndim or out.shape[1:] != arr.shape[1:]
             or out.dtype != arr.dtype or not out.flags.c_contiguous):
         raise InvalidInputError(f"{what}: out= must be a C-contiguous array of shape (N, *{arr.shape[1:]}) and "
-                                f"dtype {arr.dtype}, N the rows of every rank together")
+                                f"dtype {arr.dtype}, N {rows}")
     if not out.flags.writeable:
         raise InvalidInputError(f"{what}: out= is read-only")
     return out

@@ -521,9 +521,13 @@ def alltoall(
     seq: int,
     seg_elems: int,
 ) -> None:
-    """Block j of ``send`` goes to rank j; block i of ``out`` comes from rank i (all 1-D)."""
+    """Block j of ``send`` goes to rank j; block i of ``out`` comes from rank i (all 1-D).  Where the
+    link can read a segment straight into its place in ``out``, it does."""
     size, rank = link.size, link.rank
     sb, rb = ring.offsets(send_counts), ring.offsets(recv_counts)
+    for off in range(1, size):
+        src = (rank - off) % size
+        _expect_each(link, src, seq, out, ring.segments(*rb[src], seg_elems))
     for off in range(1, size):
         dst = (rank + off) % size
         for k, (a, b) in enumerate(ring.segments(*sb[dst], seg_elems)):
@@ -534,7 +538,9 @@ def alltoall(
     for off in range(1, size):
         src = (rank - off) % size
         for k, (a, b) in enumerate(ring.segments(*rb[src], seg_elems)):
-            out[a:b] = _view(link.recv(src, seq, k), out.dtype, b - a)
+            incoming = _view(link.recv(src, seq, k), out.dtype, b - a)
+            if not _same_memory(incoming, out[a:b]):  # already in place if the link read it there
+                out[a:b] = incoming
     link.flush()
 
 

@@ -191,7 +191,7 @@ class Executor:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))
             recv_rows = [resp.splits[i][rank] for i in range(size)]
-            out = np.empty((sum(recv_rows), *rest), dtype=dtype)
+            out = ops.result_array(entry.outs[0] if entry.outs else None, (sum(recv_rows), *rest), dtype)
             algorithms.alltoall(
                 link, arr.reshape(-1), [s * row for s in resp.splits[rank]],
                 out.reshape(-1), [s * row for s in recv_rows], seq, seg,

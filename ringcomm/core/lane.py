@@ -386,7 +386,7 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         np.concatenate(parts, out=out.reshape(-1))
         return out
     if kind == wire.ALLTOALL:
-        return _alltoall(arr, parts, size, rank, dtype_of(req))
+        return _alltoall(arr, outs[0] if outs else None, parts, size, rank, dtype_of(req))
     if kind == wire.REDUCESCATTER:
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
@@ -399,10 +399,11 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
     raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out
 
 
-def _alltoall(arr: np.ndarray, parts: Sequence[np.ndarray], size: int, rank: int,
+def _alltoall(arr: np.ndarray, given: np.ndarray | None, parts: Sequence[np.ndarray], size: int, rank: int,
               dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's rows of a fast alltoall, and how many came from each rank, from every rank's
-    posted bytes (its splits, then its rows: :func:`payload`)."""
+    """This rank's rows of a fast alltoall (into ``given``, the caller's ``out``, where they fit it:
+    :func:`ops.result_array`), and how many came from each rank, from every rank's posted bytes
+    (its splits, then its rows: :func:`payload`)."""
     head = _SPLIT.itemsize * size
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * dtype.itemsize  # bytes per row
     blocks, got = [], []
@@ -411,6 +412,6 @@ def _alltoall(arr: np.ndarray, parts: Sequence[np.ndarray], size: int, rank: int
         lo = head + sum(splits[:rank]) * row
         got.append(splits[rank])
         blocks.append(p[lo:lo + splits[rank] * row])
-    out = np.empty((sum(got), *arr.shape[1:]), dtype=dtype)
+    out = ops.result_array(given, (sum(got), *arr.shape[1:]), dtype)
     np.concatenate(blocks, out=out.reshape(-1).view(_BYTES))
     return out, np.array(got, dtype=np.int64)

@@ -441,13 +441,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
         splits = list(input_split_sizes) if len(input_split_sizes) else None
         s = stage(input, reduce=False, what=what)
         name = self._name("a2a")
+        # a CPU output of the wire dtype: the rows arrive straight in its memory
+        mem, row = host_memory(output, s.wire), int(np.prod(s.array.shape[1:]))
+        if mem is not None and (not row or mem.size % row or np.may_share_memory(mem, s.array)):
+            mem = None
+        into = None if mem is None else mem.reshape(-1, *s.array.shape[1:])
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             rows = results[0][0] if isinstance(results[0], tuple) else results[0]
-            s.write_back(output, rows)
+            if rows is not into:
+                s.write_back(output, rows)
             return [output]
-        return self._start(what, lambda: [rc.alltoall_async(s.array, splits, name=name, process_set=self._pset)],
-                           finish, [s])
+        return self._start(what, lambda: [rc.alltoall_async(s.array, splits, name=name, process_set=self._pset,
+                                                            out=into)], finish, [s])
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
@@ -460,20 +466,26 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._exchange(what, whole, [t.numel() for t in inputs], outputs)
 
     def _exchange(self, what: str, flat: torch.Tensor, splits: list[int], outputs: list[torch.Tensor]) -> RingcommWork:
-        """Alltoall of a 1-D tensor cut by ``splits``; what arrives is cut into ``outputs`` in order."""
+        """Alltoall of a 1-D tensor cut by ``splits``; what arrives is cut into ``outputs`` in order
+        (received straight into a single CPU output of the wire dtype)."""
         s = stage(flat, reduce=False, what=what)
         name = self._name("x")
+        into = host_memory(outputs[0], s.wire) if len(outputs) == 1 else None
+        if into is not None and np.may_share_memory(into, s.array):
+            into = None
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             rows = results[0][0] if isinstance(results[0], tuple) else results[0]
+            if rows is into:
+                return outputs
             at = 0
             for o in outputs:
                 n = o.numel()
                 s.write_back(o, rows[at:at + n])
                 at += n
             return outputs
-        return self._start(what, lambda: [rc.alltoall_async(_flat(s), splits, name=name, process_set=self._pset)],
-                           finish, [s])
+        return self._start(what, lambda: [rc.alltoall_async(_flat(s), splits, name=name, process_set=self._pset,
+                                                            out=into)], finish, [s])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = opts.rootRank
@@ -491,16 +503,20 @@ class RingcommProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         self._root(root, "scatter")
         out = outputs[0]
-        if self._rank == root:
-            parts = input_lists[0]
-            if len(parts) != self._size:
-                raise InvalidInputError(f"scatter on rank {self._rank} (the root): {len(parts)} input tensors for "
-                                        f"a group of {self._size}; pass one per rank")
-            flat = torch.cat([p.detach().reshape(-1) for p in parts])
-            splits = [p.numel() for p in parts]
-        else:
-            flat, splits = torch.empty(0, dtype=out.dtype), [0] * self._size
-        return self._exchange("scatter", flat, splits, [out])
+        if self._rank != root:
+            return self._exchange("scatter", torch.empty(0, dtype=out.dtype), [0] * self._size, [out])
+        parts = input_lists[0]
+        if len(parts) != self._size:
+            raise InvalidInputError(f"scatter on rank {self._rank} (the root): {len(parts)} input tensors for "
+                                    f"a group of {self._size}; pass one per rank")
+        splits = [p.numel() for p in parts]
+        mine = parts[root]
+        if mine.numel() == out.numel():  # the root's own part: copied into its output here, not sent
+            with torch.no_grad():
+                out.copy_(mine.reshape(out.shape))
+            splits[root] = 0
+        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if splits[k] or k != root])
+        return self._exchange("scatter", flat, splits, [] if splits[root] == 0 else [out])
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         token = np.zeros(1, dtype=np.int32)

@@ -119,3 +119,29 @@ def test_allgatherv_and_reducescatter_are_right_when_segments_are_queued_by_refe
     total = np.sum(np.stack(inputs), axis=0)
     for r, out in enumerate(run_ranks(ref_links(size), scatter)):
         np.testing.assert_array_equal(out, total[sum(counts[:r]):sum(counts[:r + 1])])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 5), st.data(), st.integers(1, 6))
+def test_an_alltoall_reads_each_segment_straight_into_its_place_where_the_link_can(size, data, seg) -> None:
+    splits = [data.draw(st.lists(st.integers(0, 9), min_size=size, max_size=size)) for _ in range(size)]
+    sends = [np.arange(sum(s), dtype=np.float32) + 100 * r for r, s in enumerate(splits)]
+    links = ref_links(size)
+    placed = []
+    for link in links:  # count the segments the link reads into the memory the alltoall named
+        def arrived(src, seq, tag, item, link=link, base=RefLink._arrived):
+            got = base(link, src, seq, tag, item)
+            placed.append(isinstance(got, np.ndarray))
+            return got
+        link._arrived = arrived
+
+    def fn(link, r):
+        recv = [splits[i][r] for i in range(size)]
+        out = np.full(sum(recv), -1, np.float32)
+        algorithms.alltoall(link, sends[r], splits[r], out, recv, 0, seg)
+        return out
+
+    for r, out in enumerate(run_ranks(links, fn)):
+        want = [sends[i][ring.offsets(splits[i])[r][0]:ring.offsets(splits[i])[r][1]] for i in range(size)]
+        np.testing.assert_array_equal(out, np.concatenate(want))
+    assert all(placed)  # every segment from another rank: none was copied again

@@ -98,6 +98,22 @@ def run_case(i: int, case: dict) -> None:
         exp = np.concatenate([ins[k][offs[k][r]:offs[k][r + 1]] for k in range(n)])
         close(out, exp, dtype, what)
         np.testing.assert_array_equal(rsplits, splits[:, r])
+        into = np.full(exp.shape, 7, dtype=exp.dtype)  # out= of the received shape: filled in place
+        assert rc.alltoall(ins[r], splits=splits[r], name=f"c{i}.out", out=into)[0] is into, what
+        close(into, exp, dtype, what)
+        bigger = np.zeros((len(exp) + 1, *shape), dtype=exp.dtype)  # a first dimension that does not fit
+        got, _ = rc.alltoall(ins[r], splits=splits[r], name=f"c{i}.other", out=bigger)
+        assert got is not bigger and not bigger.any(), what
+        close(got, exp, dtype, what)
+        bads = [(np.zeros(exp.shape, dtype=np.int8 if dtype != "int8" else np.int16), "out= must be")]
+        if all(x.size for x in ins):  # every rank's array is one an out= can share memory with
+            bads.append((ins[r], "shares memory"))
+        for j, (bad, why) in enumerate(bads):  # refused on every rank, before any data moves
+            try:
+                rc.alltoall(ins[r], splits=splits[r], name=f"c{i}.bad{j}", out=bad)
+                raise AssertionError(f"{what}: out= {why} was taken")
+            except rc.InvalidInputError as exc:
+                assert why in str(exc), exc
     elif kind == "reducescatter":
         op = case["op"]
         rows = case["rows"]

@@ -159,6 +159,12 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
     dist.all_to_all_single(o_rc, src, out_splits, in_splits)
     dist.all_to_all_single(o_gl, src, out_splits, in_splits, group=gloo)
     assert torch.equal(o_rc, o_gl), (o_rc, o_gl)
+    # rows of two columns, past the lane's bound (through the engine), into a CPU output
+    big = torch.arange(n * 2 * (1 << 19), dtype=torch.float32).reshape(-1, 2) + 100 * rank
+    o_rc, o_gl = torch.empty_like(big), torch.empty_like(big)
+    dist.all_to_all_single(o_rc, big)
+    dist.all_to_all_single(o_gl, big, group=gloo)
+    assert torch.equal(o_rc, o_gl)
     # gather, scatter, reduce
     for root in (0, n - 1):
         got = [torch.empty(2) for _ in range(n)] if rank == root else None
@@ -169,6 +175,13 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
         parts = [torch.full((3,), float(r * 7)) for r in range(n)] if rank == root else None
         dist.scatter(out, parts, src=root)
         assert torch.equal(out, torch.full((3,), float(rank * 7))), out
+        # past the lane's bound (through the engine), and in bfloat16, beside gloo
+        for numel, dtype in ((1 << 20, torch.float32), (5, torch.bfloat16)):
+            parts = [torch.arange(numel, dtype=dtype) + r for r in range(n)] if rank == root else None
+            o_rc, o_gl = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+            dist.scatter(o_rc, parts, src=root)
+            dist.scatter(o_gl, parts, src=root, group=gloo)
+            assert torch.equal(o_rc, o_gl), (numel, dtype, o_rc, o_gl)
         red = torch.full((2,), float(rank + 1))
         dist.reduce(red, dst=root)
         if rank == root:
