@@ -11,12 +11,19 @@ Group ranks (``rootRank``, split order) are ranks within the group; the core's r
 global ranks, translated through the group's global ranks.  A group over every rank runs on
 ringcomm's global process set; a smaller one on the process set registered for it
 (:func:`ringcomm_torch.distributed.new_group`).
+
+Under ``torch.compile`` the collectives run as they are, never traced: torch calls them from its
+C++ side (DDP's reducer, the functional collectives), and TorchDynamo, once loaded, would
+otherwise try to compile each such Python frame, and it cannot read a process group's
+attributes (:func:`_untraced`).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -545,3 +552,33 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
         secs = (timeout or self._timeout or datetime.timedelta(minutes=30)).total_seconds()
         monitored_barrier(self._store, self._tag, next(self._mb), self._rank, self._size, secs, wait_all_ranks)
+
+
+#: The methods torch calls on a process group that run ringcomm's code.
+ENTRY_POINTS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
+                "_reduce_scatter_base", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+                "broadcast", "allgather", "allgather_coalesced", "all_gather_single", "_allgather_base",
+                "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "all_to_all_single",
+                "alltoall_base", "alltoall", "gather", "scatter", "barrier", "send", "recv", "recv_anysource",
+                "monitored_barrier", "shutdown", "abort")
+_untraceable: dict[Any, Any] = {}
+
+
+def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, run by TorchDynamo as it is, never traced (see the module docstring).  Until some
+    code imports TorchDynamo (``torch.compile`` does) nothing can trace it, and importing it here
+    would cost every process about a second: it is asked for only once it is loaded."""
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return method(*args, **kwargs)
+        eager = _untraceable.get(method)
+        if eager is None:
+            eager = _untraceable[method] = dynamo.disable(method)
+        return eager(*args, **kwargs)
+    return run
+
+
+for _name in ENTRY_POINTS:
+    setattr(RingcommProcessGroup, _name, _untraced(getattr(RingcommProcessGroup, _name)))

@@ -66,9 +66,10 @@ def assert_ok(out: str, mode: str, np_: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_and_fsdp_equal_gloo_under_torchrun_np2():
-    """DDP and FSDP2 on "ringcomm" and on gloo from one seed: the same parameters (1e-6); torchrun."""
-    out = torchrun(2, str(CHECKS), "equiv,fsdp")
-    for mode in ("equiv", "fsdp"):
+    """DDP, DDP under torch.compile and FSDP2 on "ringcomm" and on gloo from one seed: the same
+    parameters (1e-6); torchrun."""
+    out = torchrun(2, str(CHECKS), "equiv,compile,fsdp")
+    for mode in ("equiv", "compile", "fsdp"):
         assert_ok(out, mode, 2)
 
 
