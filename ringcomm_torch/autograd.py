@@ -34,6 +34,7 @@ from .collectives import (
     grouped_reducescatter_async, reducescatter_async, refusing, resolve_op, synchronize,
 )
 from .compression import Compression
+from .tracing import untraced
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "alltoall", "reducescatter", "grouped_reducescatter"]
@@ -69,6 +70,7 @@ class HorovodAllreduce(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+@untraced
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
@@ -111,6 +113,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, None, *reduced)
 
 
+@untraced
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -150,6 +153,7 @@ class HorovodAllgather(torch.autograd.Function):
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
 
 
+@untraced
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (sizes may differ there).  Differentiable.
@@ -181,6 +185,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
         return (None, None, *out)
 
 
+@untraced
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors as one op; returns a list.  Differentiable."""
@@ -207,6 +212,7 @@ class HorovodBroadcast(torch.autograd.Function):
         return grad_reduced, None, None, None
 
 
+@untraced
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Return a new tensor holding ``root_rank``'s ``tensor`` on every rank.  Differentiable.
@@ -239,6 +245,7 @@ class HorovodAlltoall(torch.autograd.Function):
         return grad, None, None, None
 
 
+@untraced
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = global_process_set) -> Any:
     """Send ``splits[j]`` rows of ``tensor`` to rank j; receive every rank's rows for this rank.
@@ -280,6 +287,7 @@ class HorovodReducescatter(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@untraced
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -315,6 +323,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         return (None, None, None, None, None, *gathered)
 
 
+@untraced
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,

@@ -35,6 +35,7 @@ from .device_arena import arena_for, one_host_arena_for
 from .handles import Handle, completed, poll, synchronize
 from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 from .tensors import Staged, begin, empty_result, stage, stageable_dtype
+from .tracing import untraced
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "ReduceOp", "resolve_op",
@@ -225,6 +226,7 @@ def _reduced_into(tensor: torch.Tensor, s: Staged, in_place: bool) -> tuple[np.n
     return s.array, lambda: s.write_back(empty_result(tensor))
 
 
+@untraced
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set) -> Handle:
@@ -238,6 +240,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     return _allreduce(tensor, None, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
+@untraced
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> Handle:
@@ -245,6 +248,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return _allreduce(tensor, tensor, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
+@untraced
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
@@ -291,6 +295,7 @@ def _grouped_allreduce(tensors: Any, in_place: bool, name: str | None, op: Any, 
     return Handle("allreduce", name, core, finish, _release_all(staged), _nbytes(staged))
 
 
+@untraced
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
@@ -298,6 +303,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     return _grouped_allreduce(tensors, False, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
+@untraced
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> Handle:
@@ -305,6 +311,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     return _grouped_allreduce(tensors, True, name, op, average, prescale_factor, postscale_factor, process_set)
 
 
+@untraced
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -315,6 +322,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 # ---------------------------------------------------------------- allgather
 
+@untraced
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank).
@@ -354,6 +362,7 @@ def _gathered_guess(s: Staged, size: int) -> torch.Tensor | None:
     return empty_host((a.shape[0] * size, *a.shape[1:]), s.dtype, _rc.api.current_settings().host_cache_bytes)
 
 
+@untraced
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> Handle:
     """Start allgathering a list of tensors as one op; ``synchronize`` returns a list."""
@@ -421,18 +430,21 @@ def staged_broadcast(tensor: torch.Tensor, s: Staged, root_rank: int, in_place: 
     return Handle("broadcast", name, core, finish, s.release, s.array.nbytes)
 
 
+@untraced
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start copying ``root_rank``'s tensor to every rank; ``synchronize`` returns a new tensor."""
     return _broadcast(tensor, root_rank, name, False, process_set)
 
 
+@untraced
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`: ``synchronize`` returns ``tensor``, now holding root's values."""
     return _broadcast(tensor, root_rank, name, True, process_set)
 
 
+@untraced
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s values on every rank and return it.
@@ -461,6 +473,7 @@ def _splits_array(splits: Any, what: str) -> np.ndarray | None:
     return arr.astype(np.int64).reshape(-1)
 
 
+@untraced
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> Handle:
     """Start sending ``splits[j]`` rows of ``tensor`` to rank j (equal parts when ``splits`` is None).
@@ -493,6 +506,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 # ---------------------------------------------------------------- reducescatter
 
+@untraced
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
@@ -518,6 +532,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     return Handle("reducescatter", name, core, finish, s.release, s.array.nbytes)
 
 
+@untraced
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = Average,
                                 process_set: Any = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
@@ -544,6 +559,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 # ---------------------------------------------------------------- control
 
+@untraced
 def barrier(process_set: Any = global_process_set) -> None:
     """Block until every rank (of ``process_set``) has called ``barrier()``."""
     check_process_set(process_set, "barrier")
@@ -552,6 +568,7 @@ def barrier(process_set: Any = global_process_set) -> None:
     token.wait()
 
 
+@untraced
 def join(device: int = -1) -> int:
     """Say this rank has no more data; blocks until every rank joins.  Returns the last rank to join.
 

@@ -20,6 +20,7 @@ from ringcomm.errors import InvalidInputError, InvalidTypeError
 
 from .basics import check_process_set, global_process_set, rank
 from .collectives import broadcast_async_, core_name, refusing, synchronize
+from .tracing import untraced
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -45,6 +46,7 @@ def _broadcast_in_place(named: Sequence[tuple[str | None, torch.Tensor]], root_r
         raise error
 
 
+@untraced
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite ``params`` on every rank with ``root_rank``'s values, in place.
 
@@ -89,6 +91,7 @@ def _describe_value(value: Any, param: torch.Tensor) -> tuple[Any, ...]:
     return ("value", value)
 
 
+@untraced
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Make every rank's optimizer state equal to ``root_rank``'s, in place.
 
@@ -168,6 +171,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     _broadcast_in_place(tensors, root_rank)
 
 
+@untraced
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
     """Return ``root_rank``'s Python object on every rank of ``process_set`` (pickled; others' ``obj`` is ignored).
@@ -182,6 +186,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     return _rc.broadcast_object(obj, root_rank, name, process_set=process_set)
 
 
+@untraced
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """A list of the Python object of every rank (of ``process_set``), in rank order.
 

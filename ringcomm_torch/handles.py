@@ -24,6 +24,7 @@ from typing import Any
 from ringcomm.errors import InvalidTypeError
 
 from .tensors import claim_pending_copies, copies_belong_to, has_pending_copies
+from .tracing import untraced
 
 __all__ = ["Handle", "poll", "synchronize", "completed"]
 
@@ -108,11 +109,13 @@ def _check(handle: Any, what: str) -> Handle:
     return handle
 
 
+@untraced
 def poll(handle: Handle) -> bool:
     """True if the op behind ``handle`` has finished, so :func:`synchronize` returns at once."""
     return _check(handle, "poll").done()
 
 
+@untraced
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle``'s op and return its result.
 

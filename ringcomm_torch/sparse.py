@@ -22,6 +22,7 @@ from .basics import global_process_set, size
 from .collectives import Average, Sum, allgather_async, core_name, refusing
 from .handles import Handle
 from .tensors import check_stageable
+from .tracing import untraced
 
 __all__ = ["SparseHandle", "sparse_allreduce_async"]
 
@@ -35,6 +36,7 @@ class SparseHandle(Handle):
         return self.wait()
 
 
+@untraced
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                            process_set: Any = global_process_set) -> SparseHandle:
     """Start reducing the sparse COO ``tensor`` over the ranks of ``process_set`` (``op`` Sum or Average).

@@ -15,15 +15,13 @@ ringcomm's global process set; a smaller one on the process set registered for i
 Under ``torch.compile`` the collectives run as they are, never traced: torch calls them from its
 C++ side (DDP's reducer, the functional collectives), and TorchDynamo, once loaded, would
 otherwise try to compile each such Python frame, and it cannot read a process group's
-attributes (:func:`_untraced`).
+attributes (:mod:`ringcomm_torch.tracing`).
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +37,7 @@ from .. import device_arena_ops
 from ..collectives import staged_allreduce, staged_broadcast, staged_op
 from ..device_arena import Arena, arena_for, one_host_arena_for
 from ..tensors import Staged, begin, host_memory, stage
+from ..tracing import untraced_methods
 from .work import RingcommWork, as_backend_error, completer
 
 __all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
@@ -554,6 +553,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         monitored_barrier(self._store, self._tag, next(self._mb), self._rank, self._size, secs, wait_all_ranks)
 
 
+
 #: The methods torch calls on a process group that run ringcomm's code.
 ENTRY_POINTS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
                 "_reduce_scatter_base", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
@@ -561,24 +561,4 @@ ENTRY_POINTS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", 
                 "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "all_to_all_single",
                 "alltoall_base", "alltoall", "gather", "scatter", "barrier", "send", "recv", "recv_anysource",
                 "monitored_barrier", "shutdown", "abort")
-_untraceable: dict[Any, Any] = {}
-
-
-def _untraced(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method``, run by TorchDynamo as it is, never traced (see the module docstring).  Until some
-    code imports TorchDynamo (``torch.compile`` does) nothing can trace it, and importing it here
-    would cost every process about a second: it is asked for only once it is loaded."""
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
-            return method(*args, **kwargs)
-        eager = _untraceable.get(method)
-        if eager is None:
-            eager = _untraceable[method] = dynamo.disable(method)
-        return eager(*args, **kwargs)
-    return run
-
-
-for _name in ENTRY_POINTS:
-    setattr(RingcommProcessGroup, _name, _untraced(getattr(RingcommProcessGroup, _name)))
+untraced_methods(RingcommProcessGroup, ENTRY_POINTS)
