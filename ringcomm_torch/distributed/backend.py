@@ -521,7 +521,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 out.copy_(mine.reshape(out.shape))
             splits[root] = 0
-        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if splits[k] or k != root])
+        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if k != root or splits[root]])
         return self._exchange("scatter", flat, splits, [] if splits[root] == 0 else [out])
 
     def barrier(self, opts: Any = None) -> RingcommWork:
@@ -551,7 +551,6 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
         secs = (timeout or self._timeout or datetime.timedelta(minutes=30)).total_seconds()
         monitored_barrier(self._store, self._tag, next(self._mb), self._rank, self._size, secs, wait_all_ranks)
-
 
 
 #: The methods torch calls on a process group that run ringcomm's code.
