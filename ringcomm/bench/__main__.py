@@ -10,6 +10,7 @@ Examples::
     python -m ringcomm.bench cluster -H node1:1,node2:1 --sizes 16M 64M
     python -m ringcomm.bench ceiling
     python -m ringcomm.bench training --np 2
+    python -m ringcomm.bench backend --np 2 4 --ops scatter all_to_all_single --sizes 4K 4M
     python -m ringcomm.bench resources --ops 1000 --bytes 64M --idle 10
     python -m ringcomm.bench coordination --ranks 64 256 1024 4096
     python -m ringcomm.bench all --json results.json --plot busbw.png
@@ -25,7 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import _launch, _util, ceiling, cluster, collectives, coordination, crosshost, ddp, frameworks, latency, report, resources, training
+from . import (_launch, _util, backend_ops, ceiling, cluster, collectives, coordination, crosshost, ddp, frameworks,
+               latency, report, resources, training)
 
 COLLECTIVE_OPS = ("allreduce", "allgather", "broadcast")
 #: Moderate settings of ``all`` (well under 10 minutes on 2 cores).
@@ -172,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     ddpp.add_argument("--epochs", type=_positive, default=4,
                       help="with --framework: epochs per job, the first untimed (default: 4)")
 
+    bk = sub.add_parser("backend", parents=[output],
+                        help='torch.distributed collectives op by op on backend "ringcomm" vs gloo (p50, p99, mean)')
+    bk.add_argument("--np", type=_positive, nargs="+", default=[2], metavar="N", help="world sizes (default: 2)")
+    bk.add_argument("--ops", nargs="+", choices=backend_ops.OPS, default=list(backend_ops.DEFAULT_OPS),
+                    metavar="OP", help="ops (default: " + " ".join(backend_ops.DEFAULT_OPS) + "; also: "
+                    + " ".join(op for op in backend_ops.OPS if op not in backend_ops.DEFAULT_OPS) + ")")
+    bk.add_argument("--sizes", type=_size, nargs="+", default=None, metavar="SIZE",
+                    help="bytes of float32 per rank (default: " + " ".join(backend_ops.DEFAULT_SIZES) + ")")
+    bk.add_argument("--iters", type=_positive, default=200,
+                    help="timed calls per op at 256K and below, fewer above (default: 200)")
+    bk.add_argument("--warmup", type=int, default=20, help="untimed calls per op (default: 20)")
+    bk.add_argument("--repeats", type=_positive, default=2, help="alternating rounds (default: 2)")
+
     res = sub.add_parser("resources", parents=[output],
                          help="RSS growth over many allreduces and CPU of an idle job, ringcomm vs gloo")
     res.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
@@ -245,6 +260,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     elif args.command == "ddp":
         results["ddp"] = ddp.run(ddp.DDPConfig(np_=args.np, models=args.models, batch=args.batch, steps=args.steps,
                                                warmup=args.warmup, repeats=args.repeats, job_timeout=args.job_timeout))
+    elif args.command == "backend":
+        results["backend"] = backend_ops.run(backend_ops.BackendConfig(
+            nps=args.np, ops=args.ops, sizes=args.sizes or [_util.parse_size(s) for s in backend_ops.DEFAULT_SIZES],
+            iters=args.iters, warmup=args.warmup, repeats=args.repeats, job_timeout=args.job_timeout))
     elif args.command == "resources":
         results["resources"] = resources.run(resources.ResourceConfig(
             np_=args.np, nbytes=args.bytes, ops=args.ops, idle=args.idle, systems=tuple(args.systems),
@@ -268,7 +287,7 @@ def _failures(results: dict[str, Any]) -> int:
     runs += results.get("training", {}).get("runs", []) + results.get("ceiling", {}).get("zmq_runs", [])
     runs += results.get("resources", {}).get("runs", []) + results.get("latency", {}).get("runs", [])
     runs += results.get("crosshost", {}).get("runs", []) + results.get("cluster", {}).get("runs", []) + results.get("ddp", {}).get("runs", [])
-    runs += results.get("frameworks", {}).get("runs", [])
+    runs += results.get("frameworks", {}).get("runs", []) + results.get("backend", {}).get("runs", [])
     return sum(not r["ok"] for r in runs)
 
 

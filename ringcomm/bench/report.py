@@ -150,6 +150,10 @@ def markdown(results: dict[str, Any]) -> str:
         from . import ddp
 
         parts.append(ddp.markdown(results["ddp"]))
+    if "backend" in results:
+        from . import backend_ops
+
+        parts.append(backend_ops.markdown(results["backend"]))
     if "frameworks" in results:
         from . import frameworks
 

@@ -62,3 +62,35 @@ def test_framework_summary_pairs_rounds_and_compares_parameters():
     assert frameworks.example("accelerate").endswith("examples/accelerate_ringcomm.py")
     with pytest.raises(ValueError, match="'keras' is not one of lightning, accelerate"):
         frameworks.example("keras")
+
+
+@pytest.mark.timeout(120)
+def test_backend_bench_times_each_op_on_both_backends(tmp_path: Path) -> None:
+    out = tmp_path / "backend.json"
+    cmd = [sys.executable, "-m", "ringcomm.bench", "backend", "--ops", "scatter", "uneven_all_to_all_single",
+           "--sizes", "4K", "--iters", "5", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir",
+           str(tmp_path), "--no-plot"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    section = json.loads(out.read_text())["backend"]
+    assert {r["backend"] for r in section["runs"] if r["ok"]} == {"ringcomm", "gloo"}
+    rows = {(row["np"], row["op"], row["bytes"]): row for row in section["summary"]}
+    assert set(rows) == {(2, "scatter", 4096), (2, "uneven_all_to_all_single", 4096)}
+    for row in rows.values():
+        assert row["ringcomm"]["n"] == row["gloo"]["n"] == 5 and len(row["ratios"]) == 1
+        assert 0 < row["ringcomm"]["p50"] <= row["ringcomm"]["p99"] and row["gloo"]["mean"] > 0
+    assert '## torch.distributed collectives: backend "ringcomm" vs gloo' in proc.stdout
+
+
+def test_backend_bench_summary_pools_rounds_and_pairs_their_medians() -> None:
+    from ringcomm.bench import backend_ops
+
+    def run(backend: str, rnd: int, ms: list[float]) -> dict:
+        return {"backend": backend, "np": 2, "bytes": 4096, "ok": True, "round": rnd, "ms": {"scatter": ms}}
+
+    runs = [run("ringcomm", 0, [1.0, 2.0, 3.0]), run("gloo", 0, [2.0, 4.0, 6.0]), run("gloo", 1, [1.0, 1.0, 1.0]),
+            run("ringcomm", 1, [3.0, 3.0, 3.0]), {"backend": "gloo", "np": 2, "bytes": 4096, "ok": False, "round": 2}]
+    (row,) = backend_ops.summarize(runs)
+    assert row["ratios"] == [0.5, 3.0]  # each round's medians, ringcomm / gloo
+    assert row["ringcomm"]["n"] == 6 and row["ringcomm"]["p50"] == 3.0 and row["gloo"]["mean"] == pytest.approx(15 / 6)
