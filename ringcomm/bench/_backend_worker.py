@@ -10,7 +10,6 @@ writes every iteration's slowest rank's milliseconds to ``--out`` as ``{op: {siz
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from . import _torch_group
 from ._timing import exit_now
 
 #: The ops, each made from the rank, the world size and the float32 elements per rank.
@@ -63,21 +63,13 @@ def make(op: str, rank: int, world: int, numel: int) -> Callable[[], object]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--backend", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
+    p = _torch_group.parser()
     p.add_argument("--ops", nargs="+", choices=OPS, required=True)
     p.add_argument("--sizes", nargs="+", type=int, required=True)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--out", required=True)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    if a.backend == "ringcomm":
-        import ringcomm_torch.distributed  # noqa: F401
-    dist.init_process_group(a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+    _torch_group.join(a)
     results: dict[str, dict[str, list[float]]] = {}
     for op in a.ops:
         for nbytes in a.sizes:

@@ -10,7 +10,6 @@ to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import _torch_group
 from ._timing import exit_now
 
 
@@ -36,21 +36,13 @@ def mlp() -> nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--backend", required=True)
+    p = _torch_group.parser()
     p.add_argument("--model", choices=("cnn", "mlp"), required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--port", type=int, required=True)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", required=True)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    if a.backend == "ringcomm":
-        import ringcomm_torch.distributed  # noqa: F401
-    dist.init_process_group(a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+    _torch_group.join(a)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(cnn() if a.model == "cnn" else mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
