@@ -211,6 +211,7 @@ class Settings:
         name set beside one wins.
         """
         env = os.environ if environ is None else environ
+        given = env
         env = {**horovod_env.translate(env), **env}
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, object] = {}
@@ -221,12 +222,18 @@ class Settings:
             if name not in fields:
                 known = ", ".join(sorted("RINGCOMM_" + n.upper() for n in fields))
                 raise InvalidInputError(f"unknown setting {key}={raw!r}; known settings: {known}")
-            kind: type = type(fields[name].default)
+            default = fields[name].default
+            kind: type = type(default)
+            if kind in (int, float) and not raw.strip():
+                continue  # a number set to nothing (a job file's X=${X:-}): the default, as if unset
             try:
                 values[name] = kind(raw) if kind is not bool else _flag(raw)
             except ValueError:
+                said = key if key in given else horovod_env.source(key, given)
                 raise InvalidInputError(
-                    f"{key}={raw!r} is not a valid {kind.__name__}" + (" (use 1 or 0)" if kind is bool else "")
+                    f"{said}={raw!r} is not a valid {kind.__name__}" + (" (use 1 or 0)" if kind is bool else
+                    f"; set {'a whole number' if kind is int else 'a number'} (the default: {said}={default}) "
+                    f"or unset it")
                 ) from None
         settings = cls(**values)  # type: ignore[arg-type]
         settings.validate()

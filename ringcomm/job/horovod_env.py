@@ -68,6 +68,12 @@ def translate(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in out.items() if k not in env}
 
 
+def source(target: str, env: Mapping[str, str]) -> str:
+    """The ``HOROVOD_*`` name in ``env`` that :func:`translate` read ``target`` from (``target``
+    itself when none), for messages that name what the user set."""
+    return next((key for key, to in SAME.items() if to == target and key in env), target)
+
+
 def without_meaning(env: Mapping[str, str]) -> list[str]:
     """``HOROVOD_*`` variables in ``env`` that change nothing here (for a warning), sorted."""
     return sorted(k for k in env if k.startswith("HOROVOD_") and k not in SAME and k not in TRANSLATED

@@ -181,6 +181,21 @@ def test_unknown_setting_is_an_error(monkeypatch) -> None:
     assert Settings.from_env({"RINGCOMM_CYCLE_TIME": "2.5"}).cycle_time == 2.5
 
 
+def test_a_number_set_to_nothing_is_the_default_and_a_bad_one_names_what_was_set() -> None:
+    from ringcomm.errors import InvalidInputError
+    from ringcomm.job.config import Settings
+
+    default = Settings()
+    for env in ({"RINGCOMM_FUSION_THRESHOLD": ""}, {"HOROVOD_FUSION_THRESHOLD": " "}, {"RINGCOMM_CYCLE_TIME": ""}):
+        assert Settings.from_env(env) == default, env  # as job files write X=${X:-}
+    assert Settings.from_env({"RINGCOMM_ENCRYPT": ""}).encrypt is False  # a flag set to nothing is off
+    with pytest.raises(InvalidInputError, match=r"^HOROVOD_FUSION_THRESHOLD='64M' is not a valid int; set a whole "
+                       rf"number \(the default: HOROVOD_FUSION_THRESHOLD={default.fusion_threshold}\) or unset it$"):
+        Settings.from_env({"HOROVOD_FUSION_THRESHOLD": "64M"})
+    with pytest.raises(InvalidInputError, match=r"^RINGCOMM_CYCLE_TIME='fast' is not a valid float; set a number"):
+        Settings.from_env({"RINGCOMM_CYCLE_TIME": "fast", "HOROVOD_CYCLE_TIME": "5"})  # RINGCOMM_ wins, and is named
+
+
 def test_torchrun_environment_is_understood() -> None:
     topo = topology.from_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
