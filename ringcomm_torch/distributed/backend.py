@@ -454,7 +454,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         into = None if mem is None else mem.reshape(-1, *s.array.shape[1:])
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
-            rows = results[0][0] if isinstance(results[0], tuple) else results[0]
+            rows, got = results[0] if isinstance(results[0], tuple) else (results[0], [len(results[0])])
+            self._check_received(what, output, output_split_sizes, rows, [int(c) for c in got])
             if rows is not into:
                 s.write_back(output, rows)
             return [output]
@@ -462,6 +463,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                                             out=into)], finish, [s])
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def _check_received(self, what: str, output: torch.Tensor, expected: Sequence[int], rows: np.ndarray,
+                        got: list[int]) -> None:
+        """Raise unless what arrived (``rows``; ``got``: how many from each rank) is what ``output``
+        and ``expected`` (``output_split_sizes``, or empty) say this rank receives."""
+        want = [int(v) for v in expected]
+        if (want == got if want else rows.size == output.numel()):
+            return
+        why = (f"output_split_sizes {want} must list the rows each rank sends here (its input_split_sizes "
+               f"entry for rank {self._rank})" if want else
+               "pass output_split_sizes with the rows each rank sends here, or send every rank an equal share")
+        raise InvalidInputError(f"{what} on rank {self._rank}: {sum(got)} rows arrived (from ranks 0..{len(got) - 1}: "
+                                f"{got}) for an output of {output.shape[0] if output.dim() else 0} rows; {why}")
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         what = "alltoall"

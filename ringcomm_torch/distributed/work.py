@@ -42,17 +42,21 @@ def as_backend_error(what: str, exc: BaseException) -> BaseException:
 class RingcommWork(dist._Work):
     """One collective in flight: ``wait()`` blocks until it finished, ``get_future()`` completes with it."""
 
-    def __init__(self, what: str, future: torch.futures.Future) -> None:
+    def __init__(self, what: str, future: torch.futures.Future, source: torch.futures.Future | None = None) -> None:
         super().__init__()
         self.what = what
         self._future = future
+        self._source = source  # what the completer set: the op's own error where it failed
 
     def wait(self, timeout: Any = None) -> bool:
         try:
             self._future.wait()
         except dist.DistBackendError:
             raise
-        except Exception as exc:  # torch may re-wrap the exception it stored
+        except Exception as exc:  # torch re-wraps the error its callback raised: raise the op's own
+            failed = self._source.value() if self._source is not None and self._source.done() else None
+            if isinstance(failed, _Failed):
+                raise failed.error from None
             raise as_backend_error(self.what, exc) from exc
         return True
 
@@ -122,14 +126,14 @@ class Completer:
             # wait for them inside callbacks): that thread may block until this op completes, so it gets its own
             threading.Thread(target=self._complete, args=(what, handles, finish, src), daemon=True,
                              name="ringcomm-torch-completer-nested").start()
-            return RingcommWork(what, fut)
+            return RingcommWork(what, fut, src)
         with self._cond:
             self._queue.append((what, handles, finish, src))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ringcomm-torch-completer", daemon=True)
                 self._thread.start()
             self._cond.notify()
-        return RingcommWork(what, fut)
+        return RingcommWork(what, fut, src)
 
     def _run(self) -> None:
         while True:

@@ -172,6 +172,17 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
     dist.all_to_all_single(o_rc, src, out_splits, in_splits)
     dist.all_to_all_single(o_gl, src, out_splits, in_splits, group=gloo)
     assert torch.equal(o_rc, o_gl), (o_rc, o_gl)
+    # output_split_sizes that do not match what the ranks send: an error that names the counts on
+    # the rank that passed them (the others' rows arrive as sent), and the next op works
+    wrong = [r + 1 for r in range(n)]
+    wrong[0] += 1
+    bad = torch.empty(sum(wrong)) if rank == 0 else torch.empty(sum(out_splits))
+    try:
+        dist.all_to_all_single(bad, src, wrong if rank == 0 else out_splits, in_splits)
+        assert rank != 0, "all_to_all_single took output_split_sizes that do not match what arrives"
+    except dist.DistBackendError as exc:
+        assert rank == 0 and f"rows arrived (from ranks 0..{n - 1}: {[rank + 1] * n})" in str(exc), exc
+        assert f"output_split_sizes {wrong} must list the rows each rank sends here" in str(exc), exc
     # rows of two columns, past the lane's bound (through the engine), into a CPU output
     big = torch.arange(n * 2 * (1 << 19), dtype=torch.float32).reshape(-1, 2) + 100 * rank
     o_rc, o_gl = torch.empty_like(big), torch.empty_like(big)
