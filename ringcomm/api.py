@@ -251,8 +251,9 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
 
 
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set, out: np.ndarray | None = None) -> Handle:
-    """Start an alltoall (see :func:`alltoall`; ``out`` as there)."""
+                   process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
+                   received_splits: Any = None) -> Handle:
+    """Start an alltoall (see :func:`alltoall`; ``out`` and ``received_splits`` as there)."""
     rt = current("alltoall")
     pset, ranks = rt.resolve_set(process_set, "alltoall")
     call = rt.name_op("alltoall", name, pset)
@@ -265,41 +266,49 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
             raise InvalidInputError(
                 f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
             )
-        if splits is None:
-            if a.shape[0] % n:
-                raise InvalidInputError(
-                    f"{what}: dim 0 ({a.shape[0]}) is not divisible by the job size ({n}); pass splits=[rows for each rank]"
-                )
-            split_list = [a.shape[0] // n] * n
-        else:
-            s = np.asarray(splits)
-            if s.dtype.kind not in "iu":
-                raise InvalidSplitsError(
-                    f"{what}: splits must be integers, got dtype {s.dtype}; pass np.asarray(splits).astype(np.int64)"
-                )
-            if s.ndim != 1 or s.size != n:
-                raise InvalidInputError(
-                    f"{what}: splits must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
-                )
-            if (s < 0).any():
-                raise InvalidInputError(f"{what}: splits must be >= 0, got {s.tolist()}; each is a row count")
-            if int(s.sum()) != a.shape[0]:
-                raise InvalidInputError(
-                    f"{what}: splits sum to {int(s.sum())} but dim 0 of the array is {a.shape[0]}; they must match"
-                )
-            split_list = [int(v) for v in s]
+        split_list = _split_counts(splits, a.shape[0], n, what)
+        received = None if received_splits is None else tuple(_split_counts(received_splits, None, n, what,
+                                                                            "received_splits"))
         dt = ops.check_dtype(a.dtype, what)
         out = check_gather_out(out, a, what, "the rows this rank receives")
         if out is not None and np.may_share_memory(out, a):
             raise InvalidInputError(f"{what}: out= shares memory with the array sent, whose rows it would "
                                     f"overwrite while they go out; pass a separate array")
-        req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset)
+        req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset,
+                           received_splits=received)
         return rt.submit(req, [a], [out])
+
+
+def _split_counts(splits: Any, rows: int | None, n: int, what: str, label: str = "splits") -> list[int]:
+    """``splits`` checked as one row count per rank (summing to ``rows`` unless it is None);
+    None: ``rows`` shared evenly."""
+    if splits is None and rows is not None:
+        if rows % n:
+            raise InvalidInputError(
+                f"{what}: dim 0 ({rows}) is not divisible by the job size ({n}); pass splits=[rows for each rank]"
+            )
+        return [rows // n] * n
+    s = np.asarray(splits)
+    if s.dtype.kind not in "iu":
+        raise InvalidSplitsError(
+            f"{what}: {label} must be integers, got dtype {s.dtype}; pass np.asarray({label}).astype(np.int64)"
+        )
+    if s.ndim != 1 or s.size != n:
+        raise InvalidInputError(
+            f"{what}: {label} must have one entry per rank ({n}), got shape {s.shape}; pass a list of {n} row counts"
+        )
+    if (s < 0).any():
+        raise InvalidInputError(f"{what}: {label} must be >= 0, got {s.tolist()}; each is a row count")
+    if rows is not None and int(s.sum()) != rows:
+        raise InvalidInputError(
+            f"{what}: {label} sum to {int(s.sum())} but dim 0 of the array is {rows}; they must match"
+        )
+    return [int(v) for v in s]
 
 
 def alltoall(arr: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set,
-             out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+             out: np.ndarray | None = None, received_splits: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Rank i sends ``splits[j]`` rows to rank j; returns ``(received rows, received_splits)``.
 
         rank 0: [0, 1, 2] splits [1, 2]    rank 1: [7, 8] splits [1, 1]
@@ -309,8 +318,11 @@ def alltoall(arr: Any, splits: Any = None, name: str | None = None,
     With ``out`` (a C-contiguous array of ``arr``'s dtype and row shape, apart from ``arr``) the
     received rows are written there and returned when its first dimension turns out to be their
     number; otherwise, as without it, a new array holds them.
+    With ``received_splits`` (the rows this rank expects from each rank, as torch's
+    ``output_split_sizes``) the op fails on every rank, with a :class:`MismatchError` naming the
+    counts, unless each rank sends this rank what it expects.
     """
-    return alltoall_async(arr, splits, name, process_set, out).wait()
+    return alltoall_async(arr, splits, name, process_set, out, received_splits).wait()
 
 
 def reducescatter_async(arr: Any, op: ReduceOp = Average, name: str | None = None,

@@ -15,7 +15,7 @@ What each rank sees (size 2)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -131,7 +131,7 @@ def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str
         r = min(refusals)
         others = sorted(set(refusals) - {r})
         also = f" (rank(s) {others} refused it too)" if others else ""
-        return f"rank {r} refused the call{also}: {refusals[r]}"
+        return f"rank {r} refused the call{also}: {refusals[r].removeprefix(f'rank {r}: ')}"
     it = iter(reqs.values())
     first = next(it)
     if first.kind in (wire.ALLREDUCE, wire.BROADCAST, wire.REDUCESCATTER, wire.BARRIER, wire.JOIN, wire.SHUTDOWN,
@@ -169,6 +169,32 @@ def check_agreement(name: str, reqs: dict[int, Request], where: str = "") -> str
         bad = {r: len(q.splits or ()) for r, q in reqs.items() if len(q.splits or ()) != size}
         if bad:
             return f"alltoall '{name}'{where}: splits must have one entry per rank ({size}): {_describe(bad)}."
+        return unmet_receipts(name, where, [reqs[r].splits or () for r in sorted(reqs)],
+                              [reqs[r].received_splits for r in sorted(reqs)], sorted(reqs))
+    return ""
+
+
+def unmet_receipts(name: str, where: str, splits: Sequence[Sequence[int]],
+                   expected: Sequence[Sequence[int] | None], ranks: Sequence[int]) -> str:
+    """'' unless a rank that said what it expects from each rank of an alltoall (``expected[i]``,
+    or None) would receive other rows; then an error message naming the first such rank.
+
+    ``splits[j]`` is member ``j``'s split vector; ``ranks`` the members' global ranks (for the
+    message).  The engine's agreement and the small-op lane both decide with it, so an alltoall
+    fails on every rank, not only on the one whose output would not fit.
+
+        unmet_receipts("x", "", [[1, 1], [2, 1]], [[1, 1], None], [0, 1])
+        -> "alltoall 'x': rank 0 expects [1, 1] rows from ranks [0, 1], which send it [1, 2]; ..."
+    """
+    for i, want in enumerate(expected):
+        if want is None:
+            continue
+        sent = [int(s[i]) if i < len(s) else 0 for s in splits]
+        if len(want) != len(splits) or [int(v) for v in want] != sent:
+            return (f"alltoall '{name}'{where}: rank {ranks[i]} expects {list(want)} rows from ranks "
+                    f"{list(ranks)}, which send it {sent}. Each rank must send every rank the rows that rank "
+                    "expects (in torch.distributed: output_split_sizes against the others' input_split_sizes, "
+                    "or the sizes of the scatter, gather or alltoall tensors).")
     return ""
 
 

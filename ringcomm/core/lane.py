@@ -38,6 +38,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from . import ops, ring, routing, wire
+from ..errors import MismatchError
+from .coordinator import unmet_receipts
 from .ops import ReduceOp
 
 #: Collectives the lane can finish from posted payloads.
@@ -62,7 +64,7 @@ class Seen(NamedTuple):
 
 _SIGNATURES: dict[tuple[Any, ...], int] = {}
 _KEYS: dict[wire.Request, int] = {}  # a training loop submits the same requests every step
-_HEADS: dict[Any, np.ndarray] = {}  # an alltoall's splits as it posts them, per splits
+_HEADS: dict[Any, np.ndarray] = {}  # an alltoall's head as it posts it, per splits and received_splits
 
 
 def op_key(req: wire.Request) -> int:
@@ -97,35 +99,46 @@ def op_key(req: wire.Request) -> int:
 
 def payload_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int) -> int:
     """What this rank posts for a fast op (:func:`payload`): its buffers (a broadcast: the root's
-    only; a barrier: nothing; an alltoall: its splits first)."""
-    if req.kind == wire.BARRIER or (req.kind == wire.BROADCAST and rank != req.root):
-        return 0
+    only; a barrier: nothing; an alltoall: its head first)."""
+    return 0 if _posts_nothing(req, rank) else _posted_nbytes(req, arrays)
+
+
+def _posts_nothing(req: wire.Request, rank: int) -> bool:
+    return req.kind == wire.BARRIER or (req.kind == wire.BROADCAST and rank != req.root)
+
+
+def _posted_nbytes(req: wire.Request, arrays: Sequence[np.ndarray]) -> int:
+    """``arrays``' bytes, with an alltoall's head (:func:`payload`)."""
     nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
     if req.kind == wire.ALLTOALL:
-        nbytes += _SPLIT.itemsize * len(req.splits or ())
+        nbytes += 2 * _SPLIT.itemsize * len(req.splits or ())
     return nbytes
 
 
 def payload(req: wire.Request, arrays: Sequence[np.ndarray]) -> Sequence[np.ndarray]:
-    """What this rank posts for fast op ``req``, in order: its arrays; an alltoall's splits (one
-    64-bit count of rows per rank) first, so that each rank finds its block of every rank's rows
-    whatever the others' splits (:func:`finish`).
+    """What this rank posts for fast op ``req``, in order: its arrays; an alltoall's head first:
+    its splits (one 64-bit count of rows per rank), so that each rank finds its block of every
+    rank's rows whatever the others' splits, then the rows it expects from each rank (its
+    ``received_splits``; -1 each where it did not say), which every rank checks (:func:`finish`).
 
-        payload(Request("x", "alltoall", "float32", ((3,),), splits=(1, 2)), [a]) -> [[1, 2], a]
+        payload(Request("x", "alltoall", "float32", ((3,),), splits=(1, 2)), [a]) -> [[1, 2, -1, -1], a]
     """
     if req.kind != wire.ALLTOALL:
         return arrays
-    head = _HEADS.get(req.splits)
+    key = (req.splits, req.received_splits)
+    head = _HEADS.get(key)
     if head is None:
         if len(_HEADS) > 4096:
             _HEADS.clear()
-        head = _HEADS[req.splits] = np.asarray(req.splits, dtype=_SPLIT)
+        splits = req.splits or ()
+        received = req.received_splits if req.received_splits is not None else (-1,) * len(splits)
+        head = _HEADS[key] = np.asarray((*splits, *received), dtype=_SPLIT)
     return [head, *arrays]
 
 
 def posted_dtype(req: wire.Request) -> np.dtype:
     """The dtype :func:`finish` reads ``req``'s posted payloads as: its own (:func:`dtype_of`), but
-    bytes for an alltoall, whose payload starts with its splits."""
+    bytes for an alltoall, whose payload starts with its head."""
     return _BYTES if req.kind == wire.ALLTOALL else dtype_of(req)
 
 
@@ -138,14 +151,12 @@ def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_
     """What this rank posts if it asks to post fast for ``req`` (:func:`payload_nbytes`), or -1
     when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the bound)."""
     kind = req.kind
-    nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
-    if kind == wire.ALLTOALL:  # its splits come first
-        nbytes += _SPLIT.itemsize * len(req.splits or ())
+    nbytes = _posted_nbytes(req, arrays)
     facts = routing.PathFacts(routing.Where.LANE, req.pset, req.op, bool(req.refused),
                               kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes))
     if routing.route(kind, nbytes, facts, routing.RouteLimits(lane_bytes=max_bytes)) is not routing.Path.LANE:
         return -1
-    return payload_nbytes(req, arrays, rank)
+    return 0 if _posts_nothing(req, rank) else nbytes
 
 
 def decide(key: int, seen: Sequence[Seen]) -> str:
@@ -386,7 +397,7 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         np.concatenate(parts, out=out.reshape(-1))
         return out
     if kind == wire.ALLTOALL:
-        return _alltoall(arr, outs[0] if outs else None, parts, size, rank, dtype_of(req))
+        return _alltoall(req, arr, outs[0] if outs else None, parts, size, rank)
     if kind == wire.REDUCESCATTER:
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
@@ -399,19 +410,28 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
     raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out
 
 
-def _alltoall(arr: np.ndarray, given: np.ndarray | None, parts: Sequence[np.ndarray], size: int, rank: int,
-              dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _alltoall(req: wire.Request, arr: np.ndarray, given: np.ndarray | None, parts: Sequence[np.ndarray], size: int,
+              rank: int) -> tuple[np.ndarray, np.ndarray]:
     """This rank's rows of a fast alltoall (into ``given``, the caller's ``out``, where they fit it:
     :func:`ops.result_array`), and how many came from each rank, from every rank's posted bytes
-    (its splits, then its rows: :func:`payload`)."""
-    head = _SPLIT.itemsize * size
+    (its head, then its rows: :func:`payload`).  Raises :class:`MismatchError` on every rank when
+    a rank expects other rows than the ranks send it (:func:`coordinator.unmet_receipts`)."""
+    head = 2 * _SPLIT.itemsize * size
+    dtype = dtype_of(req)
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * dtype.itemsize  # bytes per row
+    heads = [p[:head].view(_SPLIT) for p in parts]
+    if any(h[size] >= 0 for h in heads):  # a rank said what it expects: every rank checks the same
+        splits = [h[:size].tolist() for h in heads]
+        expected = [h[size:].tolist() if h[size] >= 0 else None for h in heads]
+        why = unmet_receipts(req.name, "", splits, expected, range(size))
+        if why:
+            raise MismatchError(f"{why} [raised on rank {rank}]")
     blocks, got = [], []
-    for p in parts:
-        splits = p[:head].view(_SPLIT).tolist()
-        lo = head + sum(splits[:rank]) * row
-        got.append(splits[rank])
-        blocks.append(p[lo:lo + splits[rank] * row])
+    for p, h in zip(parts, heads):
+        n = int(h[rank])
+        lo = head + int(h[:rank].sum()) * row
+        got.append(n)
+        blocks.append(p[lo:lo + n * row])
     out = ops.result_array(given, (sum(got), *arr.shape[1:]), dtype)
     np.concatenate(blocks, out=out.reshape(-1).view(_BYTES))
     return out, np.array(got, dtype=np.int64)

@@ -71,6 +71,10 @@ class Request(NamedTuple):
     set_ranks: tuple[int, ...] = ()
     #: ``REMOVE_PSET``: the id of the set to forget.
     set_id: int = -1
+    #: ``ALLTOALL``, when the caller says: the rows this rank expects from each rank (its
+    #: ``received_splits``).  The op fails on every rank unless each rank's splits entry for this
+    #: rank is what this rank expects from it.
+    received_splits: tuple[int, ...] | None = None
 
     def signature(self) -> tuple:
         """Everything but the name: what must agree across ranks (allgather/alltoall relax it)."""
@@ -191,7 +195,7 @@ def request_from_wire(obj: Any) -> Request:
     """
     w = "request"
     d = _fields(w, obj, Request)
-    shapes, splits = d["shapes"], d["splits"]
+    shapes, splits, received = d["shapes"], d["splits"], d["received_splits"]
     if not isinstance(shapes, (list, tuple)):
         raise _bad(w, "shapes", shapes)
     return Request(
@@ -208,6 +212,7 @@ def request_from_wire(obj: Any) -> Request:
         refused=_str(w, "refused", d["refused"]),
         set_ranks=_ints(w, "set_ranks", d["set_ranks"]),
         set_id=_int(w, "set_id", d["set_id"], lo=-1),
+        received_splits=None if received is None else _ints(w, "received_splits", received),
     )
 
 

@@ -38,6 +38,7 @@ from ..collectives import staged_allreduce, staged_broadcast, staged_op
 from ..device_arena import Arena, arena_for, one_host_arena_for
 from ..tensors import Staged, begin, host_memory, stage
 from ..tracing import untraced_methods
+from .exchange_counts import gather_counts, scatter_counts, single_receipts
 from .work import RingcommWork, as_backend_error, completer
 
 __all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
@@ -61,6 +62,11 @@ def reduce_op(op: Any, what: str) -> _ops.ReduceOp:
 
 def _flat(s: Staged) -> np.ndarray:
     return s.array.reshape(-1)
+
+
+def _allgather_kind(tensors: int) -> str:
+    """The core op that gathers ``tensors`` tensors (:meth:`RingcommProcessGroup._allgather_rows`)."""
+    return "allgather" if tensors == 1 else "grouped_allgather"
 
 
 def _release(staged: Sequence[Staged]) -> None:
@@ -129,6 +135,13 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def _name(self, kind: str) -> str:
         return f"tdist.{self._tag}.{kind}.{next(self._seq)}"
+
+    def _refused(self, what: str, kind: str, tag: str, reason: str, parts: int = 1) -> InvalidInputError:
+        """This rank's arguments to ``what`` are wrong: the op (the core's ``kind`` op, named as the
+        others name it from ``tag``) fails on every rank of the group with ``reason``, their works
+        raising it, and this is the error to raise here."""
+        rc.api.refuse_call(kind, self._name(tag), self._pset, f"{what}: {reason}", parts)  # names this rank
+        return InvalidInputError(f"{what} on rank {self._rank}: {reason}")
 
     def _root(self, root: int, what: str) -> int:
         if not 0 <= root < self._size:
@@ -244,17 +257,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
         out, parts = outputs[0], input_lists[0]
         if len(parts) != self._size:
-            raise InvalidInputError(f"reduce_scatter on rank {self._rank}: {len(parts)} input tensors for a group "
-                                    f"of {self._size}; pass one per rank")
+            raise self._refused("reduce_scatter", "reducescatter", "rs",
+                                f"{len(parts)} input tensors for a group of {self._size}; pass one per rank")
         whole = torch.cat([p.detach().reshape(1, -1) for p in parts])
         return self._reduce_scatter(out, whole, op, "reduce_scatter")
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         if input.numel() != output.numel() * self._size:
-            raise InvalidInputError(
-                f"reduce_scatter_tensor on rank {self._rank}: the input has {input.numel()} elements, the output "
-                f"{output.numel()}; the input must hold group size ({self._size}) x the output's elements")
+            raise self._refused("reduce_scatter_tensor", "reducescatter", "rs",
+                                f"the input has {input.numel()} elements, the output {output.numel()}; the input "
+                                f"must hold group size ({self._size}) x the output's elements")
         return self._reduce_scatter(output, input, op, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
@@ -383,8 +396,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                             opts: Any = None, what: str = "allgather_coalesced") -> RingcommWork:
         for outs in output_lists:
             if len(outs) != self._size:
-                raise InvalidInputError(f"{what} on rank {self._rank}: {len(outs)} output tensors for a group of "
-                                        f"{self._size}; pass one per rank")
+                raise self._refused(what, _allgather_kind(len(inputs)), "ag",
+                                    f"{len(outs)} output tensors for a group of {self._size}; pass one per rank",
+                                    len(inputs))
         staged = [stage(t, reduce=False, what=what) for t in inputs]
         name = self._name("ag")
 
@@ -417,9 +431,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                     opts: Any = None, what: str = "allgather_into_tensor_coalesced") -> RingcommWork:
         for o, i in zip(outputs, inputs):
             if o.numel() != i.numel() * self._size:
-                raise InvalidInputError(
-                    f"{what} on rank {self._rank}: the output has {o.numel()} elements, the input {i.numel()}; "
-                    f"the output must hold group size ({self._size}) x the input's elements")
+                raise self._refused(what, _allgather_kind(len(inputs)), "agt",
+                                    f"the output has {o.numel()} elements, the input {i.numel()}; the output must "
+                                    f"hold group size ({self._size}) x the input's elements", len(inputs))
         staged = [stage(t, reduce=False, what=what) for t in inputs]
         name = self._name("agt")
         # one tensor into a CPU output of its dtype: gathered straight into the output's memory
@@ -442,52 +456,42 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> RingcommWork:
         what = "all_to_all_single"
-        if input.dim() == 0:
-            raise InvalidInputError(f"{what} on rank {self._rank}: needs a tensor with at least one dimension")
+        received = single_receipts(self._size, output.shape, input.shape, output_split_sizes)
+        if isinstance(received, str):
+            raise self._refused(what, "alltoall", "a2a", received)
         splits = list(input_split_sizes) if len(input_split_sizes) else None
         s = stage(input, reduce=False, what=what)
         name = self._name("a2a")
         # a CPU output of the wire dtype: the rows arrive straight in its memory
-        mem, row = host_memory(output, s.wire), int(np.prod(s.array.shape[1:]))
-        if mem is not None and (not row or mem.size % row or np.may_share_memory(mem, s.array)):
+        mem = host_memory(output, s.wire)
+        if mem is not None and np.may_share_memory(mem, s.array):
             mem = None
         into = None if mem is None else mem.reshape(-1, *s.array.shape[1:])
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
-            rows, got = results[0] if isinstance(results[0], tuple) else (results[0], [len(results[0])])
-            self._check_received(what, output, output_split_sizes, rows, [int(c) for c in got])
+            rows = results[0][0]
             if rows is not into:
                 s.write_back(output, rows)
             return [output]
+        # the core checks, on every rank, that each rank sends the rows the others expect from it
         return self._start(what, lambda: [rc.alltoall_async(s.array, splits, name=name, process_set=self._pset,
-                                                            out=into)], finish, [s])
+                                                            out=into, received_splits=received)], finish, [s])
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
-
-    def _check_received(self, what: str, output: torch.Tensor, expected: Sequence[int], rows: np.ndarray,
-                        got: list[int]) -> None:
-        """Raise unless what arrived (``rows``; ``got``: how many from each rank) is what ``output``
-        and ``expected`` (``output_split_sizes``, or empty) say this rank receives."""
-        want = [int(v) for v in expected]
-        if (want == got if want else rows.size == output.numel()):
-            return
-        why = (f"output_split_sizes {want} must list the rows each rank sends here (its input_split_sizes "
-               f"entry for rank {self._rank})" if want else
-               "pass output_split_sizes with the rows each rank sends here, or send every rank an equal share")
-        raise InvalidInputError(f"{what} on rank {self._rank}: {sum(got)} rows arrived (from ranks 0..{len(got) - 1}: "
-                                f"{got}) for an output of {output.shape[0] if output.dim() else 0} rows; {why}")
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         what = "alltoall"
         if len(inputs) != self._size or len(outputs) != self._size:
-            raise InvalidInputError(f"{what} on rank {self._rank}: {len(inputs)} inputs and {len(outputs)} outputs "
-                                    f"for a group of {self._size}; pass one of each per rank")
+            raise self._refused(what, "alltoall", "x", f"{len(inputs)} inputs and {len(outputs)} outputs for a group "
+                                f"of {self._size}; pass one of each per rank")
         whole = torch.cat([t.detach().reshape(-1) for t in inputs])
-        return self._exchange(what, whole, [t.numel() for t in inputs], outputs)
+        return self._exchange(what, whole, [t.numel() for t in inputs], outputs, [o.numel() for o in outputs])
 
-    def _exchange(self, what: str, flat: torch.Tensor, splits: list[int], outputs: list[torch.Tensor]) -> RingcommWork:
+    def _exchange(self, what: str, flat: torch.Tensor, splits: list[int], outputs: list[torch.Tensor],
+                  received: list[int]) -> RingcommWork:
         """Alltoall of a 1-D tensor cut by ``splits``; what arrives is cut into ``outputs`` in order
-        (received straight into a single CPU output of the wire dtype)."""
+        (received straight into a single CPU output of the wire dtype).  ``received``: the elements
+        this rank takes from each rank; the op fails on every rank unless each sends them."""
         s = stage(flat, reduce=False, what=what)
         name = self._name("x")
         into = host_memory(outputs[0], s.wire) if len(outputs) == 1 else None
@@ -505,38 +509,36 @@ class RingcommProcessGroup(dist.ProcessGroup):
                 at += n
             return outputs
         return self._start(what, lambda: [rc.alltoall_async(_flat(s), splits, name=name, process_set=self._pset,
-                                                            out=into)], finish, [s])
+                                                            out=into, received_splits=received)], finish, [s])
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = opts.rootRank
         self._root(root, "gather")
         t = inputs[0]
-        splits = [0] * self._size
-        splits[root] = t.numel()
         outs = output_lists[0] if self._rank == root else []
         if self._rank == root and len(outs) != self._size:
-            raise InvalidInputError(f"gather on rank {self._rank} (the root): {len(outs)} output tensors for a "
-                                    f"group of {self._size}; pass one per rank")
-        return self._exchange("gather", t.detach().reshape(-1), splits, outs)
+            raise self._refused("gather", "alltoall", "x", f"{len(outs)} output tensors at the root for a group "
+                                f"of {self._size}; pass one per rank")
+        counts = gather_counts(self._rank, root, self._size, t.numel(), [o.numel() for o in outs])
+        return self._exchange("gather", t.detach().reshape(-1), counts.splits, outs, counts.received)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = opts.rootRank
         self._root(root, "scatter")
         out = outputs[0]
+        parts = input_lists[0] if self._rank == root else []
+        if self._rank == root and len(parts) != self._size:
+            raise self._refused("scatter", "alltoall", "x", f"{len(parts)} input tensors at the root for a group "
+                                f"of {self._size}; pass one per rank")
+        counts = scatter_counts(self._rank, root, self._size, out.numel(),
+                                [p.numel() for p in parts] if self._rank == root else None)
         if self._rank != root:
-            return self._exchange("scatter", torch.empty(0, dtype=out.dtype), [0] * self._size, [out])
-        parts = input_lists[0]
-        if len(parts) != self._size:
-            raise InvalidInputError(f"scatter on rank {self._rank} (the root): {len(parts)} input tensors for "
-                                    f"a group of {self._size}; pass one per rank")
-        splits = [p.numel() for p in parts]
-        mine = parts[root]
-        if mine.numel() == out.numel():  # the root's own part: copied into its output here, not sent
+            return self._exchange("scatter", torch.empty(0, dtype=out.dtype), counts.splits, [out], counts.received)
+        if counts.keeps_own:  # the root's own part: copied into its output here, not sent
             with torch.no_grad():
-                out.copy_(mine.reshape(out.shape))
-            splits[root] = 0
-        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if k != root or splits[root]])
-        return self._exchange("scatter", flat, splits, [] if splits[root] == 0 else [out])
+                out.copy_(parts[root].reshape(out.shape))
+        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if k != root or not counts.keeps_own])
+        return self._exchange("scatter", flat, counts.splits, [] if counts.keeps_own else [out], counts.received)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         token = np.zeros(1, dtype=np.int32)

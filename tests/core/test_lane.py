@@ -15,8 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringcomm.core import lane, ops, ring, wire
+from ringcomm.core.coordinator import check_agreement
 from ringcomm.core.ops import ReduceOp
 from ringcomm.core.service import Service
+from ringcomm.errors import MismatchError
 
 pytestmark = pytest.mark.pure
 
@@ -90,10 +92,11 @@ def test_what_a_rank_asks_to_run_fast():
     assert not lane.eligible(req(pset=1), a, 0, 1 << 20)
     assert not lane.eligible(req(op=int(ReduceOp.ADASUM)), a, 0, 1 << 20)
     assert not lane.eligible(req(refused="rank 1: bad"), a, 0, 1 << 20)
-    # an alltoall posts its splits (8 bytes per rank) and its whole array
+    # an alltoall posts its head (its splits and the rows it expects: 16 bytes per rank) and its whole array
     a2a = dict(kind=wire.ALLTOALL, splits=(2, 2))
-    assert lane.eligible(req(**a2a), a, 0, 32) and not lane.eligible(req(**a2a), a, 0, 31)
-    assert lane.payload_nbytes(req(**a2a), a, 0) == 32
+    assert lane.eligible(req(**a2a), a, 0, 48) and not lane.eligible(req(**a2a), a, 0, 47)
+    assert lane.payload_nbytes(req(**a2a), a, 0) == 48
+    assert lane.payload_nbytes(req(**a2a, received_splits=(1, 3)), a, 0) == 48
     # ranks that split differently, or send other numbers of rows, still run it fast; other rows do not
     assert lane.op_key(req(kind=wire.ALLTOALL, splits=(1, 3))) == lane.op_key(req(**a2a))
     assert lane.op_key(req(kind=wire.ALLTOALL, shapes=((9,),), splits=(9, 0))) == lane.op_key(req(**a2a))
@@ -195,6 +198,41 @@ def test_a_fast_alltoall_gives_each_rank_its_block_of_every_ranks_array(size, mo
         assert out.dtype == np.dtype(dtype) and out.shape == want.shape and (out == want).all()
         assert got.tolist() == [s[r] for s in splits]
         assert not any(np.shares_memory(out, p) for p in parts)
+
+
+@given(st.integers(2, 5), st.integers(0, 2**31), st.data())
+def test_a_fast_alltoall_whose_ranks_expect_other_rows_fails_on_every_rank_as_the_engine_fails_it(size, seed, data):
+    """Ranks that say what they expect from each rank (``received_splits``): every rank reads
+    every rank's head, so each one fails, with the engine's words (``check_agreement``), or none does."""
+    rng = np.random.default_rng(seed)
+    splits = [tuple(int(v) for v in rng.integers(0, 3, size)) for _ in range(size)]
+    expected = []
+    for r in range(size):
+        sent = [s[r] for s in splits]
+        how = data.draw(st.sampled_from(["none", "right", "wrong"]))
+        if how == "wrong":
+            sent[data.draw(st.integers(0, size - 1))] += data.draw(st.integers(1, 2))
+        expected.append(None if how == "none" else tuple(sent))
+    arrays = [np.arange(sum(s), dtype=np.int32) for s in splits]
+    reqs = [req(kind=wire.ALLTOALL, dtype="int32", shapes=(a.shape,), splits=s, received_splits=e)
+            for a, s, e in zip(arrays, splits, expected)]
+    parts = [np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in lane.payload(r, [a])])
+             for r, a in zip(reqs, arrays)]
+    engine = check_agreement("x", dict(enumerate(reqs)))
+    outcomes = []
+    for r in range(size):
+        try:
+            out, got = lane.finish(reqs[r], [arrays[r]], [None], False, parts, size, rank=r)
+            assert got.tolist() == [s[r] for s in splits] and out.size == sum(got)
+            outcomes.append("")
+        except MismatchError as exc:
+            assert str(exc).endswith(f" [raised on rank {r}]")
+            outcomes.append(str(exc).removesuffix(f" [raised on rank {r}]"))
+    assert outcomes == [engine] * size
+    wrong = [r for r, e in enumerate(expected) if e is not None and list(e) != [s[r] for s in splits]]
+    assert bool(engine) == bool(wrong)
+    if wrong:
+        assert f"rank {wrong[0]} expects {list(expected[wrong[0]])} rows" in engine
 
 
 def _service_reduce(svc, r, arrays):

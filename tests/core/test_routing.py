@@ -68,8 +68,8 @@ def old_fast_nbytes(req: wire.Request, arrays: list[np.ndarray], rank: int, max_
         nbytes = 0
     else:
         nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
-    if kind == wire.ALLTOALL:  # its splits go first, 8 bytes per rank
-        nbytes += 8 * len(req.splits or ())
+    if kind == wire.ALLTOALL:  # its head goes first: its splits and the rows it expects, 16 bytes per rank
+        nbytes += 16 * len(req.splits or ())
     return nbytes if nbytes <= max_bytes else -1
 
 

@@ -31,6 +31,7 @@ requests = st.builds(
     refused=st.text(max_size=8),
     set_ranks=st.lists(st.integers(0, 9), max_size=4).map(tuple),
     set_id=st.integers(-1, 2**20),
+    received_splits=st.none() | st.lists(st.integers(0, 9), max_size=4).map(tuple),
 )
 
 
@@ -194,3 +195,23 @@ def test_alltoall_response_carries_every_ranks_splits() -> None:
     coord.submit(1, Request("a", wire.ALLTOALL, "int8", ((2,),), splits=(2, 0)))
     (resp,) = coord.take_responses()
     assert resp.splits == ((1, 2), (2, 0)) and not resp.error
+
+
+def test_an_alltoall_fails_on_every_rank_when_a_rank_expects_other_rows_than_it_is_sent() -> None:
+    """A rank that says what it expects from each rank (``received_splits``) is checked against
+    the others' splits: a mismatch is an error response (every rank's), naming the counts."""
+    coord = Coordinator(3, 10**9, ranks=(0, 2, 5), pset=1)
+    splits = {0: (1, 2, 0), 2: (0, 0, 3), 5: (2, 2, 2)}
+    expect = {0: (1, 0, 2), 2: (2, 0, 1), 5: None}  # rank 2 (member 1) gets 2, 0, 2 rows
+    for r in (0, 2, 5):
+        coord.submit(r, Request("a", wire.ALLTOALL, "int8", ((sum(splits[r]),),), splits=splits[r], pset=1,
+                                received_splits=expect[r]))
+    (resp,) = coord.take_responses()
+    assert resp.error.startswith("alltoall 'a' in process set 1 (ranks [0, 2, 5]): rank 2 expects [2, 0, 1] rows "
+                                 "from ranks [0, 2, 5], which send it [2, 0, 2]."), resp.error
+    expect[2] = (2, 0, 2)
+    for r in (0, 2, 5):
+        coord.submit(r, Request("b", wire.ALLTOALL, "int8", ((sum(splits[r]),),), splits=splits[r], pset=1,
+                                received_splits=expect[r]))
+    (resp,) = coord.take_responses()
+    assert not resp.error and resp.splits == tuple(splits[r] for r in (0, 2, 5))

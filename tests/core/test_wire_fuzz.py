@@ -145,7 +145,7 @@ requests = st.builds(
     postscale=st.floats(allow_nan=False),
     splits=st.none() | st.lists(st.integers(0, 99), max_size=4).map(tuple), pset=st.integers(0, 9),
     refused=st.text(max_size=4), set_ranks=st.lists(st.integers(0, 64), max_size=4).map(tuple),
-    set_id=st.integers(-1, 9),
+    set_id=st.integers(-1, 9), received_splits=st.none() | st.lists(st.integers(0, 99), max_size=4).map(tuple),
 )
 items = st.lists(st.tuples(requests | st.integers(0, 2**40), st.integers(0, 9), st.none() | st.binary(max_size=16),
                            st.just(0.0) | st.floats(0.0, 1e6, exclude_min=True)),

@@ -9,8 +9,8 @@ from conftest import WORKERS, launch
 
 CATALOGUE = [
     "shape", "dtype", "op", "root", "collective", "allgather trailing dims", "alltoall trailing dims",
-    "reducescatter shape", "root out of range", "negative root", "splits wrong length", "splits negative",
-    "splits not summing", "splits float", "reducescatter 0-d", "non-contiguous", "object dtype",
+    "alltoall received_splits 1", "alltoall received_splits 131072", "reducescatter shape", "root out of range", "negative root", "splits wrong length", "splits negative",
+    "splits not summing", "splits float", "received_splits wrong length", "reducescatter 0-d", "non-contiguous", "object dtype",
     "unsupported dtype", "not an array", "duplicate in-flight name", "collective before init",
     "collective after shutdown", "init with RINGCOMM_SIZE=0", "init with RINGCOMM_RANK=",
 ]

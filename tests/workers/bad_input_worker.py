@@ -71,6 +71,17 @@ def main() -> None:
              r"\(4,\)", "Only dim 0 may differ")
     mismatch("alltoall trailing dims", lambda: rc.alltoall(np.ones((N, 1 + other)), name="m.a2a"),
              "alltoall 'm.a2a': ranks disagree on the dimensions after the first", "Only dim 0 may differ")
+    # the last rank expects one row more from rank 0 than rank 0 sends it: every rank fails, on the
+    # small-op lane (one row each) and past its bound (rows of 1 MiB) alike
+    for cols in (1, 1 << 17):
+        want = [1] * N
+        want[0] += R == N - 1
+        mismatch(f"alltoall received_splits {cols}", lambda c=cols, w=want: rc.alltoall(
+            np.ones((N, c)), name=f"m.recv.{c}", received_splits=w, out=np.empty((sum(w), c))),
+            rf"alltoall 'm\.recv\.{cols}': rank {N - 1} expects \[2(, 1)*\] rows from ranks \[0(, \d)*\], "
+            rf"which send it \[1(, 1)*\]", "Each rank must send every rank the rows that rank expects")
+    got, recv = rc.alltoall(np.arange(N, dtype=np.int64) + 10 * R, name="m.recv.ok", received_splits=[1] * N)
+    assert got.tolist() == [10 * q + R for q in range(N)] and recv.tolist() == [1] * N, (got, recv)
     mismatch("reducescatter shape", lambda: rc.reducescatter(np.ones((N + other, 2)), name="m.rs"),
              "reducescatter 'm.rs': ranks disagree on shape", "Pass the same shape")
 
@@ -88,6 +99,8 @@ def main() -> None:
            rc.InvalidInputError, f"splits sum to {N} but dim 0 of the array is {N + 1}; they must match")
     expect("splits float", lambda: rc.alltoall(np.ones(N), splits=np.ones(N), name="s.float"), rc.InvalidTypeError,
            "splits must be integers, got dtype float64", "astype")
+    expect("received_splits wrong length", lambda: rc.alltoall(np.ones(N), name="s.recv", received_splits=[1]),
+           rc.InvalidInputError, f"received_splits must have one entry per rank \\({N}\\)")
     expect("reducescatter 0-d", lambda: rc.reducescatter(np.array(1.0), name="rs.0d"), rc.InvalidInputError,
            "reducescatter 'rs.0d': needs an array with at least one dimension, got a 0-d array", "reshape")
     expect("non-contiguous", lambda: rc.allreduce(np.ones((4, 4))[:, ::2], name="nc"), rc.InvalidInputError,

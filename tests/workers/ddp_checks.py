@@ -172,17 +172,46 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
     dist.all_to_all_single(o_rc, src, out_splits, in_splits)
     dist.all_to_all_single(o_gl, src, out_splits, in_splits, group=gloo)
     assert torch.equal(o_rc, o_gl), (o_rc, o_gl)
-    # output_split_sizes that do not match what the ranks send: an error that names the counts on
-    # the rank that passed them (the others' rows arrive as sent), and the next op works
+    # output_split_sizes on one rank that do not match what the ranks send: the op fails on every
+    # rank (through the lane, and past its bound through the engine), naming the counts, and the
+    # next op works
     wrong = [r + 1 for r in range(n)]
     wrong[0] += 1
-    bad = torch.empty(sum(wrong)) if rank == 0 else torch.empty(sum(out_splits))
+    for width in (1, 1 << 17):
+        bad = torch.empty(sum(wrong) if rank == 0 else sum(out_splits), width)
+        rows = src.reshape(-1, 1).expand(-1, width).contiguous()
+        try:
+            dist.all_to_all_single(bad, rows, wrong if rank == 0 else out_splits, in_splits)
+            raise AssertionError("all_to_all_single took output_split_sizes that do not match what arrives")
+        except dist.DistBackendError as exc:
+            assert f"rank 0 expects {wrong} rows from ranks {list(range(n))}, which send it {[1] * n}" in str(exc), exc
+            assert "output_split_sizes against the others' input_split_sizes" in str(exc), exc
+    # an argument refused on one rank (checked before the op starts) fails the op on every rank
+    refusals = [
+        (f"the output's {n + 1} rows do not split evenly", lambda: dist.all_to_all_single(
+            torch.empty(n + 1 if rank == n - 1 else n), torch.arange(float(n)))),
+        ("input tensors at the root", lambda: dist.scatter(
+            torch.empty(2), [torch.ones(2)] * (n + (rank == 0)) if rank == 0 else None, src=0)),
+        ("the input must hold group size", lambda: dist.reduce_scatter_tensor(
+            torch.empty(2), torch.ones(2 * n + (rank == n - 1)))),
+        ("output tensors for a group", lambda: dist.all_gather(
+            [torch.empty(1) for _ in range(n - (rank == 0))], torch.ones(1))),
+    ]
+    for words, call in refusals:
+        try:
+            call()
+            raise AssertionError(f"the call refused on one rank went through: {words}")
+        except (dist.DistBackendError, ValueError) as exc:
+            assert words in str(exc), exc
+    # scatter's outputs of another size than the root sends: every rank fails
     try:
-        dist.all_to_all_single(bad, src, wrong if rank == 0 else out_splits, in_splits)
-        assert rank != 0, "all_to_all_single took output_split_sizes that do not match what arrives"
+        dist.scatter(torch.empty(3 if rank == n - 1 else 2), [torch.ones(2)] * n if rank == 0 else None, src=0)
+        raise AssertionError("scatter took an output of another size than its part")
     except dist.DistBackendError as exc:
-        assert rank == 0 and f"rows arrived (from ranks 0..{n - 1}: {[rank + 1] * n})" in str(exc), exc
-        assert f"output_split_sizes {wrong} must list the rows each rank sends here" in str(exc), exc
+        assert f"rank {n - 1} expects" in str(exc), exc
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    assert ok.item() == n, ok
     # rows of two columns, past the lane's bound (through the engine), into a CPU output
     big = torch.arange(n * 2 * (1 << 19), dtype=torch.float32).reshape(-1, 2) + 100 * rank
     o_rc, o_gl = torch.empty_like(big), torch.empty_like(big)

@@ -85,7 +85,8 @@ def every_collective(ps: rc.ProcessSet, seed: int) -> None:
     rng = np.random.default_rng(seed)
     splits = rng.integers(0, 3, (k, k))
     ins = {q: np.arange(int(splits[j].sum()), dtype=np.float32) + 100 * q for j, q in enumerate(ranks)}
-    got, recv = rc.alltoall(ins[r], splits=splits[me], process_set=ps)
+    # (each member says what it expects from each member: checked against the others' splits)
+    got, recv = rc.alltoall(ins[r], splits=splits[me], process_set=ps, received_splits=splits[:, me])
     offs = {q: np.concatenate([[0], np.cumsum(splits[j])]) for j, q in enumerate(ranks)}
     exp = np.concatenate([ins[q][offs[q][me]:offs[q][me + 1]] for q in ranks])
     eq(got, exp, "alltoall")
