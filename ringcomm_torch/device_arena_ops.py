@@ -92,17 +92,7 @@ def allreduce(arena: Arena, t: torch.Tensor, *, in_place: bool, core_name: str, 
     ops, svc = arena.ops, arena.service
     offset = arena.offer(t)
     held = _Range(arena, offset)
-    # t's producers have finished before anything on the side stream reads it, here or, on the
-    # pinned path, on the return thread
-    side = svc.after(svc.current())
-    if offset >= 0:
-        t0 = time.perf_counter()
-        ops.pack_parts([arena.view(arena.rank, offset, t).view(t.shape)], [t], side)
-        ops.record(arena.posted[arena.rank], side)
-        _span(ops, core_name, "MEMCPY_IN_ARENA", t0, arena.posted[arena.rank])
-    row = np.zeros((arena.size, ROW), dtype=np.int64)  # a rank that has joined adds zeros
-    row[arena.rank] = [offset + 1, *signature(t)]
-    agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
+    side, _, agreement = _post(arena, t, offset, True, [], core_name)
 
     def reduce(raw: Any) -> Any:  # on a return thread, once every rank has offered
         rows = np.asarray(raw).reshape(arena.size, ROW)
@@ -236,16 +226,7 @@ def _on_one_host(arena: Arena, t: torch.Tensor, kind: str, head: list[int], core
             arena.give(offset)
         offset = -1
     held = _Range(arena, offset if offers else -1)
-    side = svc.after(svc.current())  # t's producers (and a result's earlier readers) come first
-    if offers and offset >= 0:
-        t0 = time.perf_counter()
-        ops.pack_parts([arena.view(arena.rank, offset, t).view(t.shape)], [t], side)
-        ops.record(arena.posted[arena.rank], side)
-        _span(ops, core_name, "MEMCPY_IN_ARENA", t0, arena.posted[arena.rank])
-    width = ROW + len(head)
-    row = np.zeros((arena.size, width), dtype=np.int64)  # a rank that has joined adds zeros
-    row[arena.rank] = [offset + 1, *head, *signature(t)]
-    agreement = _rc.allreduce_async(row, op=Sum, name=core_name)
+    side, width, agreement = _post(arena, t, offset, offers, head, core_name)
 
     def start(raw: Any) -> Any:  # on a return thread, once every rank has offered
         rows = np.asarray(raw).reshape(arena.size, width)
@@ -280,6 +261,26 @@ def _on_one_host(arena: Arena, t: torch.Tensor, kind: str, head: list[int], core
         return result()
 
     return Handle(kind, name, returning, finish, held.give, t.numel() * t.element_size())
+
+
+def _post(arena: Arena, t: torch.Tensor, offset: int, copies: bool, head: list[int],
+          core_name: str) -> tuple[Any, int, Any]:
+    """What every op of the arenas starts with: a side stream that follows ``t``'s producers (and
+    a result's earlier readers), on which ``t`` is copied into this rank's range at ``offset``
+    (when ``copies`` and it has one) and its *posted* event recorded; and the first agreement, a
+    sum of the ranks' rows ``[offset + 1, *head, *signature(t)]`` (a rank that has joined adds
+    zeros).  Returns ``(side stream, row width, the agreement's handle)``."""
+    ops = arena.ops
+    side = arena.service.after(arena.service.current())
+    if copies and offset >= 0:
+        t0 = time.perf_counter()
+        ops.pack_parts([arena.view(arena.rank, offset, t).view(t.shape)], [t], side)
+        ops.record(arena.posted[arena.rank], side)
+        _span(ops, core_name, "MEMCPY_IN_ARENA", t0, arena.posted[arena.rank])
+    width = ROW + len(head)
+    row = np.zeros((arena.size, width), dtype=np.int64)
+    row[arena.rank] = [offset + 1, *head, *signature(t)]
+    return side, width, _rc.allreduce_async(row, op=Sum, name=core_name)
 
 
 def _across_hosts(arena: Arena, t: torch.Tensor, offsets: list[int], side: Any, core_name: str, prescale: float,
