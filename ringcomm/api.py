@@ -251,8 +251,8 @@ def broadcast(arr: Any, root_rank: int, name: str | None = None,
 
 
 def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set, out: np.ndarray | None = None,
-                   received_splits: Any = None) -> Handle:
+                   process_set: ProcessSet = global_process_set, out: Any = None,
+                   received_splits: Any = None) -> Handle | MappedHandle:
     """Start an alltoall (see :func:`alltoall`; ``out`` and ``received_splits`` as there)."""
     rt = current("alltoall")
     pset, ranks = rt.resolve_set(process_set, "alltoall")
@@ -260,23 +260,70 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
     with rt.refusing(call):  # an argument refused here fails the op on every member
         name = call.name
         what = f"alltoall {name!r}"
-        a = as_array(arr, what)
         n = len(ranks)
-        if a.ndim == 0:
-            raise InvalidInputError(
-                f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
-            )
-        split_list = _split_counts(splits, a.shape[0], n, what)
+        arrays = _alltoall_arrays(arr, n, what)
+        a = arrays[0]
+        rows = sum(x.shape[0] for x in arrays)
+        if len(arrays) > 1 or isinstance(arr, (list, tuple)):  # one array per rank: their rows are the splits
+            mine = [x.shape[0] for x in arrays]
+            if splits is not None and _split_counts(splits, rows, n, what) != mine:
+                raise InvalidInputError(f"{what}: splits {np.asarray(splits).tolist()} with one array per rank, "
+                                        f"whose rows are {mine}; pass no splits")
+            splits = mine
+        split_list = _split_counts(splits, rows, n, what)
         received = None if received_splits is None else tuple(_split_counts(received_splits, None, n, what,
                                                                             "received_splits"))
         dt = ops.check_dtype(a.dtype, what)
-        out = check_gather_out(out, a, what, "the rows this rank receives")
-        if out is not None and np.may_share_memory(out, a):
-            raise InvalidInputError(f"{what}: out= shares memory with the array sent, whose rows it would "
-                                    f"overwrite while they go out; pass a separate array")
-        req = wire.Request(name, wire.ALLTOALL, dt, (a.shape,), splits=tuple(split_list), pset=pset,
+        outs = _alltoall_outs(out, a, received, arrays, what)
+        req = wire.Request(name, wire.ALLTOALL, dt, ((rows, *a.shape[1:]),), splits=tuple(split_list), pset=pset,
                            received_splits=received)
-        return rt.submit(req, [a], [out])
+        handle = rt.submit(req, arrays, outs)
+        if n == 1 and isinstance(out, (list, tuple)):  # one rank: its one output, as a list as given
+            return MappedHandle(name, handle, lambda res: ([res[0]], res[1]))
+        return handle
+
+
+def _alltoall_arrays(arr: Any, n: int, what: str) -> list[np.ndarray]:
+    """What an alltoall sends: one array, or a list of one array per rank (of one dtype and row shape)."""
+    if not isinstance(arr, (list, tuple)):
+        arrays = [as_array(arr, what)]
+    else:
+        if len(arr) != n:
+            raise InvalidInputError(f"{what}: {len(arr)} arrays to send for {n} ranks; pass one array per rank, "
+                                    "or one array and splits")
+        arrays = [as_array(x, f"{what}[{j}]") for j, x in enumerate(arr)]
+        kinds = {(x.dtype.str, x.shape[1:]) for x in arrays if x.ndim}
+        if len(kinds) > 1:
+            raise InvalidInputError(f"{what}: the arrays for each rank differ in dtype or in the dimensions after "
+                                    f"the first: {sorted(kinds)}; only dim 0 may differ")
+    if any(x.ndim == 0 for x in arrays):
+        raise InvalidInputError(
+            f"{what}: needs an array with at least one dimension, got a 0-d array; reshape it, e.g. x.reshape(1)"
+        )
+    return arrays
+
+
+def _alltoall_outs(out: Any, a: np.ndarray, received: tuple[int, ...] | None, arrays: list[np.ndarray],
+                   what: str) -> list[np.ndarray | None]:
+    """Where an alltoall's rows go: ``[out]`` (one array, or None), or one output per rank, each of
+    the rows ``received`` says that rank sends (checked: arrays of ``a``'s dtype and row shape, apart
+    from what is sent)."""
+    if isinstance(out, (list, tuple)):
+        if received is None or len(out) != len(received):
+            raise InvalidInputError(f"{what}: out= as a list needs one array per rank and received_splits= (the "
+                                    "rows each of them takes)")
+        outs = [check_gather_out(o, a, f"{what}: out[{j}]", f"{received[j]}, the rows rank {j} sends")
+                for j, o in enumerate(out)]
+        bad = [j for j, o in enumerate(outs) if o is not None and o.shape[0] != received[j]]
+        if bad or any(o is None for o in outs):
+            j = bad[0] if bad else 0
+            raise InvalidInputError(f"{what}: out[{j}] must hold the {received[j]} rows of received_splits[{j}]")
+    else:
+        outs = [check_gather_out(out, a, what, "the rows this rank receives")]
+    if any(o is not None and np.may_share_memory(o, x) for o in outs for x in arrays):
+        raise InvalidInputError(f"{what}: out= shares memory with the array sent, whose rows it would "
+                                f"overwrite while they go out; pass a separate array")
+    return outs
 
 
 def _split_counts(splits: Any, rows: int | None, n: int, what: str, label: str = "splits") -> list[int]:
@@ -308,7 +355,7 @@ def _split_counts(splits: Any, rows: int | None, n: int, what: str, label: str =
 
 def alltoall(arr: Any, splits: Any = None, name: str | None = None,
              process_set: ProcessSet = global_process_set,
-             out: np.ndarray | None = None, received_splits: Any = None) -> tuple[np.ndarray, np.ndarray]:
+             out: Any = None, received_splits: Any = None) -> tuple[Any, np.ndarray]:
     """Rank i sends ``splits[j]`` rows to rank j; returns ``(received rows, received_splits)``.
 
         rank 0: [0, 1, 2] splits [1, 2]    rank 1: [7, 8] splits [1, 1]
@@ -321,6 +368,11 @@ def alltoall(arr: Any, splits: Any = None, name: str | None = None,
     With ``received_splits`` (the rows this rank expects from each rank, as torch's
     ``output_split_sizes``) the op fails on every rank, with a :class:`MismatchError` naming the
     counts, unless each rank sends this rank what it expects.
+
+    ``arr`` may also be a list of one array per rank (rank j gets ``arr[j]``, sent from where it
+    lies: no copy into one buffer; no ``splits``), and ``out`` (with ``received_splits``) a list
+    of one array per rank, ``out[i]`` receiving the rows from rank i in place; the result's rows
+    are then that list.
     """
     return alltoall_async(arr, splits, name, process_set, out, received_splits).wait()
 

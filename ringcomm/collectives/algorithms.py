@@ -521,23 +521,31 @@ def alltoall(
     seq: int,
     seg_elems: int,
 ) -> None:
-    """Block j of ``send`` goes to rank j; block i of ``out`` comes from rank i (all 1-D).  Where the
-    link can read a segment straight into its place in ``out``, it does."""
-    size, rank = link.size, link.rank
+    """Block j of ``send`` goes to rank j; block i of ``out`` comes from rank i (all 1-D):
+    :func:`alltoall_blocks` of their blocks."""
     sb, rb = ring.offsets(send_counts), ring.offsets(recv_counts)
+    alltoall_blocks(link, [send[a:b] for a, b in sb], [out[a:b] for a, b in rb], seq, seg_elems)
+
+
+def alltoall_blocks(link: Link, sends: Sequence[np.ndarray], outs: Sequence[np.ndarray], seq: int,
+                    seg_elems: int) -> None:
+    """``sends[j]`` goes to rank j; ``outs[i]`` receives what rank i sends here (1-D arrays, one
+    per rank, in rank order).  Where the link can read a segment straight into its place in
+    ``outs[i]``, it does."""
+    size, rank = link.size, link.rank
     for off in range(1, size):
         src = (rank - off) % size
-        _expect_each(link, src, seq, out, ring.segments(*rb[src], seg_elems))
+        _expect_each(link, src, seq, outs[src], ring.segments(0, outs[src].size, seg_elems))
     for off in range(1, size):
         dst = (rank + off) % size
-        for k, (a, b) in enumerate(ring.segments(*sb[dst], seg_elems)):
+        send = sends[dst]
+        for k, (a, b) in enumerate(ring.segments(0, send.size, seg_elems)):
             link.send(dst, seq, k, send[a:b])
-    a, b = sb[rank]
-    c, d = rb[rank]
-    out[c:d] = send[a:b]
+    outs[rank][...] = sends[rank]
     for off in range(1, size):
         src = (rank - off) % size
-        for k, (a, b) in enumerate(ring.segments(*rb[src], seg_elems)):
+        out = outs[src]
+        for k, (a, b) in enumerate(ring.segments(0, out.size, seg_elems)):
             incoming = _view(link.recv(src, seq, k), out.dtype, b - a)
             if not _same_memory(incoming, out[a:b]):  # already in place if the link read it there
                 out[a:b] = incoming

@@ -191,12 +191,20 @@ class Executor:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))
             recv_rows = [resp.splits[i][rank] for i in range(size)]
+            got = np.asarray(recv_rows, dtype=np.int64)
+            if ops.per_rank(entry.arrays, size):  # one array for each rank: sent as they are
+                sends = [a.reshape(-1) for a in entry.arrays]
+            else:
+                sends = [arr.reshape(-1)[a:b] for a, b in ring.offsets([s * row for s in resp.splits[rank]])]
+            given = [o for o in entry.outs if o is not None]
+            if ops.per_rank(given, size):  # one output for each rank: each receives its rows in place
+                algorithms.alltoall_blocks(link, sends, [o.reshape(-1) for o in given], seq, seg)
+                return [(given, got)]
             out = ops.result_array(entry.outs[0] if entry.outs else None, (sum(recv_rows), *rest), dtype)
-            algorithms.alltoall(
-                link, arr.reshape(-1), [s * row for s in resp.splits[rank]],
-                out.reshape(-1), [s * row for s in recv_rows], seq, seg,
-            )
-            return [(out, np.asarray(recv_rows, dtype=np.int64))]
+            flat = out.reshape(-1)
+            outs = [flat[a:b] for a, b in ring.offsets([r * row for r in recv_rows])]
+            algorithms.alltoall_blocks(link, sends, outs, seq, seg)
+            return [(out, got)]
         if kind == wire.REDUCESCATTER:
             rest = arr.shape[1:]
             row = int(np.prod(rest, dtype=np.int64))

@@ -381,6 +381,8 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
             reduce_ordered(op, parts, req.prescale, post, given if given.ndim == 1 else given.reshape(-1))
             return given
         return split_out(reduce_ordered(op, parts, req.prescale, post), arrays, outs, grouped)
+    if kind == wire.ALLTOALL:
+        return _alltoall(req, arrays[0], outs, parts, size, rank)
     (arr,) = arrays
     if kind == wire.BROADCAST:
         out = outs[0] if outs and outs[0] is not None else None
@@ -396,8 +398,6 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
         out = ops.result_array(outs[0] if outs else None, (sum(p.size for p in parts) // row, *rest), parts[0].dtype)
         np.concatenate(parts, out=out.reshape(-1))
         return out
-    if kind == wire.ALLTOALL:
-        return _alltoall(req, arr, outs[0] if outs else None, parts, size, rank)
     if kind == wire.REDUCESCATTER:
         rest = arr.shape[1:]
         row = int(np.prod(rest, dtype=np.int64))
@@ -410,12 +410,13 @@ def finish(req: wire.Request, arrays: Sequence[np.ndarray], outs: Sequence[np.nd
     raise ValueError(f"the lane cannot finish {kind!r} fast")  # pragma: no cover - eligible() keeps them out
 
 
-def _alltoall(req: wire.Request, arr: np.ndarray, given: np.ndarray | None, parts: Sequence[np.ndarray], size: int,
-              rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's rows of a fast alltoall (into ``given``, the caller's ``out``, where they fit it:
-    :func:`ops.result_array`), and how many came from each rank, from every rank's posted bytes
-    (its head, then its rows: :func:`payload`).  Raises :class:`MismatchError` on every rank when
-    a rank expects other rows than the ranks send it (:func:`coordinator.unmet_receipts`)."""
+def _alltoall(req: wire.Request, arr: np.ndarray, outs: Sequence[np.ndarray | None], parts: Sequence[np.ndarray],
+              size: int, rank: int) -> tuple[Any, np.ndarray]:
+    """This rank's rows of a fast alltoall, and how many came from each rank, from every rank's
+    posted bytes (its head, then its rows: :func:`payload`): into ``outs``, one output per rank
+    (:func:`ops.per_rank`), each taking that rank's rows; else into the caller's one ``out``,
+    where they fit it (:func:`ops.result_array`).  Raises :class:`MismatchError` on every rank
+    when a rank expects other rows than the ranks send it (:func:`coordinator.unmet_receipts`)."""
     head = 2 * _SPLIT.itemsize * size
     dtype = dtype_of(req)
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * dtype.itemsize  # bytes per row
@@ -432,6 +433,12 @@ def _alltoall(req: wire.Request, arr: np.ndarray, given: np.ndarray | None, part
         lo = head + int(h[:rank].sum()) * row
         got.append(n)
         blocks.append(p[lo:lo + n * row])
-    out = ops.result_array(given, (sum(got), *arr.shape[1:]), dtype)
+    counts = np.array(got, dtype=np.int64)
+    if ops.per_rank(outs, size):
+        for o, b in zip(outs, blocks):
+            assert o is not None
+            o.reshape(-1).view(_BYTES)[...] = b
+        return list(outs), counts
+    out = ops.result_array(outs[0] if outs else None, (sum(got), *arr.shape[1:]), dtype)
     np.concatenate(blocks, out=out.reshape(-1).view(_BYTES))
-    return out, np.array(got, dtype=np.int64)
+    return out, counts

@@ -8,6 +8,8 @@ Average division and the pre/post scale factors.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -153,6 +155,16 @@ def postscale(op: ReduceOp, size: int, postscale_factor: float) -> float:
 
 def is_integer(dtype_name: str) -> bool:
     return dtype_name in _INTEGER
+
+
+def per_rank(items: Sequence[Any], size: int) -> bool:
+    """Whether an alltoall's arrays (or outputs) came one per rank (rather than one array cut by
+    the splits): with more than one rank, a list of ``size``.
+
+    >>> per_rank([np.zeros(1)] * 3, 3), per_rank([np.zeros(3)], 3)
+    (True, False)
+    """
+    return size > 1 and len(items) == size
 
 
 def result_array(given: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -484,32 +484,39 @@ class RingcommProcessGroup(dist.ProcessGroup):
         if len(inputs) != self._size or len(outputs) != self._size:
             raise self._refused(what, "alltoall", "x", f"{len(inputs)} inputs and {len(outputs)} outputs for a group "
                                 f"of {self._size}; pass one of each per rank")
-        whole = torch.cat([t.detach().reshape(-1) for t in inputs])
-        return self._exchange(what, whole, [t.numel() for t in inputs], outputs, [o.numel() for o in outputs])
+        return self._exchange(what, list(inputs), list(outputs), [o.numel() for o in outputs], inputs[0])
 
-    def _exchange(self, what: str, flat: torch.Tensor, splits: list[int], outputs: list[torch.Tensor],
-                  received: list[int]) -> RingcommWork:
-        """Alltoall of a 1-D tensor cut by ``splits``; what arrives is cut into ``outputs`` in order
-        (received straight into a single CPU output of the wire dtype).  ``received``: the elements
-        this rank takes from each rank; the op fails on every rank unless each sends them."""
-        s = stage(flat, reduce=False, what=what)
+    def _exchange(self, what: str, sends: list[torch.Tensor | None], outputs: list[torch.Tensor | None],
+                  received: list[int], like: torch.Tensor) -> RingcommWork:
+        """An alltoall of tensors taken flat: ``sends[j]`` goes to rank j, ``outputs[i]`` takes what
+        rank i sends (None: nothing), each sent from its own memory and, when every output is a
+        contiguous CPU tensor of the wire dtype, received straight into it.  ``received``: the
+        elements this rank takes from each rank; the op fails on every rank unless each sends them.
+        ``like``: a tensor of the op's dtype."""
+        empty = stage(torch.empty(0, dtype=like.dtype), reduce=False, what=what)
+        staged = [empty if t is None else stage(t.detach().reshape(-1), reduce=False, what=what) for t in sends]
+        nothing = empty.array
+        mems = [nothing if o is None else host_memory(o, empty.wire) for o in outputs]
+        direct = all(m is not None for m in mems) and not any(
+            np.may_share_memory(m, s.array) for m in mems for s in staged if m is not None and m.size)
         name = self._name("x")
-        into = host_memory(outputs[0], s.wire) if len(outputs) == 1 else None
-        if into is not None and np.may_share_memory(into, s.array):
-            into = None
 
-        def finish(results: list[Any]) -> list[torch.Tensor]:
-            rows = results[0][0] if isinstance(results[0], tuple) else results[0]
-            if rows is into:
+        def finish(results: list[Any]) -> list[torch.Tensor | None]:
+            if direct:
                 return outputs
+            rows = results[0][0]
+            writer = next((s for s in staged if s.service is not None), empty)  # a device tensor's: its stream
             at = 0
-            for o in outputs:
-                n = o.numel()
-                s.write_back(o, rows[at:at + n])
+            for o, n in zip(outputs, received):
+                if o is not None:
+                    writer.write_back(o, rows[at:at + n])
                 at += n
             return outputs
-        return self._start(what, lambda: [rc.alltoall_async(_flat(s), splits, name=name, process_set=self._pset,
-                                                            out=into, received_splits=received)], finish, [s])
+
+        def submit() -> list[Any]:
+            return [rc.alltoall_async([_flat(s) for s in staged], name=name, process_set=self._pset,
+                                      out=mems if direct else None, received_splits=received)]
+        return self._start(what, submit, finish, staged)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = opts.rootRank
@@ -520,7 +527,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise self._refused("gather", "alltoall", "x", f"{len(outs)} output tensors at the root for a group "
                                 f"of {self._size}; pass one per rank")
         counts = gather_counts(self._rank, root, self._size, t.numel(), [o.numel() for o in outs])
-        return self._exchange("gather", t.detach().reshape(-1), counts.splits, outs, counts.received)
+        sends: list[torch.Tensor | None] = [t if j == root else None for j in range(self._size)]
+        return self._exchange("gather", sends, list(outs) if outs else [None] * self._size, counts.received, t)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> RingcommWork:  # type: ignore[override]
         root = opts.rootRank
@@ -532,13 +540,14 @@ class RingcommProcessGroup(dist.ProcessGroup):
                                 f"of {self._size}; pass one per rank")
         counts = scatter_counts(self._rank, root, self._size, out.numel(),
                                 [p.numel() for p in parts] if self._rank == root else None)
-        if self._rank != root:
-            return self._exchange("scatter", torch.empty(0, dtype=out.dtype), counts.splits, [out], counts.received)
         if counts.keeps_own:  # the root's own part: copied into its output here, not sent
             with torch.no_grad():
                 out.copy_(parts[root].reshape(out.shape))
-        flat = torch.cat([p.detach().reshape(-1) for k, p in enumerate(parts) if k != root or not counts.keeps_own])
-        return self._exchange("scatter", flat, counts.splits, [] if counts.keeps_own else [out], counts.received)
+        sends: list[torch.Tensor | None] = [p if counts.splits[j] else None for j, p in enumerate(parts)] \
+            if parts else [None] * self._size
+        takes: list[torch.Tensor | None] = [out if j == root and counts.received[j] else None
+                                            for j in range(self._size)]
+        return self._exchange("scatter", sends, takes, counts.received, out)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         token = np.zeros(1, dtype=np.int32)

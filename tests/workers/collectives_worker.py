@@ -105,6 +105,14 @@ def run_case(i: int, case: dict) -> None:
         got, _ = rc.alltoall(ins[r], splits=splits[r], name=f"c{i}.other", out=bigger)
         assert got is not bigger and not bigger.any(), what
         close(got, exp, dtype, what)
+        # one array for each rank, sent from where it lies, into one output for each rank
+        parts = [ins[r][offs[r][k]:offs[r][k + 1]] for k in range(n)]
+        outs = [np.full((int(splits[k, r]), *shape), 7, dtype=exp.dtype) for k in range(n)]
+        res, rsplits = rc.alltoall(parts, name=f"c{i}.each", out=outs, received_splits=splits[:, r])
+        assert isinstance(res, list) and len(res) == n and all(a is b for a, b in zip(res, outs)), what
+        close(np.concatenate(outs), exp, dtype, what)
+        np.testing.assert_array_equal(rsplits, splits[:, r])
+        close(rc.alltoall(parts, name=f"c{i}.parts")[0], exp, dtype, what)
         bads = [(np.zeros(exp.shape, dtype=np.int8 if dtype != "int8" else np.int16), "out= must be")]
         if all(x.size for x in ins):  # every rank's array is one an out= can share memory with
             bads.append((ins[r], "shares memory"))
