@@ -320,7 +320,7 @@ def _alltoall_outs(out: Any, a: np.ndarray, received: tuple[int, ...] | None, ar
             raise InvalidInputError(f"{what}: out[{j}] must hold the {received[j]} rows of received_splits[{j}]")
     else:
         outs = [check_gather_out(out, a, what, "the rows this rank receives")]
-    if any(o is not None and np.may_share_memory(o, x) for o in outs for x in arrays):
+    if any(o is not None and o.size and x.size and np.may_share_memory(o, x) for o in outs for x in arrays):
         raise InvalidInputError(f"{what}: out= shares memory with the array sent, whose rows it would "
                                 f"overwrite while they go out; pass a separate array")
     return outs
@@ -329,6 +329,9 @@ def _alltoall_outs(out: Any, a: np.ndarray, received: tuple[int, ...] | None, ar
 def _split_counts(splits: Any, rows: int | None, n: int, what: str, label: str = "splits") -> list[int]:
     """``splits`` checked as one row count per rank (summing to ``rows`` unless it is None);
     None: ``rows`` shared evenly."""
+    if type(splits) in (list, tuple) and len(splits) == n and all(type(v) is int and v >= 0 for v in splits) \
+            and (rows is None or sum(splits) == rows):
+        return list(splits)  # the common case (a training loop's, the backend's): nothing to convert
     if splits is None and rows is not None:
         if rows % n:
             raise InvalidInputError(

@@ -494,11 +494,11 @@ class RingcommProcessGroup(dist.ProcessGroup):
         elements this rank takes from each rank; the op fails on every rank unless each sends them.
         ``like``: a tensor of the op's dtype."""
         empty = stage(torch.empty(0, dtype=like.dtype), reduce=False, what=what)
-        staged = [empty if t is None else stage(t.detach().reshape(-1), reduce=False, what=what) for t in sends]
+        staged = [empty if t is None else stage(t, reduce=False, what=what) for t in sends]  # sent flat: _flat
         nothing = empty.array
         mems = [nothing if o is None else host_memory(o, empty.wire) for o in outputs]
         direct = all(m is not None for m in mems) and not any(
-            np.may_share_memory(m, s.array) for m in mems for s in staged if m is not None and m.size)
+            np.may_share_memory(m, s.array) for m in mems for s in staged if m is not None and m.size and s.array.size)
         name = self._name("x")
 
         def finish(results: list[Any]) -> list[torch.Tensor | None]:

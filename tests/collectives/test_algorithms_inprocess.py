@@ -316,6 +316,24 @@ def test_alltoall_random_splits(size, data) -> None:
         np.testing.assert_array_equal(out, np.concatenate(expected) if expected else out)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.data())
+def test_alltoall_of_separate_arrays_per_rank_lands_each_ranks_rows_in_its_own_output(size, data) -> None:
+    """``alltoall_blocks``: what rank r sends rank j is its own array (no one buffer), and what it
+    takes from rank i lands in output i; segments of 3 elements split each block."""
+    counts = [data.draw(st.lists(st.integers(0, 7), min_size=size, max_size=size)) for _ in range(size)]
+    sends = [[np.arange(c, dtype=np.int32) + 1000 * r + 100 * j for j, c in enumerate(cs)] for r, cs in enumerate(counts)]
+
+    def fn(link, r):
+        outs = [np.full(counts[i][r], -1, np.int32) for i in range(size)]
+        algorithms.alltoall_blocks(link, sends[r], outs, 0, 3)
+        return outs
+
+    for r, outs in enumerate(run_ranks(queue_links(size), fn)):
+        for i, out in enumerate(outs):
+            np.testing.assert_array_equal(out, sends[i][r])
+
+
 def test_short_message_is_detected_as_stream_desync() -> None:
     links = queue_links(2)
     links[0].send(1, 0, 0, np.zeros(3, np.float32))
