@@ -264,7 +264,7 @@ def alltoall_async(arr: Any, splits: Any = None, name: str | None = None,
         arrays = _alltoall_arrays(arr, n, what)
         a = arrays[0]
         rows = sum(x.shape[0] for x in arrays)
-        if len(arrays) > 1 or isinstance(arr, (list, tuple)):  # one array per rank: their rows are the splits
+        if isinstance(arr, (list, tuple)):  # one array per rank: their rows are the splits
             mine = [x.shape[0] for x in arrays]
             if splits is not None and _split_counts(splits, rows, n, what) != mine:
                 raise InvalidInputError(f"{what}: splits {np.asarray(splits).tolist()} with one array per rank, "

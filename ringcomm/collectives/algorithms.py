@@ -512,22 +512,7 @@ def broadcast(link: Link, buf: np.ndarray, root: int, seq: int, seg_elems: int) 
     link.flush()
 
 
-def alltoall(
-    link: Link,
-    send: np.ndarray,
-    send_counts: Sequence[int],
-    out: np.ndarray,
-    recv_counts: Sequence[int],
-    seq: int,
-    seg_elems: int,
-) -> None:
-    """Block j of ``send`` goes to rank j; block i of ``out`` comes from rank i (all 1-D):
-    :func:`alltoall_blocks` of their blocks."""
-    sb, rb = ring.offsets(send_counts), ring.offsets(recv_counts)
-    alltoall_blocks(link, [send[a:b] for a, b in sb], [out[a:b] for a, b in rb], seq, seg_elems)
-
-
-def alltoall_blocks(link: Link, sends: Sequence[np.ndarray], outs: Sequence[np.ndarray], seq: int,
+def alltoall(link: Link, sends: Sequence[np.ndarray], outs: Sequence[np.ndarray], seq: int,
                     seg_elems: int) -> None:
     """``sends[j]`` goes to rank j; ``outs[i]`` receives what rank i sends here (1-D arrays, one
     per rank, in rank order).  Where the link can read a segment straight into its place in

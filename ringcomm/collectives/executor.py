@@ -198,12 +198,12 @@ class Executor:
                 sends = [arr.reshape(-1)[a:b] for a, b in ring.offsets([s * row for s in resp.splits[rank]])]
             given = [o for o in entry.outs if o is not None]
             if ops.per_rank(given, size):  # one output for each rank: each receives its rows in place
-                algorithms.alltoall_blocks(link, sends, [o.reshape(-1) for o in given], seq, seg)
+                algorithms.alltoall(link, sends, [o.reshape(-1) for o in given], seq, seg)
                 return [(given, got)]
             out = ops.result_array(entry.outs[0] if entry.outs else None, (sum(recv_rows), *rest), dtype)
             flat = out.reshape(-1)
             outs = [flat[a:b] for a, b in ring.offsets([r * row for r in recv_rows])]
-            algorithms.alltoall_blocks(link, sends, outs, seq, seg)
+            algorithms.alltoall(link, sends, outs, seq, seg)
             return [(out, got)]
         if kind == wire.REDUCESCATTER:
             rest = arr.shape[1:]

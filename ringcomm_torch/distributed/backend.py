@@ -464,7 +464,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
         name = self._name("a2a")
         # a CPU output of the wire dtype: the rows arrive straight in its memory
         mem = host_memory(output, s.wire)
-        if mem is not None and np.may_share_memory(mem, s.array):
+        if mem is not None and (not mem.size or np.may_share_memory(mem, s.array)):
             mem = None
         into = None if mem is None else mem.reshape(-1, *s.array.shape[1:])
 
@@ -527,7 +527,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             raise self._refused("gather", "alltoall", "x", f"{len(outs)} output tensors at the root for a group "
                                 f"of {self._size}; pass one per rank")
         counts = gather_counts(self._rank, root, self._size, t.numel(), [o.numel() for o in outs])
-        sends: list[torch.Tensor | None] = [t if j == root else None for j in range(self._size)]
+        sends: list[torch.Tensor | None] = [t if n else None for n in counts.splits]
         return self._exchange("gather", sends, list(outs) if outs else [None] * self._size, counts.received, t)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> RingcommWork:  # type: ignore[override]

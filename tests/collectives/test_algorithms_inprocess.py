@@ -298,6 +298,11 @@ def test_broadcast_direct_and_chain(size: int, nbytes: int) -> None:
             assert (out == 7).all()
 
 
+def blocks(flat: np.ndarray, counts: list[int]) -> list[np.ndarray]:
+    """``flat`` cut into consecutive blocks of ``counts`` elements (views)."""
+    return [flat[a:b] for a, b in ring.offsets(counts)]
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 4), st.data())
 def test_alltoall_random_splits(size, data) -> None:
@@ -307,7 +312,7 @@ def test_alltoall_random_splits(size, data) -> None:
     def fn(link, r):
         recv_counts = [splits[i][r] for i in range(size)]
         out = np.empty(sum(recv_counts), np.int16)
-        algorithms.alltoall(link, sends[r], splits[r], out, recv_counts, 0, 3)
+        algorithms.alltoall(link, blocks(sends[r], splits[r]), blocks(out, recv_counts), 0, 3)
         return out
 
     outs = run_ranks(queue_links(size), fn)
@@ -319,14 +324,14 @@ def test_alltoall_random_splits(size, data) -> None:
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 4), st.data())
 def test_alltoall_of_separate_arrays_per_rank_lands_each_ranks_rows_in_its_own_output(size, data) -> None:
-    """``alltoall_blocks``: what rank r sends rank j is its own array (no one buffer), and what it
+    """``alltoall``: what rank r sends rank j is its own array (no one buffer), and what it
     takes from rank i lands in output i; segments of 3 elements split each block."""
     counts = [data.draw(st.lists(st.integers(0, 7), min_size=size, max_size=size)) for _ in range(size)]
     sends = [[np.arange(c, dtype=np.int32) + 1000 * r + 100 * j for j, c in enumerate(cs)] for r, cs in enumerate(counts)]
 
     def fn(link, r):
         outs = [np.full(counts[i][r], -1, np.int32) for i in range(size)]
-        algorithms.alltoall_blocks(link, sends[r], outs, 0, 3)
+        algorithms.alltoall(link, sends[r], outs, 0, 3)
         return outs
 
     for r, outs in enumerate(run_ranks(queue_links(size), fn)):

@@ -212,6 +212,15 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
     ok = torch.ones(1)
     dist.all_reduce(ok)
     assert ok.item() == n, ok
+    # rows of no elements; all_to_all of tensors of other sizes for each rank (which gloo refuses),
+    # from non-contiguous inputs into non-contiguous outputs (each written back after), in bfloat16
+    dist.all_to_all_single(torch.empty(n, 0), torch.empty(n, 0))
+    cols = [torch.arange(2.0 * (r + 1)).reshape(-1, 2)[:, 0] + 10 * rank for r in range(n)]
+    for dtype in (torch.float32, torch.bfloat16):
+        outs4 = [torch.empty(rank + 1, 2, dtype=dtype)[:, 1] for _ in range(n)]
+        dist.all_to_all(outs4, [c.to(dtype) for c in cols])
+        want4 = [(torch.arange(2.0 * (rank + 1)).reshape(-1, 2)[:, 0] + 10 * j).to(dtype) for j in range(n)]
+        assert all(torch.equal(a, b) for a, b in zip(outs4, want4)), (outs4, want4)
     # rows of two columns, past the lane's bound (through the engine), into a CPU output
     big = torch.arange(n * 2 * (1 << 19), dtype=torch.float32).reshape(-1, 2) + 100 * rank
     o_rc, o_gl = torch.empty_like(big), torch.empty_like(big)
