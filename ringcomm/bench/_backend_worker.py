@@ -21,8 +21,8 @@ from . import _torch_group
 from ._timing import exit_now
 
 #: The ops, each made from the rank, the world size and the float32 elements per rank.
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-       "uneven_all_to_all_single", "gather", "scatter")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "all_to_all_single", "uneven_all_to_all_single", "all_to_all", "gather", "scatter")
 
 
 def make(op: str, rank: int, world: int, numel: int) -> Callable[[], object]:
@@ -35,6 +35,9 @@ def make(op: str, rank: int, world: int, numel: int) -> Callable[[], object]:
         return lambda: dist.broadcast(x, 0)
     if op == "reduce":
         return lambda: dist.reduce(x, 0)
+    if op == "all_gather":  # into a list of tensors, one per rank
+        outs = [torch.empty(numel) for _ in range(world)]
+        return lambda: dist.all_gather(outs, x)
     if op == "all_gather_into_tensor":
         whole = torch.empty(numel * world)
         return lambda: dist.all_gather_into_tensor(whole, x)
@@ -52,6 +55,9 @@ def make(op: str, rank: int, world: int, numel: int) -> Callable[[], object]:
         recvs = [(k + rank + 1) * unit // world for k in range(world)]
         src, dst = torch.ones(sum(sends)), torch.empty(sum(recvs))
         return lambda: dist.all_to_all_single(dst, src, recvs, sends)
+    if op == "all_to_all":  # lists of tensors, one per rank
+        ins, outs = [torch.ones(numel // world) for _ in range(world)], [torch.empty(numel // world) for _ in range(world)]
+        return lambda: dist.all_to_all(outs, ins)
     if op == "gather":
         parts = [torch.empty(numel) for _ in range(world)] if rank == 0 else None
         return lambda: dist.gather(x, parts, dst=0)
