@@ -20,11 +20,16 @@ def agreed(counts) -> bool:  # type: ignore[no-untyped-def]
                           range(len(counts))) == ""
 
 
+def draw_sizes(size, data):  # type: ignore[no-untyped-def]
+    """A root, what is sent (``size`` counts) and what is expected (each that count, or another)."""
+    root = data.draw(st.integers(0, size - 1))
+    sent = data.draw(st.lists(st.integers(0, 4), min_size=size, max_size=size))
+    return root, sent, [n if data.draw(st.booleans()) else data.draw(st.integers(0, 4)) for n in sent]
+
+
 @given(st.integers(1, 5), st.data())
 def test_a_scatter_agrees_exactly_when_each_output_fits_the_roots_part_for_it(size, data):
-    root = data.draw(st.integers(0, size - 1))
-    parts = data.draw(st.lists(st.integers(0, 4), min_size=size, max_size=size))
-    outs = [p if data.draw(st.booleans()) else data.draw(st.integers(0, 4)) for p in parts]
+    root, parts, outs = draw_sizes(size, data)
     counts = [scatter_counts(r, root, size, outs[r], parts if r == root else None) for r in range(size)]
     assert agreed(counts) == (outs == parts)
     mine = counts[root]
@@ -35,9 +40,7 @@ def test_a_scatter_agrees_exactly_when_each_output_fits_the_roots_part_for_it(si
 
 @given(st.integers(1, 5), st.data())
 def test_a_gather_agrees_exactly_when_the_roots_outputs_fit_each_ranks_input(size, data):
-    root = data.draw(st.integers(0, size - 1))
-    ins = data.draw(st.lists(st.integers(0, 4), min_size=size, max_size=size))
-    outs = [n if data.draw(st.booleans()) else data.draw(st.integers(0, 4)) for n in ins]
+    root, ins, outs = draw_sizes(size, data)
     counts = [gather_counts(r, root, size, ins[r], outs if r == root else None) for r in range(size)]
     assert agreed(counts) == (outs == ins)
 
