@@ -35,7 +35,8 @@ import ringcomm as rc
 from ringcomm.errors import InvalidInputError
 
 from . import init as _init
-from .backend import NAME, RingcommProcessGroup, reduce_op
+from .arguments import reduce_op
+from .backend import NAME, RingcommProcessGroup
 from .work import RingcommWork
 
 __all__ = ["NAME", "RingcommProcessGroup", "RingcommWork", "register", "reduce_op", "new_group"]

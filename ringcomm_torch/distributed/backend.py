@@ -38,26 +38,13 @@ from ..collectives import staged_allreduce, staged_broadcast, staged_op
 from ..device_arena import Arena, arena_for, one_host_arena_for
 from ..tensors import Staged, begin, host_memory, stage
 from ..tracing import untraced_methods
+from .arguments import check_root, check_tensors, reduce_op, refusing
 from .exchange_counts import gather_counts, scatter_counts, single_receipts
 from .work import RingcommWork, as_backend_error, completer
 
-__all__ = ["RingcommProcessGroup", "reduce_op", "NAME"]
+__all__ = ["RingcommProcessGroup", "NAME"]
 
 NAME = "ringcomm"
-_R = dist.ReduceOp.RedOpType
-_OPS: dict[Any, _ops.ReduceOp] = {_R.SUM: rc.Sum, _R.AVG: rc.Average, _R.MIN: rc.Min, _R.MAX: rc.Max,  # type: ignore[attr-defined]
-                                  _R.PRODUCT: rc.Product}  # type: ignore[attr-defined]
-
-
-def reduce_op(op: Any, what: str) -> _ops.ReduceOp:
-    """torch's ``ReduceOp`` -> ringcomm's; refuses the ones ringcomm does not have."""
-    kind = getattr(op, "op", op)
-    try:
-        return _OPS[kind]
-    except (KeyError, TypeError):
-        raise InvalidInputError(
-            f"{what}: ReduceOp {getattr(kind, 'name', kind)} is not supported by the ringcomm backend; "
-            "use SUM, AVG, MIN, MAX or PRODUCT (or the gloo backend for bitwise and premultiplied sums)") from None
 
 
 def _flat(s: Staged) -> np.ndarray:
@@ -136,18 +123,19 @@ class RingcommProcessGroup(dist.ProcessGroup):
     def _name(self, kind: str) -> str:
         return f"tdist.{self._tag}.{kind}.{next(self._seq)}"
 
-    def _refused(self, what: str, kind: str, tag: str, reason: str, parts: int = 1) -> InvalidInputError:
-        """This rank's arguments to ``what`` are wrong: the op (the core's ``kind`` op, named as the
-        others name it from ``tag``) fails on every rank of the group with ``reason``, their works
-        raising it, and this is the error to raise here."""
-        rc.api.refuse_call(kind, self._name(tag), self._pset, f"{what}: {reason}", parts)  # names this rank
-        return InvalidInputError(f"{what} on rank {self._rank}: {reason}")
+    def _refusing(self, what: str, kind: str, *names: str, parts: int = 1) -> Any:
+        """The checks of ``what`` (the core's ``kind`` op, submitted under ``names``): one that fails
+        refuses the op on every rank of the group (:func:`.arguments.refusing`)."""
+        return refusing(self._rank, self._pset, what, kind, names, parts)
 
-    def _root(self, root: int, what: str) -> int:
-        if not 0 <= root < self._size:
-            raise InvalidInputError(f"{what} on rank {self._rank}: root {root} is not a rank of this group "
-                                    f"(0..{self._size - 1})")
-        return self._ranks[root]
+    def _arena_work(self, what: str, start: Callable[[], Any], result: Callable[[], Any]) -> RingcommWork:
+        """The work of an op on the host's shared arenas (:mod:`ringcomm_torch.device_arena_ops`):
+        ``start()`` returns its handle; the work completes with ``result()``."""
+        try:
+            handle = start()
+        except BaseException as exc:
+            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
+        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: result())
 
     def _start(self, what: str, submit: Callable[[], list[Any]], finish: Callable[[list[Any]], Any],
                staged: Sequence[Staged] = ()) -> RingcommWork:
@@ -179,19 +167,20 @@ class RingcommProcessGroup(dist.ProcessGroup):
     # -- reductions -------------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:  # type: ignore[override]
-        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
-        return self._allreduce_list(tensors, op, "allreduce")
+        return self._allreduce_list(tensors, opts, "allreduce")
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingcommWork:
-        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce_coalesced")
-        return self._allreduce_list(tensors, op, "allreduce_coalesced")
+        return self._allreduce_list(tensors, opts, "allreduce_coalesced")
 
-    def _allreduce_list(self, tensors: list[torch.Tensor], op: _ops.ReduceOp, what: str) -> RingcommWork:
+    def _allreduce_list(self, tensors: list[torch.Tensor], opts: Any, what: str) -> RingcommWork:
+        name = self._name("ar")
+        with self._refusing(what, "allreduce" if len(tensors) == 1 else "grouped_allreduce", name):
+            op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+            check_tensors(tensors, what)
         arena = arena_for(tensors[0], op, self._pset) if len(tensors) == 1 else None
         if arena is not None:  # one CUDA tensor (a DDP bucket), on one host: reduced on the GPUs
-            return self._device_allreduce(arena, tensors[0], op, what)
+            return self._device_allreduce(arena, tensors[0], op, what, name)
         staged = [stage(t, reduce=True, what=what) for t in tensors]
-        name = self._name("ar")
 
         def submit() -> list[Any]:
             if len(staged) == 1:
@@ -206,44 +195,37 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return tensors
         return self._start(what, submit, finish, staged)
 
-    def _device_allreduce(self, arena: Arena, t: torch.Tensor, op: _ops.ReduceOp, what: str) -> RingcommWork:
+    def _device_allreduce(self, arena: Arena, t: torch.Tensor, op: _ops.ReduceOp, what: str,
+                          name: str) -> RingcommWork:
         """:meth:`allreduce` of one device tensor through the host's shared arenas
         (:mod:`ringcomm_torch.device_arena`); the result is ordered before later work of the
         stream current here, as on the pinned path."""
-        name = self._name("ar")
         consumer = arena.service.current()
-        try:
-            handle = device_arena_ops.allreduce(
-                arena, t, in_place=True, core_name=name, name=name, average=op is rc.Average, prescale=1.0, postscale=1.0,
-                consumer=consumer,
-                fallback=lambda nm: staged_allreduce(t, stage(t, reduce=True, what=what), True, name, nm, op, 1.0,
-                                                     1.0, self._pset, consumer))
-        except BaseException as exc:
-            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
-        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: [t])
+        return self._arena_work(what, lambda: device_arena_ops.allreduce(
+            arena, t, in_place=True, core_name=name, name=name, average=op is rc.Average, prescale=1.0, postscale=1.0,
+            consumer=consumer,
+            fallback=lambda nm: staged_allreduce(t, stage(t, reduce=True, what=what), True, name, nm, op, 1.0,
+                                                 1.0, self._pset, consumer)), lambda: [t])
 
-    def _device_broadcast(self, arena: Arena, t: torch.Tensor, root: int) -> RingcommWork:
+    def _device_broadcast(self, arena: Arena, t: torch.Tensor, root: int, name: str) -> RingcommWork:
         """:meth:`broadcast` of one device tensor from the root's arena (``root``: a global rank),
         ordered before later work of the stream current here, as on the pinned path."""
-        name = self._name("bc")
         consumer = arena.service.current()
-        try:
-            handle = device_arena_ops.broadcast(
-                arena, t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
-                fallback=lambda nm: staged_broadcast(t, stage(t, reduce=False, what="broadcast"), root, True, name, nm,
-                                                     self._pset, consumer))
-        except BaseException as exc:
-            raise as_backend_error(f"broadcast on rank {self._rank}", exc) from exc
-        return completer.submit(f"broadcast on rank {self._rank}", [handle], lambda _results: [t])
+        return self._arena_work("broadcast", lambda: device_arena_ops.broadcast(
+            arena, t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
+            fallback=lambda nm: staged_broadcast(t, stage(t, reduce=False, what="broadcast"), root, True, name, nm,
+                                                 self._pset, consumer)), lambda: [t])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
-        op = reduce_op(opts.reduceOp, "reduce")
-        root = self._root(opts.rootRank, "reduce")
+        name = self._name("reduce")
+        with self._refusing("reduce", "allreduce", name):
+            op = reduce_op(opts.reduceOp, "reduce")
+            check_root(opts.rootRank, self._size, "reduce")
+            check_tensors(tensors[:1], "reduce")
         t = tensors[0]
         s = stage(t, reduce=True, what="reduce")
-        mine = self._ranks[self._rank] == root
+        mine = self._rank == opts.rootRank
         out = s.array if mine else np.empty_like(s.array)  # only the root's tensor changes
-        name = self._name("reduce")
 
         def finish(_: list[Any]) -> list[torch.Tensor]:
             if mine:
@@ -254,31 +236,39 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> RingcommWork:
-        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        what = "reduce_scatter"
+        name = self._name("rs")
         out, parts = outputs[0], input_lists[0]
-        if len(parts) != self._size:
-            raise self._refused("reduce_scatter", "reducescatter", "rs",
-                                f"{len(parts)} input tensors for a group of {self._size}; pass one per rank")
+        with self._refusing(what, "reducescatter", name):
+            op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+            if len(parts) != self._size:
+                raise InvalidInputError(f"{what}: {len(parts)} input tensors for a group of {self._size}; "
+                                        "pass one per rank")
+            check_tensors(parts, what)
         whole = torch.cat([p.detach().reshape(1, -1) for p in parts])
-        return self._reduce_scatter(out, whole, op, "reduce_scatter")
+        return self._reduce_scatter(out, whole, op, what, name)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
-        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
-        if input.numel() != output.numel() * self._size:
-            raise self._refused("reduce_scatter_tensor", "reducescatter", "rs",
-                                f"the input has {input.numel()} elements, the output {output.numel()}; the input "
-                                f"must hold group size ({self._size}) x the output's elements")
-        return self._reduce_scatter(output, input, op, "reduce_scatter_tensor")
+        what = "reduce_scatter_tensor"
+        name = self._name("rs")
+        with self._refusing(what, "reducescatter", name):
+            op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+            if input.numel() != output.numel() * self._size:
+                raise InvalidInputError(f"{what}: the input has {input.numel()} elements, the output "
+                                        f"{output.numel()}; the input must hold group size ({self._size}) x the "
+                                        "output's elements")
+            check_tensors([input], what)
+        return self._reduce_scatter(output, input, op, what, name)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
-    def _reduce_scatter(self, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp, what: str) -> RingcommWork:
+    def _reduce_scatter(self, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp, what: str,
+                        name: str) -> RingcommWork:
         arena = one_host_arena_for(whole, self._pset, op)
         if arena is not None:  # a CUDA tensor (FSDP's gradients), every rank on one host: summed on the GPUs
-            return self._device_reduce_scatter(arena, out, whole, op, what)
+            return self._device_reduce_scatter(arena, out, whole, op, what, name)
         s = stage(whole, reduce=True, what=what)
         rows = s.array.reshape(self._size, -1)
-        name = self._name("rs")
 
         def finish(results: list[Any]) -> list[torch.Tensor]:
             s.write_back(out, results[0].reshape(-1))
@@ -287,10 +277,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
                            finish, [s])
 
     def _device_reduce_scatter(self, arena: Arena, out: torch.Tensor, whole: torch.Tensor, op: _ops.ReduceOp,
-                               what: str) -> RingcommWork:
+                               what: str, name: str) -> RingcommWork:
         """:meth:`_reduce_scatter` of a device tensor through the host's shared arenas, ordered before
         later work of the stream current here, as on the pinned path."""
-        name = self._name("rs")
         consumer = arena.service.current()
 
         def pinned(nm: str) -> Any:
@@ -299,18 +288,18 @@ class RingcommProcessGroup(dist.ProcessGroup):
                              lambda n: rc.reducescatter_async(s.array.reshape(self._size, -1), op=op, name=n,
                                                               process_set=self._pset),
                              lambda raw: s.write_back(out, np.asarray(raw).reshape(-1)), consumer)
-        try:
-            handle = device_arena_ops.reduce_scatter(arena, whole, out, average=op is rc.Average, core_name=name,
-                                                     name=name, consumer=consumer, fallback=pinned)
-        except BaseException as exc:
-            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
-        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: [out])
+        return self._arena_work(what, lambda: device_arena_ops.reduce_scatter(
+            arena, whole, out, average=op is rc.Average, core_name=name, name=name, consumer=consumer,
+            fallback=pinned), lambda: [out])
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> RingcommWork:
-        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor_coalesced")
-        staged = [stage(t, reduce=True, what="reduce_scatter_tensor_coalesced") for t in inputs]
+        what = "reduce_scatter_tensor_coalesced"
         name = self._name("rsc")
+        with self._refusing(what, "grouped_reducescatter", name, parts=len(inputs)):
+            op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, what)
+            check_tensors(inputs, what)
+        staged = [stage(t, reduce=True, what=what) for t in inputs]
 
         def submit() -> list[Any]:
             arrays = [s.array.reshape(self._size, -1) for s in staged]
@@ -320,23 +309,28 @@ class RingcommProcessGroup(dist.ProcessGroup):
             for s, o, r in zip(staged, outputs, results[0]):
                 s.write_back(o, r.reshape(-1))
             return outputs
-        return self._start("reduce_scatter_tensor_coalesced", submit, finish, staged)
+        return self._start(what, submit, finish, staged)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # -- data movement ------------------------------------------------------------
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
-        root = self._root(opts.rootRank, "broadcast")
+        name = self._name("bc")
+        # an op per tensor: one tensor's is named as on the arena (below), several are name.i
+        names = [name] if len(tensors) == 1 else [f"{name}.{i}" for i in range(len(tensors))]
+        with self._refusing("broadcast", "broadcast", *names):
+            check_root(opts.rootRank, self._size, "broadcast")
+            check_tensors(tensors, "broadcast")
+        root = self._ranks[opts.rootRank]
         arena = one_host_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
         if arena is not None:  # one CUDA tensor (DDP's buffers), every rank on one host: copied on the GPUs
-            return self._device_broadcast(arena, tensors[0], root)
+            return self._device_broadcast(arena, tensors[0], root, name)
         staged = [stage(t, reduce=False, what="broadcast") for t in tensors]
-        name = self._name("bc")
 
         def submit() -> list[Any]:
-            return [rc.broadcast_async(s.array, root, name=f"{name}.{i}", out=s.array, process_set=self._pset)
-                    for i, s in enumerate(staged)]
+            return [rc.broadcast_async(s.array, root, name=n, out=s.array, process_set=self._pset)
+                    for n, s in zip(names, staged)]
 
         def finish(_: list[Any]) -> list[torch.Tensor]:
             for s, t in zip(staged, tensors):
@@ -346,21 +340,46 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> RingcommWork:
-        if len(inputs) == 1 and len(output_lists[0]) == self._size \
-                and all(o.numel() == inputs[0].numel() for o in output_lists[0]):
+        return self._allgather_lists(output_lists, inputs, "allgather")
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> RingcommWork:
+        return self._allgather_lists(output_lists, inputs, "allgather_coalesced")
+
+    def _allgather_lists(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                         what: str) -> RingcommWork:
+        name = self._name("ag")
+        with self._refusing(what, _allgather_kind(len(inputs)), name, parts=len(inputs)):
+            for outs in output_lists:
+                if len(outs) != self._size:
+                    raise InvalidInputError(f"{what}: {len(outs)} output tensors for a group of {self._size}; "
+                                            "pass one per rank")
+            check_tensors(inputs, what)
+        if len(inputs) == 1 and all(o.numel() == inputs[0].numel() for o in output_lists[0]):
             arena = one_host_arena_for(inputs[0], self._pset)
             if arena is not None:  # one CUDA tensor, every rank on one host: copied on the GPUs
-                outs = output_lists[0]
-                return self._device_allgather(arena, inputs[0], outs, None, "allgather", lambda: output_lists)
-        return self.allgather_coalesced(output_lists, inputs, opts, what="allgather")
+                return self._device_allgather(arena, inputs[0], output_lists[0], None, what, name,
+                                              lambda: output_lists)
+        staged = [stage(t, reduce=False, what=what) for t in inputs]
+
+        def submit() -> list[Any]:
+            return self._allgather_rows(staged, name)
+
+        def finish(results: list[Any]) -> list[list[torch.Tensor]]:
+            gathered = results[0] if len(staged) == 1 else None
+            for i, (s, outs) in enumerate(zip(staged, output_lists)):
+                rows = gathered if gathered is not None else results[0][i]
+                for r, o in enumerate(outs):
+                    s.write_back(o, rows[r])
+            return output_lists
+        return self._start(what, submit, finish, staged)
 
     def _device_allgather(self, arena: Arena, t: torch.Tensor, parts: list[torch.Tensor],
-                          copy_into: tuple[torch.Tensor, torch.Tensor] | None, what: str,
+                          copy_into: tuple[torch.Tensor, torch.Tensor] | None, what: str, name: str,
                           result: Callable[[], Any]) -> RingcommWork:
         """An allgather of one device tensor through the host's shared arenas into ``parts`` (one
         per rank; with ``copy_into``, ``(output, gathered)``, rows of ``gathered``, copied into
         ``output`` after), ordered before later work of the stream current here, as on the pinned path."""
-        name = self._name("ag")
         consumer = arena.service.current()
 
         def pinned(nm: str) -> Any:
@@ -377,12 +396,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return staged_op("allgather", s, nm, self._pset,
                              lambda n: rc.allgather_async(s.array.reshape(1, -1), name=n, process_set=self._pset),
                              finish, consumer)
-        try:
-            handle = device_arena_ops.allgather(arena, t, parts, copy_into=copy_into, core_name=name, name=name,
-                                                consumer=consumer, fallback=pinned)
-        except BaseException as exc:
-            raise as_backend_error(f"{what} on rank {self._rank}", exc) from exc
-        return completer.submit(f"{what} on rank {self._rank}", [handle], lambda _results: result())
+        return self._arena_work(what, lambda: device_arena_ops.allgather(
+            arena, t, parts, copy_into=copy_into, core_name=name, name=name, consumer=consumer, fallback=pinned),
+            result)
 
     def _allgather_rows(self, staged: list[Any], name: str, out: np.ndarray | None = None) -> list[Any]:
         """Start the allgather of each staged tensor as one row per rank: one op, or one grouped op.
@@ -392,50 +408,35 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return [rc.allgather_async(rows[0], name=name, process_set=self._pset, out=out)]
         return [rc.grouped_allgather_async(rows, name=name, process_set=self._pset)]
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts: Any = None, what: str = "allgather_coalesced") -> RingcommWork:
-        for outs in output_lists:
-            if len(outs) != self._size:
-                raise self._refused(what, _allgather_kind(len(inputs)), "ag",
-                                    f"{len(outs)} output tensors for a group of {self._size}; pass one per rank",
-                                    len(inputs))
-        staged = [stage(t, reduce=False, what=what) for t in inputs]
-        name = self._name("ag")
-
-        def submit() -> list[Any]:
-            return self._allgather_rows(staged, name)
-
-        def finish(results: list[Any]) -> list[list[torch.Tensor]]:
-            gathered = results[0] if len(staged) == 1 else None
-            for i, (s, outs) in enumerate(zip(staged, output_lists)):
-                rows = gathered if gathered is not None else results[0][i]
-                for r, o in enumerate(outs):
-                    s.write_back(o, rows[r])
-            return output_lists
-        return self._start(what, submit, finish, staged)
-
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RingcommWork:
-        arena = one_host_arena_for(input, self._pset) if output.numel() == input.numel() * self._size else None
-        if arena is not None:  # a CUDA tensor (FSDP's parameters), every rank on one host: copied on the GPUs
-            # gathered into the output, or, where it is not contiguous, beside it and copied in after
-            gathered = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype,
-                                                                          device=output.device)
-            rows = list(gathered.view(self._size, -1).unbind(0))
-            return self._device_allgather(arena, input, rows, None if gathered is output else (output, gathered),
-                                          "allgather_into_tensor", lambda: [output])
-        return self.all_gather_single_coalesced([output], [input], opts, what="allgather_into_tensor")
+        return self._allgather_tensors([output], [input], "allgather_into_tensor")
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: Any = None, what: str = "allgather_into_tensor_coalesced") -> RingcommWork:
-        for o, i in zip(outputs, inputs):
-            if o.numel() != i.numel() * self._size:
-                raise self._refused(what, _allgather_kind(len(inputs)), "agt",
-                                    f"the output has {o.numel()} elements, the input {i.numel()}; the output must "
-                                    f"hold group size ({self._size}) x the input's elements", len(inputs))
-        staged = [stage(t, reduce=False, what=what) for t in inputs]
+                                    opts: Any = None) -> RingcommWork:
+        return self._allgather_tensors(outputs, inputs, "allgather_into_tensor_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+
+    def _allgather_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str) -> RingcommWork:
         name = self._name("agt")
+        with self._refusing(what, _allgather_kind(len(inputs)), name, parts=len(inputs)):
+            for o, i in zip(outputs, inputs):
+                if o.numel() != i.numel() * self._size:
+                    raise InvalidInputError(f"{what}: the output has {o.numel()} elements, the input {i.numel()}; "
+                                            f"the output must hold group size ({self._size}) x the input's elements")
+            check_tensors(inputs, what)
+        arena = one_host_arena_for(inputs[0], self._pset) if len(inputs) == 1 else None
+        if arena is not None:  # a CUDA tensor (FSDP's parameters), every rank on one host: copied on the GPUs
+            # gathered into the output, or, where it is not contiguous, beside it and copied in after
+            output = outputs[0]
+            gathered = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype,
+                                                                          device=output.device)
+            rows = list(gathered.view(self._size, -1).unbind(0))
+            return self._device_allgather(arena, inputs[0], rows, None if gathered is output else (output, gathered),
+                                          what, name, lambda: outputs)
+        staged = [stage(t, reduce=False, what=what) for t in inputs]
         # one tensor into a CPU output of its dtype: gathered straight into the output's memory
         mem = host_memory(outputs[0], staged[0].wire) if len(staged) == 1 else None
         into = None if mem is None else mem.reshape(self._size, -1)
@@ -451,17 +452,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
             return outputs
         return self._start(what, submit, finish, staged)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
-
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> RingcommWork:
         what = "all_to_all_single"
-        received = single_receipts(self._size, output.shape, input.shape, output_split_sizes)
-        if isinstance(received, str):
-            raise self._refused(what, "alltoall", "a2a", received)
+        name = self._name("a2a")
+        with self._refusing(what, "alltoall", name):
+            received = single_receipts(self._size, output.shape, input.shape, output_split_sizes)
+            if isinstance(received, str):
+                raise InvalidInputError(f"{what}: {received}")
+            check_tensors([input], what)
         splits = list(input_split_sizes) if len(input_split_sizes) else None
         s = stage(input, reduce=False, what=what)
-        name = self._name("a2a")
         # a CPU output of the wire dtype: the rows arrive straight in its memory
         mem = host_memory(output, s.wire)
         if mem is not None and (not mem.size or np.may_share_memory(mem, s.array)):
@@ -481,25 +482,27 @@ class RingcommProcessGroup(dist.ProcessGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> RingcommWork:
         what = "alltoall"
-        if len(inputs) != self._size or len(outputs) != self._size:
-            raise self._refused(what, "alltoall", "x", f"{len(inputs)} inputs and {len(outputs)} outputs for a group "
-                                f"of {self._size}; pass one of each per rank")
-        return self._exchange(what, list(inputs), list(outputs), [o.numel() for o in outputs], inputs[0])
+        name = self._name("x")
+        with self._refusing(what, "alltoall", name):
+            if len(inputs) != self._size or len(outputs) != self._size:
+                raise InvalidInputError(f"{what}: {len(inputs)} inputs and {len(outputs)} outputs for a group of "
+                                        f"{self._size}; pass one of each per rank")
+            check_tensors(inputs, what)
+        return self._exchange(what, name, list(inputs), list(outputs), [o.numel() for o in outputs], inputs[0])
 
-    def _exchange(self, what: str, sends: list[torch.Tensor | None], outputs: list[torch.Tensor | None],
+    def _exchange(self, what: str, name: str, sends: list[torch.Tensor | None], outputs: list[torch.Tensor | None],
                   received: list[int], like: torch.Tensor) -> RingcommWork:
-        """An alltoall of tensors taken flat: ``sends[j]`` goes to rank j, ``outputs[i]`` takes what
-        rank i sends (None: nothing), each sent from its own memory and, when every output is a
-        contiguous CPU tensor of the wire dtype, received straight into it.  ``received``: the
+        """The alltoall ``name`` of tensors taken flat: ``sends[j]`` goes to rank j, ``outputs[i]``
+        takes what rank i sends (None: nothing), each sent from its own memory and, when every output
+        is a contiguous CPU tensor of the wire dtype, received straight into it.  ``received``: the
         elements this rank takes from each rank; the op fails on every rank unless each sends them.
-        ``like``: a tensor of the op's dtype."""
+        ``like``: a tensor of the op's dtype (every tensor checked by the caller)."""
         empty = stage(torch.empty(0, dtype=like.dtype), reduce=False, what=what)
         staged = [empty if t is None else stage(t, reduce=False, what=what) for t in sends]  # sent flat: _flat
         nothing = empty.array
         mems = [nothing if o is None else host_memory(o, empty.wire) for o in outputs]
         direct = all(m is not None for m in mems) and not any(
             np.may_share_memory(m, s.array) for m in mems for s in staged if m is not None and m.size and s.array.size)
-        name = self._name("x")
 
         def finish(results: list[Any]) -> list[torch.Tensor | None]:
             if direct:
@@ -519,25 +522,29 @@ class RingcommProcessGroup(dist.ProcessGroup):
         return self._start(what, submit, finish, staged)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
-        root = opts.rootRank
-        self._root(root, "gather")
-        t = inputs[0]
+        name = self._name("x")
+        root, t = opts.rootRank, inputs[0]
         outs = output_lists[0] if self._rank == root else []
-        if self._rank == root and len(outs) != self._size:
-            raise self._refused("gather", "alltoall", "x", f"{len(outs)} output tensors at the root for a group "
-                                f"of {self._size}; pass one per rank")
+        with self._refusing("gather", "alltoall", name):
+            check_root(root, self._size, "gather")
+            if self._rank == root and len(outs) != self._size:
+                raise InvalidInputError(f"gather: {len(outs)} output tensors at the root for a group of "
+                                        f"{self._size}; pass one per rank")
+            check_tensors([t], "gather")
         counts = gather_counts(self._rank, root, self._size, t.numel(), [o.numel() for o in outs])
         sends: list[torch.Tensor | None] = [t if n else None for n in counts.splits]
-        return self._exchange("gather", sends, list(outs) if outs else [None] * self._size, counts.received, t)
+        return self._exchange("gather", name, sends, list(outs) if outs else [None] * self._size, counts.received, t)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any) -> RingcommWork:  # type: ignore[override]
-        root = opts.rootRank
-        self._root(root, "scatter")
-        out = outputs[0]
+        name = self._name("x")
+        root, out = opts.rootRank, outputs[0]
         parts = input_lists[0] if self._rank == root else []
-        if self._rank == root and len(parts) != self._size:
-            raise self._refused("scatter", "alltoall", "x", f"{len(parts)} input tensors at the root for a group "
-                                f"of {self._size}; pass one per rank")
+        with self._refusing("scatter", "alltoall", name):
+            check_root(root, self._size, "scatter")
+            if self._rank == root and len(parts) != self._size:
+                raise InvalidInputError(f"scatter: {len(parts)} input tensors at the root for a group of "
+                                        f"{self._size}; pass one per rank")
+            check_tensors([out, *parts], "scatter")
         counts = scatter_counts(self._rank, root, self._size, out.numel(),
                                 [p.numel() for p in parts] if self._rank == root else None)
         if counts.keeps_own:  # the root's own part: copied into its output here, not sent
@@ -547,7 +554,7 @@ class RingcommProcessGroup(dist.ProcessGroup):
             if parts else [None] * self._size
         takes: list[torch.Tensor | None] = [out if j == root and counts.received[j] else None
                                             for j in range(self._size)]
-        return self._exchange("scatter", sends, takes, counts.received, out)
+        return self._exchange("scatter", name, sends, takes, counts.received, out)
 
     def barrier(self, opts: Any = None) -> RingcommWork:
         token = np.zeros(1, dtype=np.int32)

@@ -187,6 +187,7 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
             assert f"rank 0 expects {wrong} rows from ranks {list(range(n))}, which send it {[1] * n}" in str(exc), exc
             assert "output_split_sizes against the others' input_split_sizes" in str(exc), exc
     # an argument refused on one rank (checked before the op starts) fails the op on every rank
+    odd = torch.uint32 if rank == 0 else torch.float32  # a dtype ringcomm refuses, on rank 0
     refusals = [
         (f"the output's {n + 1} rows do not split evenly", lambda: dist.all_to_all_single(
             torch.empty(n + 1 if rank == n - 1 else n), torch.arange(float(n)))),
@@ -196,12 +197,25 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
             torch.empty(2), torch.ones(2 * n + (rank == n - 1)))),
         ("output tensors for a group", lambda: dist.all_gather(
             [torch.empty(1) for _ in range(n - (rank == 0))], torch.ones(1))),
+        # checks of the op itself, its root or a tensor, failing on one rank only
+        ("ReduceOp BAND is not supported", lambda: dist.all_reduce(
+            torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND if rank == 0 else dist.ReduceOp.SUM)),
+        (f"root {n} is not a rank of this group", lambda: dist.reduce(torch.ones(2), dst=n if rank == 1 else 0)),
+        ("tensor dtype uint32 is not supported", lambda: dist.broadcast(
+            torch.ones(2, dtype=torch.uint32 if rank == n - 1 else torch.float32), src=0)),
+        ("tensor dtype uint32 is not supported", lambda: dist.reduce_scatter(
+            torch.empty(1, dtype=odd), [torch.ones(1, dtype=odd)] * n)),
+        ("sparse", lambda: dist.all_to_all_single(
+            torch.empty(n), (torch.ones(n).to_sparse() if rank == 1 else torch.ones(n)))),
+        ("tensor dtype uint32 is not supported", lambda: dist.gather(
+            torch.ones(1, dtype=torch.uint32 if rank == 1 else torch.float32),
+            [torch.empty(1) for _ in range(n)] if rank == 0 else None, dst=0)),
     ]
     for words, call in refusals:
         try:
             call()
             raise AssertionError(f"the call refused on one rank went through: {words}")
-        except (dist.DistBackendError, ValueError) as exc:
+        except (dist.DistBackendError, ValueError, TypeError) as exc:
             assert words in str(exc), exc
     # scatter's outputs of another size than the root sends: every rank fails
     try:
