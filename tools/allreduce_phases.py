@@ -13,15 +13,27 @@ microseconds, with the settings that choose the path (``RINGCOMM_DEVICE_IPC``,
 
 Without a GPU it runs the same calls on the fake device (``ringcomm_torch.device.FakeOps`` with
 its model of IPC), which times the host side alone.
+
+``--profile N`` then runs N more ops (call and synchronize, no barrier) under a profiler on rank 0
+and prints, per op, the functions that cost the most: with yappi installed, on every thread (the
+caller, the stager, the return threads, the engine and the lane) by CPU time, which counts the
+CUDA runtime calls torch makes from each function as that function's own; without it, cProfile
+on the calling thread alone, by wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import functools
+import io
 import os
+import pstats
 import statistics
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,6 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["4K", "1M", "64M"])
     parser.add_argument("--ops", type=int, default=100)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N more ops on rank 0 and print the costliest functions per op")
     args = parser.parse_args()
     hvd.init()
     cuda = torch.cuda.is_available()
@@ -82,7 +96,64 @@ def main() -> None:
                     return f"{statistics.median(xs) * 1e6:8.1f} / {xs[int(0.9 * (len(xs) - 1))] * 1e6:8.1f}"
                 print(f"phases np={hvd.size()} {size:>4} {path:6s} {'cuda' if cuda else 'fake'} "
                       f"call {us(call)}  sync {us(sync)}  device {us(dev)}  (us, p50 / p90) {knobs}", flush=True)
+            if args.profile:
+                profiled(functools.partial(allreduce, x, f"phases.{size}"), args.profile, hvd.rank() == 0, settle,
+                         f"np={hvd.size()} {size} {path} {'cuda' if cuda else 'fake'}")
     hvd.shutdown()
+
+
+def allreduce(x: torch.Tensor, name: str) -> object:
+    return hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name=name))
+
+
+def profiled(op: Callable[[], object], ops: int, here: bool, settle: Callable[[], None], label: str,
+             top: int = 15) -> None:
+    """Run ``op`` ``ops`` times (every rank), profiled where ``here``; print its costliest functions per op."""
+    hvd.barrier()
+    settle()
+    if not here:
+        for _ in range(ops):
+            op()
+        settle()
+        hvd.barrier()
+        return
+    try:
+        import yappi  # type: ignore[import-untyped]
+    except ImportError:
+        yappi = None
+    if yappi is not None:
+        yappi.clear_stats()
+        yappi.set_clock_type("cpu")
+        yappi.start()
+        for _ in range(ops):
+            op()
+        settle()
+        yappi.stop()
+        names = {th.ident: th.name for th in threading.enumerate()}
+        print(f"profile {label}: yappi, CPU us per op over {ops} ops, per thread, by own time "
+              "(ttot: with callees)", flush=True)
+        for t in sorted(yappi.get_thread_stats(), key=lambda t: -t.ttot):
+            if t.ttot / ops < 5e-6:
+                continue
+            print(f"  thread {names.get(t.tid, t.name)}: {t.ttot / ops * 1e6:8.1f}", flush=True)
+            stats = yappi.get_func_stats(filter={"ctx_id": t.id})
+            stats.sort("tsub")
+            for f in list(stats)[:top]:
+                where = f"{os.path.basename(f.module)}:{f.lineno}" if f.lineno else f.module
+                print(f"    own {f.tsub / ops * 1e6:7.1f}  ttot {f.ttot / ops * 1e6:7.1f}  calls/op "
+                      f"{f.ncall / ops:5.1f}  {f.name} ({where})", flush=True)
+    else:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(ops):
+            op()
+        settle()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        print(f"profile {label}: cProfile, the calling thread, s over {ops} ops (no yappi here)", flush=True)
+        print(text.getvalue(), flush=True)
+    hvd.barrier()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # list takes longer, and what no longer fits is skipped and named in the summary), in the order of
 # what they decide: the CUDA tests (and the fake-device tests of the same paths) under ringcomm-run
 # at np 1 and 2; one CUDA allreduce at np 2 three ways (pinned memory, the arena with stream waits,
-# the arena with host waits), then split into phases by tools/allreduce_phases.py; `bench training
+# the arena with host waits), then split into phases by tools/allreduce_phases.py, and a 4 KiB one's
+# host time function by function (its --profile); `bench training
 # --device cuda` (resnet18, two ranks on one GPU, batch 64 and 256: DistributedOptimizer vs DDP on
 # gloo vs DDP on the "ringcomm" backend vs the bound of independent processes with no exchange,
 # alternating rounds); DDP on the "ringcomm" backend with every per-tensor op through the arena;
@@ -17,7 +18,7 @@
 # step, so a run cut short still tells what it measured.
 #
 # Needs python3 with torch (CUDA), numpy, msgpack, pytest and torchvision.  pyzmq (and, if given,
-# this project) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
+# this project and yappi) are installed from the wheels in .whl/ into /tmp/site; otherwise the repository
 # itself is imported.  Run from the repository root:   bash tools/gpu_check.sh
 set -u -o pipefail
 
@@ -95,7 +96,8 @@ training() {  # training BATCH LIMIT REPEATS: the four setups side by side in on
 # the steps in the order of what they decide, so that a short lease still measures the bars: the
 # CUDA tests at np 1 and 2, the three ways of a CUDA allreduce side by side, training at batch 64,
 # the CUDA allreduces against gloo, the host waits in training, training at batch 256, then the
-# tests at np 4, the pinned comparison, MPS, the profile and the rest
+# tests at np 4, the pinned comparison, MPS, the profile and the rest (the small op's profile runs
+# beside its phases)
 cuda_tests cuda-tests-np1 90 1
 cuda_tests cuda-tests-np2 120 2
 
@@ -124,6 +126,16 @@ step phases 90 bash -c 'for way in pinned stream host; do
 done'
 grep -h "phases np" "$OUT/phases.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
 mv "$OUT/phases.log" "$RAW/" 2>/dev/null
+
+# where a 4 KiB op's host time goes (its call and synchronize cost most of it): rank 0's costliest
+# functions per op on each thread, through pinned memory and through the arena (yappi from .whl/, CPU
+# time; without it cProfile, the calling thread only)
+step phases-profile 45 bash -c 'for way in pinned stream; do
+    env $(way_env $way) "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/allreduce_phases.py --sizes 4K --ops 20 \
+        --profile 500
+done'
+grep -h "^\[0\]<stdout>:" "$OUT/phases-profile.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
+mv "$OUT/phases-profile.log" "$RAW/" 2>/dev/null
 
 training 64 200 3
 
