@@ -320,6 +320,27 @@ def test_the_ringcomm_backend_reduces_a_device_tensor_through_the_arena(ops):
     assert alike_on_every_rank(u)
 
 
+def test_a_backend_call_refused_on_one_rank_fails_the_others_arena_op_and_the_next_one_pairs(ops):
+    import ringcomm_torch.distributed  # noqa: F401  (registers the backend)
+
+    settled(mine(4))
+    if not dist.is_initialized():
+        dist.init_process_group("ringcomm", store=dist.HashStore(), rank=hvd.rank(), world_size=hvd.size())
+    last = hvd.size() - 1
+    t = mine(300, seed=9)
+    # the last rank's reduce op, then its root, are refused before its op starts; the others' ops
+    # (through the arena where the job has one) fail with its reason
+    with pytest.raises((ValueError, dist.DistBackendError), match="ReduceOp BAND is not supported"):
+        dist.all_reduce(t, op=dist.ReduceOp.BAND if hvd.rank() == last else dist.ReduceOp.SUM)
+    with pytest.raises((ValueError, dist.DistBackendError), match=f"root {hvd.size()} is not a rank of this group"):
+        dist.broadcast(t, src=hvd.size() if hvd.rank() == last else 0)
+    u = mine(300, seed=10)
+    want = hvd.allreduce(u.clone(), op=hvd.Sum, name="arena.backend.refused.ref")
+    dist.all_reduce(u)
+    assert alike_on_every_rank(u)
+    assert torch.allclose(u, want, rtol=1e-5, atol=1e-6)
+
+
 def test_ddp_on_the_ringcomm_backend_gets_the_pinned_paths_gradients(ops, monkeypatch):
     import copy
 
