@@ -42,7 +42,7 @@ class LaneMeeting(Protocol):
     :class:`ringcomm.lane.owner.LaneOwner`, handed to the engine from above)."""
 
     def offer(self, job_id: str, round_: int, addr: str, shm_bytes: int, net_bytes: int,
-              encrypt: bool, ports: PortRange | None = None) -> dict[str, Any]:
+              encrypt: bool, ports: PortRange | None = None, shm_move_bytes: int | None = None) -> dict[str, Any]:
         """Before the ranks meet: this rank's entries of the rendezvous table for the lane (its
         listening socket, if any, on a port of ``ports``)."""
         ...
@@ -152,7 +152,8 @@ def _connect(w: Wiring, topo: Topology, st: Settings, round_: int, limits: routi
     if topo.local_rank == 0 and shm_files.available():
         _reclaim_left_by_dead(rank)
     lane_offers = lane.offer(topo.job_id, round_, topo.addr, st.shm_lane_bytes_for(size),
-                             st.net_lane_bytes_for(size), st.encrypt, st.listen_ports)
+                             st.net_lane_bytes_for(size), st.encrypt, st.listen_ports,
+                             shm_move_bytes=st.shm_lane_move_bytes_for(size))
     info: dict[str, Any] = {
         "rank": rank, "host": topo.hostname, "pid": os.getpid(), "data": data_eps,
         # which ranks of this host name can share memory, sockets and pids (separate containers cannot)

@@ -64,6 +64,12 @@ class Seen(NamedTuple):
 
 _SIGNATURES: dict[tuple[Any, ...], int] = {}
 _KEYS: dict[wire.Request, int] = {}  # a training loop submits the same requests every step
+def head_bytes(size: int) -> int:
+    """The bytes an alltoall's head takes ahead of its rows in a job of ``size`` ranks (its splits
+    and received splits, :func:`payload`): what the lane's entries hold beyond a payload bound."""
+    return 2 * _SPLIT.itemsize * size
+
+
 _HEADS: dict[Any, np.ndarray] = {}  # an alltoall's head as it posts it, per splits and received_splits
 
 
@@ -111,7 +117,7 @@ def _posted_nbytes(req: wire.Request, arrays: Sequence[np.ndarray]) -> int:
     """``arrays``' bytes, with an alltoall's head (:func:`payload`)."""
     nbytes = int(arrays[0].nbytes) if len(arrays) == 1 else sum(int(a.nbytes) for a in arrays)
     if req.kind == wire.ALLTOALL:
-        nbytes += 2 * _SPLIT.itemsize * len(req.splits or ())
+        nbytes += head_bytes(len(req.splits or ()))
     return nbytes
 
 
@@ -142,19 +148,23 @@ def posted_dtype(req: wire.Request) -> np.dtype:
     return _BYTES if req.kind == wire.ALLTOALL else dtype_of(req)
 
 
-def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> bool:
+def eligible(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int,
+             move_bytes: int = -1) -> bool:
     """Whether this rank asks for ``req`` to go fast (its own view; the others may differ)."""
-    return fast_nbytes(req, arrays, rank, max_bytes) >= 0
+    return fast_nbytes(req, arrays, rank, max_bytes, move_bytes) >= 0
 
 
-def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int) -> int:
+def fast_nbytes(req: wire.Request, arrays: Sequence[np.ndarray], rank: int, max_bytes: int,
+                move_bytes: int = -1) -> int:
     """What this rank posts if it asks to post fast for ``req`` (:func:`payload_nbytes`), or -1
-    when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the bound)."""
+    when it does not (:func:`eligible`; the rule is :func:`routing.route`'s, with ``max_bytes`` the
+    bound, and ``move_bytes`` that of a broadcast, allgather or alltoall; -1: ``max_bytes``)."""
     kind = req.kind
     nbytes = _posted_nbytes(req, arrays)
     facts = routing.PathFacts(routing.Where.LANE, req.pset, req.op, bool(req.refused),
                               kind == wire.ALLGATHER and any(0 in s[1:] for s in req.shapes))
-    if routing.route(kind, nbytes, facts, routing.RouteLimits(lane_bytes=max_bytes)) is not routing.Path.LANE:
+    limits = routing.RouteLimits(lane_bytes=max_bytes, lane_move_bytes=move_bytes)
+    if routing.route(kind, nbytes, facts, limits) is not routing.Path.LANE:
         return -1
     return 0 if _posts_nothing(req, rank) else nbytes
 
@@ -417,7 +427,7 @@ def _alltoall(req: wire.Request, arr: np.ndarray, outs: Sequence[np.ndarray | No
     (:func:`ops.per_rank`), each taking that rank's rows; else into the caller's one ``out``,
     where they fit it (:func:`ops.result_array`).  Raises :class:`MismatchError` on every rank
     when a rank expects other rows than the ranks send it (:func:`coordinator.unmet_receipts`)."""
-    head = 2 * _SPLIT.itemsize * size
+    head = head_bytes(size)
     dtype = dtype_of(req)
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * dtype.itemsize  # bytes per row
     heads = [p[:head].view(_SPLIT) for p in parts]

@@ -39,6 +39,8 @@ from .ops import ReduceOp
 
 #: Kinds that move data; the others (barrier, join, shutdown, set management) complete on their response.
 DATA_KINDS = (wire.ALLREDUCE, wire.ALLGATHER, wire.BROADCAST, wire.ALLTOALL, wire.REDUCESCATTER)
+#: Collectives that only move data: the lane takes them up to its own bound for them (RouteLimits.lane_move_bytes).
+MOVE_KINDS = frozenset({wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL})
 #: Collectives the lane can finish from posted payloads.
 LANE_KINDS = frozenset({wire.ALLREDUCE, wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL, wire.REDUCESCATTER,
                         wire.BARRIER})
@@ -98,6 +100,7 @@ class RouteLimits(NamedTuple):
     hierarchical: int = -1  # the setting: 1 wherever the hosts allow it, 0 never, -1 from hierarchical_min_bytes
     hierarchical_min_bytes: int = HIERARCHICAL_MIN_BYTES
     doubling_bytes: int = 0  # recursive doubling up to this
+    lane_move_bytes: int = -1  # the lane's bound for MOVE_KINDS (-1: lane_bytes); 0 lane_bytes: no lane at all
 
 
 class LimitSettings(Protocol):
@@ -176,7 +179,7 @@ def route(kind: str, nbytes: int, facts: PathFacts, limits: RouteLimits) -> Path
     doubling, the ring.
     """
     where = facts.where
-    if where is Where.LANE and _lane(kind, nbytes, facts, limits.lane_bytes):
+    if where is Where.LANE and _lane(kind, nbytes, facts, limits):
         return Path.LANE
     if kind not in DATA_KINDS:
         return Path.CONTROL
@@ -194,11 +197,15 @@ def route(kind: str, nbytes: int, facts: PathFacts, limits: RouteLimits) -> Path
     return Path.RING
 
 
-def _lane(kind: str, nbytes: int, facts: PathFacts, bound: int) -> bool:
+def _lane(kind: str, nbytes: int, facts: PathFacts, limits: RouteLimits) -> bool:
     """Whether this rank asks for the lane: an eligible kind of the global set, within its bound (a
-    barrier posts nothing; a broadcast's non-root ranks post nothing but check the root's size alike)."""
+    barrier posts nothing; a broadcast's non-root ranks post nothing but check the root's size alike;
+    a kind that only moves data has a bound of its own)."""
+    bound = limits.lane_bytes
     if facts.pset != 0 or kind not in LANE_KINDS or facts.refused or bound <= 0:
         return False
+    if kind in MOVE_KINDS and limits.lane_move_bytes >= 0:
+        bound = limits.lane_move_bytes
     if kind == wire.ALLREDUCE and facts.op == ReduceOp.ADASUM:
         return False
     if kind == wire.ALLGATHER and facts.empty_rows:

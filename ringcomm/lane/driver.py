@@ -77,11 +77,12 @@ class LaneDriver:
     """
 
     def __init__(self, region: lane.LaneRegion, engine: EngineSide, max_bytes: int, stall_check: float,
-                 stall_shutdown: float) -> None:
+                 stall_shutdown: float, move_bytes: int = -1) -> None:
         self._region = region
         self.rank, self.size = region.rank, region.size
         self._engine = engine
-        self._max = max_bytes
+        self._max = max_bytes  # the bound of reductions
+        self._move = move_bytes  # of broadcasts, allgathers and alltoalls (-1: the same)
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
         # re-reads and yields help only where a peer's post lands in this host's memory
         spins = region.SPIN and spin_allowed(region.size)
@@ -104,9 +105,9 @@ class LaneDriver:
         self._unlinked = self.rank != 0
         self._sweeper = threading.Thread(target=self._sweep, name=f"ringcomm-lane-{self.rank}", daemon=True)
         self._sweeper.start()
-        log.debug("rank %d: paths: ops of the global set up to %d B whose ops in flight every rank has "
-                  "submitted alike go through the small-op lane (%d ranks, %s)",
-                  self.rank, max_bytes, self.size,
+        log.debug("rank %d: paths: ops of the global set up to %d B (broadcasts, allgathers and alltoalls "
+                  "up to %d B, an alltoall's head included) whose ops in flight every rank has submitted alike "
+                  "go through the small-op lane (%d ranks, %s)", self.rank, max_bytes, max_bytes if move_bytes < 0 else move_bytes, self.size,
                   f"up to {self._spin.most} re-reads before sleeping, fewer while they miss" if self._spin.most
                   else "no spinning before sleeping: more ranks than cores")
 
@@ -249,7 +250,8 @@ class LaneDriver:
         req = entry.req
         if len(self._plans) >= PLANS:
             self._plans.clear()
-        plan = self._plans[req] = (lane.op_key(req), lane.fast_nbytes(req, entry.arrays, self.rank, self._max))
+        plan = self._plans[req] = (lane.op_key(req),
+                                   lane.fast_nbytes(req, entry.arrays, self.rank, self._max, self._move))
         return plan
 
     def _prune_open(self) -> None:

@@ -25,7 +25,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ..core import routing
+from ..core import lane, routing
 from ..job.ports import PortRange
 from . import net_lane, shm_lane
 from .driver import LaneDriver
@@ -48,7 +48,8 @@ class LaneOwner:
         self.rank, self.size = rank, size
         self.region: shm_lane.ShmLane | net_lane.NetLane | None = None
         self.driver: LaneDriver | None = None
-        self._shm_bytes = 0  # this rank's own bound for payloads on one host
+        self._shm_bytes = 0  # this rank's own bound for payloads on one host (reductions)
+        self._shm_move_bytes = 0  # ... and for the ops that only move data (the region's entries, at rank 0)
         self._offered: shm_lane.ShmLane | None = None  # rank 0's shared region, until accept()
         self._listener: socket.socket | None = None  # until the lane across hosts is connected
         self._engine: EngineSide | None = None  # given by start()
@@ -56,13 +57,19 @@ class LaneOwner:
     # -- making the region (the engine, at the rendezvous) --------------------------------
 
     def offer(self, job_id: str, round_: int, addr: str, shm_bytes: int, net_bytes: int,
-              encrypt: bool, ports: PortRange | None = None) -> dict[str, Any]:
+              encrypt: bool, ports: PortRange | None = None, shm_move_bytes: int | None = None) -> dict[str, Any]:
         """Before the ranks meet: rank 0 creates the shared region (unnamed) and every rank listens for
         the lane across hosts (on a port of ``ports``; None: any free one); returns this rank's entries
         of the rendezvous table (``lane``: rank 0's region path, or whether this rank could map one;
-        ``net_lane``: where it listens, or False)."""
+        ``net_lane``: where it listens, or False).  ``shm_bytes``: this rank's bound on one host for
+        reductions; ``shm_move_bytes`` (default: the same) for broadcasts, allgathers and alltoalls,
+        the size of the region's entries that rank 0 asks for."""
         self._shm_bytes = shm_bytes
-        self._offered, lane_offer = shm_lane.offer(job_id, round_, self.rank, self.size, SLOTS, shm_bytes)
+        # an alltoall's posted bytes start with its head: the entries hold it beside a payload of the bound
+        self._shm_move_bytes = (shm_bytes if shm_move_bytes is None else max(shm_bytes, shm_move_bytes)) \
+            + (lane.head_bytes(self.size) if shm_bytes > 0 else 0)
+        self._offered, lane_offer = shm_lane.offer(job_id, round_, self.rank, self.size, SLOTS,
+                                                   self._shm_move_bytes, shm_bytes)
         self._listener, net_offer = net_lane.offer(self.rank, self.size, addr, net_bytes, encrypt, ports)
         return {"lane": lane_offer, "net_lane": net_offer}
 
@@ -95,9 +102,10 @@ class LaneOwner:
         region = self.region
         if region is None:
             return None
-        own = None if isinstance(region, net_lane.NetLane) else self._shm_bytes
-        max_bytes = routing.lane_bytes(region.payload_bytes, own)
-        self.driver = LaneDriver(region, engine, max_bytes, stall_check, stall_shutdown)
+        across = isinstance(region, net_lane.NetLane)
+        max_bytes = routing.lane_bytes(region.payload_bytes, None if across else self._shm_bytes)
+        move_bytes = routing.lane_bytes(region.payload_bytes, None if across else self._shm_move_bytes)
+        self.driver = LaneDriver(region, engine, max_bytes, stall_check, stall_shutdown, move_bytes=move_bytes)
         return self.driver
 
     def close(self, timeout: float) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ..shm import futex, slots as shm, barrier as shm_barrier
+from ..shm import futex, slots as shm, barrier as shm_barrier, space
 from ..job import names
 from ..core import lane
 from ..errors import HorovodInternalError
@@ -271,16 +271,20 @@ class ShmLane(shm.MappedFile):
 # -- setting up: rank 0 offers a region, every rank accepts it or none does ---------------
 
 
-def offer(job_id: str, round_: int, rank: int, size: int, slots: int,
-          payload_bytes: int) -> tuple[ShmLane | None, Any]:
+def offer(job_id: str, round_: int, rank: int, size: int, slots: int, payload_bytes: int,
+          floor_bytes: int | None = None) -> tuple[ShmLane | None, Any]:
     """Before the ranks meet: rank 0 creates the region (with no name yet) and offers ``[path, payload
     bytes]`` (False if it could not); the others say whether they could map one.  Returns (rank 0's
-    region, the offer).  The region's slots are rank 0's size; each rank posts fast only what its own
-    setting allows."""
+    region, the offer).  The region's slots are rank 0's size: ``payload_bytes``, less where /dev/shm
+    has little room, down to ``floor_bytes`` (default: ``payload_bytes``; see
+    :func:`ringcomm.shm.space.lane_payload_bytes`); each rank posts fast only what its own setting allows."""
     able = size > 1 and payload_bytes > 0 and shm.available() and futex.available()
     if rank != 0 or not able:
         return None, able
     path = region_path(job_id, round_)
+    floor = payload_bytes if floor_bytes is None else min(floor_bytes, payload_bytes)
+    payload_bytes = space.lane_payload_bytes(payload_bytes, floor, space.free_bytes(os.path.dirname(path)),
+                                             size * slots)
     try:
         return ShmLane(path, 0, size, slots, payload_bytes, create=True, named=False), [path, payload_bytes]
     except OSError as exc:

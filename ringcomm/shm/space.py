@@ -5,6 +5,8 @@ file that cannot be had kills the process that touches it with SIGBUS.  So every
 its pages when it is made (:class:`ringcomm.shm.slots.MappedFile`), and the slot rings between
 ranks are sized from the room there is:
 
+- the small-op lane's region (made first, by rank 0) grows past its base size only into a quarter of
+  what is free (:func:`lane_payload_bytes`);
 - a ring may take ``1 / (2 x local ranks)`` of what is free when it is made: the ranks of a host
   make up to one ring each towards each other, and half of /dev/shm is left for the small-op lane,
   the shared-memory allreduce, later rings and the application's own use (a DataLoader's workers);
@@ -43,6 +45,28 @@ _SETTINGS = {
                  "ring)",
 }
 _RING_SETTINGS = "RINGCOMM_SHM_SLOTS (slots per pair of ranks; 0: sockets only) or RINGCOMM_SEGMENT_BYTES"
+
+
+#: The small-op lane's region takes at most 1 / LANE_SHARE of what is free when it is made (beyond the
+#: size it had before the data-movement bound grew it).
+LANE_SHARE = 4
+
+
+def lane_payload_bytes(want: int, floor: int, free: int | None, entries: int) -> int:
+    """The payload bytes of each of the lane region's ``entries``: ``want``, cut back where the
+    region would take more than 1/:data:`LANE_SHARE` of the ``free`` bytes (None: unknown), but
+    never below ``floor`` (a region of that size that does not fit is not made: no lane).
+
+        lane_payload_bytes(8 << 20, 2 << 20, 24 << 30, 8) -> 8388608      # plenty
+        lane_payload_bytes(8 << 20, 2 << 20, 192 << 20, 8) -> 6291456     # 48 MiB for the region
+        lane_payload_bytes(8 << 20, 2 << 20, 64 << 20, 8) -> 2097152      # a container's 64 MB
+        lane_payload_bytes(8 << 20, 2 << 20, None, 8) -> 2097152
+    """
+    if want <= floor:
+        return want
+    if free is None:
+        return floor
+    return max(floor, min(want, max(0, free) // LANE_SHARE // max(1, entries) // 64 * 64))
 
 
 class RingGeometry(NamedTuple):

@@ -290,6 +290,47 @@ def test_the_lane_bound_by_job_size_keeps_the_region_within_16_mib() -> None:
         Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "-2"})
 
 
+def test_ops_that_only_move_data_take_the_lane_to_a_bound_of_their_own_within_a_64_mib_region() -> None:
+    from ringcomm.core import routing
+    from ringcomm.job.config import Settings
+
+    s = Settings()
+    assert [s.shm_lane_move_bytes_for(n) for n in (2, 3, 4, 8, 16, 64, 4096)] == [
+        8 << 20, 5592405, 4 << 20, 2 << 20, 1 << 20, 256 << 10, 64 << 10]
+    for n in range(2, 129):
+        assert s.shm_lane_bytes_for(n) <= s.shm_lane_move_bytes_for(n)
+        assert 4 * n * s.shm_lane_move_bytes_for(n) <= max(64 << 20, 4 * n * s.shm_lane_bytes_for(n))
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "4096"}).shm_lane_move_bytes_for(2) == 4096
+    assert Settings.from_env({"RINGCOMM_SHM_LANE_BYTES": "0"}).shm_lane_move_bytes_for(2) == 0
+    lim = routing.RouteLimits(lane_bytes=1 << 20, lane_move_bytes=4 << 20)
+    at_lane = routing.PathFacts(routing.Where.LANE)
+    for kind in (wire.BROADCAST, wire.ALLGATHER, wire.ALLTOALL):
+        assert routing.route(kind, 4 << 20, at_lane, lim) is routing.Path.LANE
+        assert routing.route(kind, (4 << 20) + 1, at_lane, lim) is not routing.Path.LANE
+    for kind in (wire.ALLREDUCE, wire.REDUCESCATTER):
+        assert routing.route(kind, 1 << 20, at_lane, lim) is routing.Path.LANE
+        assert routing.route(kind, 2 << 20, at_lane, lim) is not routing.Path.LANE
+    # no lane at all: no kind takes it, whatever the bound for moving data
+    off = routing.RouteLimits(lane_bytes=0, lane_move_bytes=4 << 20)
+    assert routing.route(wire.BROADCAST, 8, at_lane, off) is not routing.Path.LANE
+    # the default (-1): one bound for every kind
+    one = routing.RouteLimits(lane_bytes=1 << 20)
+    assert routing.route(wire.ALLTOALL, 2 << 20, at_lane, one) is not routing.Path.LANE
+
+
+def test_the_lane_region_grows_past_its_base_size_only_into_a_quarter_of_the_free_room() -> None:
+    from ringcomm.shm import space
+
+    MiB = 1 << 20
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, 24 << 30, 8) == 8 * MiB  # plenty of room
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, 192 * MiB, 8) == 6 * MiB  # 48 MiB of 192 for 8 entries
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, 64 * MiB, 8) == 2 * MiB  # a container's 64 MB: the base
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, 1 * MiB, 8) == 2 * MiB  # not even that: the base (not made)
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, None, 8) == 2 * MiB  # unknown room
+    assert space.lane_payload_bytes(2 * MiB, 2 * MiB, 1 * MiB, 8) == 2 * MiB  # nothing to grow
+    assert space.lane_payload_bytes(8 * MiB, 2 * MiB, 100 * MiB + 12345, 8) % 64 == 0
+
+
 def test_the_lane_across_hosts_is_off_by_default_and_by_job_size_when_asked_for() -> None:
     from ringcomm.job.config import Settings
     from ringcomm.errors import InvalidInputError

@@ -135,7 +135,8 @@ def test_debug_tells_the_story_of_init_and_of_each_path() -> None:
         "one shared-memory region from 1048576 B",
         "allreduce ('small',): 32 B in 1 op(s), process set 0: reduced at rank 0 (small)",
         "allreduce ('large',): 4194304 B in 1 op(s), process set 0: shared memory",
-        "ops of the global set up to 16 B whose ops in flight every rank has submitted alike go through the small-op lane",
+        "ops of the global set up to 16 B (broadcasts, allgathers and alltoalls up to 48 B, an alltoall's head "
+        "included) whose ops in flight every rank has submitted alike go through the small-op lane",
         "allreduce 'lane': 8 B, process set 0: small-op lane",
         "allgather ('gathered',): 2097152 B, process set 0: ring",
         "broadcast ('b',): 64 B from rank 1, process set 0: straight from the root",

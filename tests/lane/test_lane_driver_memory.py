@@ -88,13 +88,15 @@ class Job:
     """``size`` simulated ranks over one in-memory board."""
 
     def __init__(self, size: int, slots: int = 4, payload_bytes: int = 4096, stall_check: float = 0.0,
-                 stall_shutdown: float = 0.0) -> None:
+                 stall_shutdown: float = 0.0, reduce_bytes: int | None = None) -> None:
         self.size = size
         self.board = MemoryBoard(size, slots, payload_bytes)
         self.exchange = Exchange(size)
         self.engines = [FakeEngine(r, self.exchange) for r in range(size)]
-        self.drivers = [LaneDriver(MemoryLane(self.board, r), self.engines[r], payload_bytes, stall_check,
-                                   stall_shutdown) for r in range(size)]
+        # reduce_bytes: the reductions' bound, below the entries that broadcasts and the like fill
+        self.drivers = [LaneDriver(MemoryLane(self.board, r), self.engines[r],
+                                   payload_bytes if reduce_bytes is None else reduce_bytes, stall_check,
+                                   stall_shutdown, move_bytes=payload_bytes) for r in range(size)]
 
     def submit(self, rank: int, entry: Entry, others: int) -> Handle:
         """As the runtime does: the lane, or the engine when the lane hands the op back."""
@@ -299,6 +301,23 @@ def test_an_op_the_lane_cannot_take_goes_to_the_engine_on_every_rank() -> None:
                              [[values(r, ord(n), 4, "float32")] for r in range(2)], 2)
             assert same_bits(got[0][i], want) and same_bits(got[1][i], want)
         assert {"p", "q"} <= set(job.engines[0].diverted) and {"p", "q"} <= set(job.engines[1].diverted)
+    finally:
+        job.close()
+
+
+def test_a_broadcast_between_the_two_bounds_goes_fast_where_an_allreduce_of_its_size_diverts() -> None:
+    job = Job(2, payload_bytes=512, reduce_bytes=64)
+    try:
+        x = [values(r, 3, 100, "float32") for r in range(2)]  # 400 B: above the reductions' bound
+        bcast = [Entry(wire.Request("b", wire.BROADCAST, "float32", ((100,),), root=1), [x[r]], LaneHandle("b"))
+                 for r in range(2)]
+        got = run_ranks(2, lambda r: job.submit(r, bcast[r], others=0).wait(10))
+        assert all(same_bits(g, x[1]) for g in got)
+        big = [allreduce("big", x[r]) for r in range(2)]
+        got = run_ranks(2, lambda r: job.submit(r, big[r], others=0).wait(10))
+        want = reference(big[0].req, [[e.arrays[0]] for e in big], 2)
+        assert all(same_bits(g, want) for g in got)
+        assert all(e.diverted == ["big"] for e in job.engines), [e.diverted for e in job.engines]
     finally:
         job.close()
 
