@@ -157,9 +157,11 @@ def test_jobs_read_same_host_payloads_from_the_senders_memory_unless_it_is_off(
     script = tmp_path / "job.py"
     script.write_text(_JOB)
     world = 4 if hosts == 2 else 3
+    # the 4 MB ops through the engine, whose payloads cross memory (the lane would take the broadcasts
+    # and allgathers up to 16 MiB / ranks)
     procs = start_torchrun_job([str(script)], world, [{"RINGCOMM_HOSTNAME": f"host{r * hosts // world}"}
                                                      for r in range(world)],
-                               RINGCOMM_CROSS_MEMORY_MIN_BYTES=setting)
+                               RINGCOMM_CROSS_MEMORY_MIN_BYTES=setting, RINGCOMM_SHM_LANE_BYTES="1048576")
     outs = [p.communicate(timeout=100)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     results = [line.split()[1:] for out in outs for line in out.splitlines() if line.startswith("RESULT")]
