@@ -64,13 +64,13 @@ class Seen(NamedTuple):
 
 _SIGNATURES: dict[tuple[Any, ...], int] = {}
 _KEYS: dict[wire.Request, int] = {}  # a training loop submits the same requests every step
+_HEADS: dict[Any, np.ndarray] = {}  # an alltoall's head as it posts it, per splits and received_splits
+
+
 def head_bytes(size: int) -> int:
     """The bytes an alltoall's head takes ahead of its rows in a job of ``size`` ranks (its splits
     and received splits, :func:`payload`): what the lane's entries hold beyond a payload bound."""
     return 2 * _SPLIT.itemsize * size
-
-
-_HEADS: dict[Any, np.ndarray] = {}  # an alltoall's head as it posts it, per splits and received_splits
 
 
 def op_key(req: wire.Request) -> int:

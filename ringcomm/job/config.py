@@ -274,7 +274,8 @@ class Settings:
         """
         if self.shm_lane_bytes >= 0:
             return self.shm_lane_bytes
-        return max(self.shm_lane_bytes_for(size), min(LANE_MOVE_MAX_BYTES, LANE_MOVE_REGION_BYTES // (4 * max(1, size))))
+        by_size = min(LANE_MOVE_MAX_BYTES, LANE_MOVE_REGION_BYTES // (4 * max(1, size)))
+        return max(self.shm_lane_bytes_for(size), by_size)
 
     def shm_allreduce_threads_for(self, ranks: int, cores: int) -> int:
         """Threads per rank for the shared-memory allreduce when ``ranks`` ranks share a host that

@@ -61,6 +61,9 @@ BACKLOG_POLL = 0.0005
 OPEN_PRUNE = 32
 #: Requests whose key and fast size are kept (a training loop submits the same ones every step).
 PLANS = 4096
+#: A payload of at least this many bytes is copied into the slot only while no peer has posted its
+#: index otherwise (ranks whose payloads fall on both sides of the bound: the op diverts anyway).
+LOOK_FIRST_BYTES = 64 * 1024
 
 
 class LaneDriver:
@@ -83,6 +86,7 @@ class LaneDriver:
         self._engine = engine
         self._max = max_bytes  # the bound of reductions
         self._move = move_bytes  # of broadcasts, allgathers and alltoalls (-1: the same)
+        self._peers = [r for r in range(self.size) if r != self.rank]
         self._stall_check, self._stall_shutdown = stall_check, stall_shutdown
         # re-reads and yields help only where a peer's post lands in this host's memory
         spins = region.SPIN and spin_allowed(region.size)
@@ -107,7 +111,8 @@ class LaneDriver:
         self._sweeper.start()
         log.debug("rank %d: paths: ops of the global set up to %d B (broadcasts, allgathers and alltoalls "
                   "up to %d B, an alltoall's head included) whose ops in flight every rank has submitted alike "
-                  "go through the small-op lane (%d ranks, %s)", self.rank, max_bytes, max_bytes if move_bytes < 0 else move_bytes, self.size,
+                  "go through the small-op lane (%d ranks, %s)", self.rank, max_bytes,
+                  max_bytes if move_bytes < 0 else move_bytes, self.size,
                   f"up to {self._spin.most} re-reads before sleeping, fewer while they miss" if self._spin.most
                   else "no spinning before sleeping: more ranks than cores")
 
@@ -190,6 +195,8 @@ class LaneDriver:
     def _post(self, q: Queued, fast: bool, own: bool) -> None:
         """Write ``q`` at this rank's next index (its slot is free) and hand it on."""
         k, entry = self._next, q.entry
+        if fast and q.nbytes >= LOOK_FIRST_BYTES and self._region.still_missing(self._peers, k, q.key) is None:
+            fast = False  # a peer posted this index otherwise: it diverts, so the payload is not copied in
         # lock held: a NetLane post may wait in _drain for a peer's full socket buffer to take the
         # frame; bounded by that peer reading (it reads while it waits) or the engine finding it lost
         self._region.post(k, q.key, fast, lane.payload(entry.req, entry.arrays) if fast and q.nbytes else ())

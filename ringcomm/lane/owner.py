@@ -66,10 +66,10 @@ class LaneOwner:
         the size of the region's entries that rank 0 asks for."""
         self._shm_bytes = shm_bytes
         # an alltoall's posted bytes start with its head: the entries hold it beside a payload of the bound
-        self._shm_move_bytes = (shm_bytes if shm_move_bytes is None else max(shm_bytes, shm_move_bytes)) \
-            + (lane.head_bytes(self.size) if shm_bytes > 0 else 0)
+        head = lane.head_bytes(self.size) if shm_bytes > 0 else 0
+        self._shm_move_bytes = (shm_bytes if shm_move_bytes is None else max(shm_bytes, shm_move_bytes)) + head
         self._offered, lane_offer = shm_lane.offer(job_id, round_, self.rank, self.size, SLOTS,
-                                                   self._shm_move_bytes, shm_bytes)
+                                                   self._shm_move_bytes, shm_bytes + head)
         self._listener, net_offer = net_lane.offer(self.rank, self.size, addr, net_bytes, encrypt, ports)
         return {"lane": lane_offer, "net_lane": net_offer}
 

@@ -47,8 +47,8 @@ _SETTINGS = {
 _RING_SETTINGS = "RINGCOMM_SHM_SLOTS (slots per pair of ranks; 0: sockets only) or RINGCOMM_SEGMENT_BYTES"
 
 
-#: The small-op lane's region takes at most 1 / LANE_SHARE of what is free when it is made (beyond the
-#: size it had before the data-movement bound grew it).
+#: Beyond its base size (entries of the reductions' bound), the small-op lane's region takes at most
+#: 1 / LANE_SHARE of what is free when it is made.
 LANE_SHARE = 4
 
 

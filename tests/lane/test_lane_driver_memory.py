@@ -322,6 +322,26 @@ def test_a_broadcast_between_the_two_bounds_goes_fast_where_an_allreduce_of_its_
         job.close()
 
 
+def test_a_large_payload_is_not_copied_in_once_a_peer_has_posted_its_index_for_the_engine() -> None:
+    from ringcomm.lane.driver import LOOK_FIRST_BYTES
+
+    n = LOOK_FIRST_BYTES // 4
+    job = Job(2, payload_bytes=LOOK_FIRST_BYTES + 4096)
+    try:
+        # rank 1's alltoall is over the bound (it splits otherwise): it posts the index for the engine
+        # first; rank 0's fits, but it sees that and posts the index for the engine too, copying nothing
+        sends = [[n // 2, n // 2], [n, n]]
+        x = [np.arange(sum(sends[r]), dtype=np.float32) + 1000 * r for r in range(2)]
+        entries = [Entry(wire.Request("x", wire.ALLTOALL, "float32", ((sum(sends[r]),),), splits=tuple(sends[r])),
+                         [x[r]], LaneHandle("x")) for r in range(2)]
+        assert job.drivers[1].submit(entries[1], others=0) is False  # the caller hands it to the engine
+        assert job.drivers[0].submit(entries[0], others=0) is False  # so does rank 0's
+        assert not job.board.payloads[0][0].any()  # its slot was not written
+        assert [h[2] for h in (job.board.heads[0][0], job.board.heads[1][0])] == [False, False]  # posted not fast
+    finally:
+        job.close()
+
+
 def test_a_join_closes_the_lane_and_every_rank_reopens_it_from_index_zero() -> None:
     job = Job(2)
 
