@@ -391,18 +391,19 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, in_place:
     what = "broadcast_" if in_place else "broadcast"
     check_process_set(process_set, what)
     cname = core_name("broadcast", name)
+    root = root_rank == rank()  # the other ranks' values are not read: not copied to the host
     with refusing("broadcast", cname, process_set):
         arena = one_host_arena_for(tensor, process_set)
         if arena is None:
-            s = stage(tensor, reduce=False, what=what)
+            s = stage(tensor, reduce=False, what=what, values=root)
         else:  # the core would check the root: this op checks it here, refused on every rank alike
             root_rank = check_root(root_rank, f"broadcast {cname!r}" if cname else "broadcast", _rc.api.size())
     if arena is not None:  # CUDA, every rank on one host: copied from the root's arena on the GPUs
         return device_arena_ops.broadcast(
             arena, tensor, root=root_rank, in_place=in_place,
             core_name=cname or _rc.api.reserve_name("broadcast", process_set), name=name,
-            fallback=lambda nm: staged_broadcast(tensor, stage(tensor, reduce=False, what=what), root_rank, in_place,
-                                                 name, nm, process_set))
+            fallback=lambda nm: staged_broadcast(tensor, stage(tensor, reduce=False, what=what, values=root), root_rank,
+                                                 in_place, name, nm, process_set))
     return staged_broadcast(tensor, s, root_rank, in_place, name, cname, process_set)
 
 
@@ -421,9 +422,10 @@ def staged_broadcast(tensor: torch.Tensor, s: Staged, root_rank: int, in_place: 
             return result_t
     else:
         out = s.array  # received straight into the tensor (in place, CPU) or its staging copy
+        kept = in_place and root_rank == rank()  # the root's own tensor holds the result already
 
         def finish(_raw: Any) -> torch.Tensor:
-            return s.write_back(tensor if in_place else empty_result(tensor))
+            return tensor if kept else s.write_back(tensor if in_place else empty_result(tensor))
     # the core checks root_rank after numbering the op: a bad root on one rank fails it on every rank
     core = _start([s], "broadcast", cname, process_set,
                   lambda nm: _rc.broadcast_async(s.array, root_rank, name=nm, process_set=process_set, out=out))

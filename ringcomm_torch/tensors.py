@@ -272,13 +272,19 @@ def stageable_dtype(t: Any, reduce: bool) -> str | None:
     return _CORE_TORCH_DTYPES[wire_dtype(t.dtype, reduce)]
 
 
-def stage(t: torch.Tensor, *, reduce: bool, what: str) -> Staged:
-    """A host array holding ``t``'s values in the wire dtype (see the module docstring)."""
+def stage(t: torch.Tensor, *, reduce: bool, what: str, values: bool = True) -> Staged:
+    """A host array holding ``t``'s values in the wire dtype (see the module docstring).
+
+    ``values=False``: the op only writes the array (a broadcast on a rank other than the root),
+    so ``t``'s values are not copied into it: a device tensor queues no copy to the host and its
+    op starts at once, without waiting for the device."""
     check_stageable(t, what)
     wire = wire_dtype(t.dtype, reduce)
     svc = service_for(t)
     if svc is None:
-        return _stage_host(t, wire)
+        return _stage_host(t, wire, values)
+    if not values:
+        return _receive_device(svc, t, wire)
     return _stage_device(svc, t, wire)
 
 
@@ -299,9 +305,9 @@ def _own_memory(t: torch.Tensor, wire: torch.dtype) -> np.ndarray | None:
     return src.numpy() if src.dtype is wire else None
 
 
-def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
+def _stage_host(t: torch.Tensor, wire: torch.dtype, values: bool = True) -> Staged:
     """A CPU tensor: its own memory when contiguous in the wire dtype (bfloat16 bits viewed as
-    int16 count), else one copy, converted as it goes, into a new host tensor."""
+    int16 count), else one copy (with ``values``), converted as it goes, into a new host tensor."""
     mem = _own_memory(t, wire)
     if mem is not None:
         return Staged(mem, t.dtype, wire, t.device, True, None, t)
@@ -309,7 +315,8 @@ def _stage_host(t: torch.Tensor, wire: torch.dtype) -> Staged:
     if wire is torch.int16 and src.dtype is torch.bfloat16:
         src = src.view(torch.int16)  # the bits, whatever the strides
     host = empty_host(src.shape, wire, _core_api.current_settings().host_cache_bytes)
-    host.copy_(src)
+    if values:
+        host.copy_(src)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, None, host)
 
 
@@ -327,6 +334,14 @@ def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Sta
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
             svc.ops.wait_event(ready)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready, svc)
+
+
+def _receive_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Staged:
+    """A pinned buffer of the device's pool for ``t``'s result, with nothing copied into it."""
+    nbytes = t.numel() * wire.itemsize
+    buf = svc.pool.acquire(nbytes)
+    host = buf[:nbytes].view(wire).view(t.shape)
+    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, None, svc)
 
 
 def begin(staged: Sequence[Staged], start: Callable[[], Any], name: str | None) -> Any:

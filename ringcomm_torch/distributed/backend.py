@@ -213,8 +213,9 @@ class RingcommProcessGroup(dist.ProcessGroup):
         consumer = arena.service.current()
         return self._arena_work("broadcast", lambda: device_arena_ops.broadcast(
             arena, t, root=root, in_place=True, core_name=name, name=name, consumer=consumer,
-            fallback=lambda nm: staged_broadcast(t, stage(t, reduce=False, what="broadcast"), root, True, name, nm,
-                                                 self._pset, consumer)), lambda: [t])
+            fallback=lambda nm: staged_broadcast(
+                t, stage(t, reduce=False, what="broadcast", values=root == self._ranks[self._rank]), root, True,
+                name, nm, self._pset, consumer)), lambda: [t])
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> RingcommWork:  # type: ignore[override]
         name = self._name("reduce")
@@ -326,15 +327,17 @@ class RingcommProcessGroup(dist.ProcessGroup):
         arena = one_host_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
         if arena is not None:  # one CUDA tensor (DDP's buffers), every rank on one host: copied on the GPUs
             return self._device_broadcast(arena, tensors[0], root, name)
-        staged = [stage(t, reduce=False, what="broadcast") for t in tensors]
+        values = self._rank == opts.rootRank  # the other ranks' values are not read: not copied to the host
+        staged = [stage(t, reduce=False, what="broadcast", values=values) for t in tensors]
 
         def submit() -> list[Any]:
             return [rc.broadcast_async(s.array, root, name=n, out=s.array, process_set=self._pset)
                     for n, s in zip(names, staged)]
 
         def finish(_: list[Any]) -> list[torch.Tensor]:
-            for s, t in zip(staged, tensors):
-                s.write_back(t)
+            if not values:  # the root's tensors hold the result already
+                for s, t in zip(staged, tensors):
+                    s.write_back(t)
             return tensors
         return self._start("broadcast", submit, finish, staged)
 

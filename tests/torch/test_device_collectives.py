@@ -76,9 +76,34 @@ def test_every_collective_on_the_device_gives_the_host_results_and_the_caller_ne
         ints = hvd.allgather(torch.tensor([[r, -r]], dtype=torch.int64))
         assert ints.dtype is torch.int64 and ints[:, 0].tolist() == list(range(size))
     calls = only_queued_here(ops, mark)
+    receiving = (r != size - 1) + (r != 0)  # the broadcasts this rank only receives: nothing goes to the host
+    kept = r == 0  # broadcast_'s root keeps its tensor: nothing comes home
     assert "wait_event" not in calls  # the caller only queues device work
-    assert calls.count("copy") >= 2 * 13 and calls.count("stream_wait") >= 2 * 13
-    assert ops.count("wait_event", STAGER_THREAD) >= 13  # each op's copy waited for there
+    assert calls.count("copy") >= 2 * 13 - receiving - kept
+    assert calls.count("stream_wait") >= 2 * 13 - receiving - 2 * kept
+    assert ops.count("wait_event", STAGER_THREAD) >= 13 - receiving  # each op's copy waited for there
+
+
+def test_a_broadcast_copies_the_tensor_to_the_host_on_its_root_only_and_the_others_start_at_once():
+    ops = device.FakeOps()
+    size, r = hvd.size(), hvd.rank()
+    with device.override(ops):
+        for root in range(size):
+            t = mine()
+            ops.hold()  # the root's copy to the host stays queued until every rank has called
+            mark, waits = len(ops.calls), ops.count("wait_event")
+            h = hvd.broadcast_async_(t, root_rank=root, name=f"root.{root}")
+            queued = only_queued_here(ops, mark)
+            assert queued.count("copy") == (r == root), queued  # the others' values are never read
+            hvd.barrier()  # every rank has called: now the root's copy may land
+            ops.fire()
+            assert hvd.synchronize(h) is t and torch.equal(t, torch.arange(6.0) + root)
+            assert ops.count("wait_event") - waits == (r == root)  # only the root's op waited for the device
+            assert only_queued_here(ops, mark).count("copy") == 1  # the root's to the host, the others' home
+            ops.fire()
+        for root in range(size):  # out of place
+            out = hvd.broadcast(mine(), root_rank=root, name=f"new.{root}")
+            assert torch.equal(out, torch.arange(6.0) + root)
 
 
 def test_an_async_op_returns_before_its_copy_is_done_and_its_result_stays_poison_until_the_way_home_fires():

@@ -301,6 +301,13 @@ def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
         check_collectives(rank, gloo)
         check_equiv(rank, gloo)
         check_fsdp(rank, gloo)
+        for root in range(dist.get_world_size()):  # one copy each: the root's to the host, the others' home
+            t = torch.full((5,), float(rank))
+            copies, waits = ops.count("copy"), ops.count("wait_event")
+            dist.broadcast(t, src=root)
+            assert t.tolist() == [float(root)] * 5, f"rank {rank}: broadcast from {root}: {t}"
+            assert ops.count("copy") - copies == 1, f"rank {rank}: {ops.count('copy') - copies} copies, root {root}"
+            assert ops.count("wait_event") - waits == (rank == root), f"rank {rank}: waited for the device, root {root}"
     waited = {t for c, t in ops.calls if c == "wait_event"}
     assert waited == {"ringcomm-torch-stager"}, f"rank {rank}: device waits on threads {waited}"
     here = [c for c, t in ops.calls if t == threading.current_thread().name]
