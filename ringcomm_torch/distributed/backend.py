@@ -327,15 +327,15 @@ class RingcommProcessGroup(dist.ProcessGroup):
         arena = one_host_arena_for(tensors[0], self._pset) if len(tensors) == 1 else None
         if arena is not None:  # one CUDA tensor (DDP's buffers), every rank on one host: copied on the GPUs
             return self._device_broadcast(arena, tensors[0], root, name)
-        values = self._rank == opts.rootRank  # the other ranks' values are not read: not copied to the host
-        staged = [stage(t, reduce=False, what="broadcast", values=values) for t in tensors]
+        at_root = self._rank == opts.rootRank  # the other ranks' values are not read: not copied to the host
+        staged = [stage(t, reduce=False, what="broadcast", values=at_root) for t in tensors]
 
         def submit() -> list[Any]:
             return [rc.broadcast_async(s.array, root, name=n, out=s.array, process_set=self._pset)
                     for n, s in zip(names, staged)]
 
         def finish(_: list[Any]) -> list[torch.Tensor]:
-            if not values:  # the root's tensors hold the result already
+            if not at_root:  # the root's tensors hold the result already
                 for s, t in zip(staged, tensors):
                     s.write_back(t)
             return tensors
