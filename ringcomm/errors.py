@@ -19,6 +19,14 @@ class RingcommError(Exception):
     refused: bool = False
 
 
+def name_rank(exc: BaseException, rank: int) -> None:
+    """End ``exc``'s message with `` [raised on rank N]``, as an error of an op that failed on every
+    rank reads on each, unless it names that rank already (``... in flight on rank 0``)."""
+    message = str(exc)
+    if not re.search(rf"\bon rank {rank}\b", message):
+        exc.args = (f"{message} [raised on rank {rank}]",)
+
+
 class NotInitializedError(RingcommError, ValueError):
     """A collective or topology query was made before ``init()`` or after ``shutdown()``."""
 

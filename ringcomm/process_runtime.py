@@ -26,7 +26,7 @@ from .core.naming import WIRE_KINDS, ClaimedName, OpCall, OpNames
 from .core.process_sets import ProcessSet, global_process_set
 from .elastic import worker as elastic_worker
 from .dispatch import Dispatcher
-from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError
+from .errors import DuplicateNameError, InvalidInputError, InvalidTypeError, name_rank
 from .handles import Handle
 from .job import config, horovod_env, logsetup, topology
 
@@ -99,6 +99,11 @@ class Runtime:
         (:meth:`refuse`), then propagates (a DuplicateNameError is not: the name is taken here,
         and the op in flight under it is the others' to pair with)."""
         return Refusing(self, call)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job."""
+        return self.topo.rank
 
     def refuse(self, call: OpCall, reason: str) -> None:
         """Tell rank 0 this rank will not run the op of ``call``, and why: it fails on every member with
@@ -230,6 +235,7 @@ class Refusing:
                 and not exc.refused):
             self.runtime.refuse(self.call, str(exc))
             exc.refused = True
+            name_rank(exc, self.runtime.rank)
 
 
 def _drained(queue: collections.deque[tuple[int, str]]) -> Iterator[tuple[int, str]]:

@@ -25,7 +25,7 @@ import torch
 
 import ringcomm as _rc
 from ringcomm.arguments import check_root
-from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError
+from ringcomm.errors import InvalidInputError, InvalidSplitsError, InvalidTypeError, name_rank
 from ringcomm.core.ops import ReduceOp
 from ringcomm.handles import GroupHandle
 
@@ -104,6 +104,12 @@ class refusing:  # lower case: used as a function, like contextlib's managers
         exc.refused = True
         for name in self.names() if callable(self.names) else self.names:
             _rc.api.refuse_call(self.kind, name, self.process_set, str(exc), self.parts)
+        self.name_rank(exc)
+
+    def name_rank(self, exc: BaseException) -> None:
+        """End the message with ``[raised on rank N]`` (this rank's, in the job), once initialized."""
+        if _rc.is_initialized():
+            name_rank(exc, _rc.rank())
 
 
 def _group_names(base: str | None, dtypes: Sequence[str]) -> list[str | None]:

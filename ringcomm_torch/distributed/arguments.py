@@ -72,6 +72,9 @@ class refusing(_refusing):  # lower case: used as a function, like the class it 
     def __enter__(self) -> refusing:
         return self
 
+    def name_rank(self, exc: BaseException) -> None:
+        """Nothing: :meth:`__exit__` names this rank of the group in the message's first words."""
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         super().__exit__(exc_type, exc, tb)
         if isinstance(exc, (InvalidInputError, InvalidTypeError)):

@@ -13,7 +13,7 @@ from ringcomm import runtime
 from ringcomm.core import wire
 from ringcomm.core.coordinator import Coordinator
 from ringcomm.core.naming import OpCall
-from ringcomm.errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError
+from ringcomm.errors import DuplicateNameError, InvalidInputError, InvalidSplitsError, InvalidTypeError, name_rank
 from ringcomm.process_runtime import Refusing
 
 
@@ -47,6 +47,8 @@ def test_every_rank_fails_the_refused_call_and_the_next_one_works(np_: int) -> N
 class _RecordingRuntime:
     """Stands in for the runtime: records what it is asked to refuse."""
 
+    rank = 3
+
     def __init__(self) -> None:
         self.refused: list[tuple[OpCall, str]] = []
 
@@ -65,11 +67,14 @@ class _RecordingRuntime:
 def test_a_refusing_block_refuses_its_call_on_argument_errors_and_lets_every_error_through(error, refused) -> None:
     rt = _RecordingRuntime()
     call = OpCall(1, wire.ALLREDUCE, "x", 0)
+    reason = str(error)
     with pytest.raises(type(error)) as raised:
         with Refusing(rt, call):  # type: ignore[arg-type]
             raise error
     assert raised.value is error
-    assert rt.refused == ([(call, str(error))] if refused else [])
+    assert rt.refused == ([(call, reason)] if refused else [])
+    # a refused call's error names the rank that raised it, as the others' errors of the op do
+    assert str(error) == (f"{reason} [raised on rank 3]" if refused else reason)
     with Refusing(rt, call):  # type: ignore[arg-type]
         pass
     assert len(rt.refused) == int(refused)  # nothing raised: nothing refused
@@ -103,3 +108,17 @@ def test_each_core_call_refuses_the_op_it_named_and_only_after_naming_it(monkeyp
         assert refused[3][1].startswith("broadcast_object 'o': cannot pickle the lock object")
     finally:
         rc.shutdown()
+
+
+@pytest.mark.pure
+def test_a_refused_calls_error_names_its_rank_once_and_a_message_naming_it_already_stays() -> None:
+    error = InvalidInputError("broadcast 'b': root_rank=5 is out of range")
+    name_rank(error, 2)
+    name_rank(error, 2)
+    assert str(error) == "broadcast 'b': root_rank=5 is out of range [raised on rank 2]"
+    taken = DuplicateNameError("allreduce: an op named 'x' is already in flight on rank 1; use another name")
+    name_rank(taken, 1)
+    assert str(taken).endswith("use another name")
+    other = InvalidInputError("checked on rank 12")
+    name_rank(other, 1)
+    assert str(other) == "checked on rank 12 [raised on rank 1]"

@@ -43,6 +43,7 @@ def case(label: str, good, bad, pattern: str) -> None:
         text = str(exc)
         assert took < 10, (label, took)
         assert pattern in text, (label, text)
+        assert f"rank {BAD}" in text, (label, text)  # the refusing rank's own error names it too
         if R != BAD:
             assert isinstance(exc, rc.MismatchError) and f"rank {BAD}" in text, (label, text)
     else:

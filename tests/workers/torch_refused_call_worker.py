@@ -59,6 +59,7 @@ def case(label: str, good: Callable[[], Any], bad: Callable[[], Any], pattern: s
         assert pattern in text, (label, R, text)
         if R == BAD:
             assert isinstance(exc, bad_error) and not isinstance(exc, rc.MismatchError), (label, repr(exc))
+            assert f"on rank {BAD}" in text, (label, text)  # its own error names it too
         else:
             assert isinstance(exc, rc.MismatchError), (label, R, repr(exc))
             assert f"rank {BAD} refused the call" in text, (label, R, text)
