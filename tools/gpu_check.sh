@@ -10,8 +10,8 @@
 # alternating rounds); DDP on the "ringcomm" backend with every per-tensor op through the arena;
 # a SyncBatchNorm training step against a BatchNorm one, its backward's small allreduces through
 # pinned memory and through the arena; `bench allreduce --device cuda` (4 KiB, 1 MiB, 64 MiB at np 2 and 4, vs
-# gloo); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
-# through pinned memory; FSDP2 on gloo and on "ringcomm"; the allreduce ways under MPS; DistributedOptimizer and DDP on the
+# gloo) and the floor of a bare exchange under them (tools/device_floor.py); training with host waits; the tests at np 4 and at np 4 as two named hosts; training
+# through pinned memory; FSDP2 on gloo and on "ringcomm"; the floor and the allreduce ways under MPS; DistributedOptimizer and DDP on the
 # "ringcomm" backend under torch.profiler (where the host waits for the GPU); the shared-memory
 # allreduce of host arrays on 1 thread per rank vs 4.  Every log goes to $OUT (default: ./gpu-check-out): at most seven files, the benches'
 # raw numbers packed in one archive.  summary.txt starts with the machine and grows after each
@@ -95,7 +95,7 @@ training() {  # training BATCH LIMIT REPEATS: the four setups side by side in on
 
 # the steps in the order of what they decide, so that a short lease still measures the bars: the
 # CUDA tests at np 1 and 2, the three ways of a CUDA allreduce side by side, training at batch 64,
-# the CUDA allreduces against gloo, the host waits in training, training at batch 256, then the
+# the CUDA allreduces against gloo and the floor under them, the host waits in training, training at batch 256, then the
 # tests at np 4, the pinned comparison, MPS, the profile and the rest (the small op's profile runs
 # beside its phases)
 cuda_tests cuda-tests-np1 90 1
@@ -208,6 +208,15 @@ step allreduce-cuda 90 "$PY" -m ringcomm.bench allreduce --device cuda --np 2 4 
     --systems ringcomm gloo --no-plot --out-dir "$RAW" --json "$RAW/allreduce-cuda.json"
 grep -h "^| " "$OUT/allreduce-cuda.log" >>"$SUMMARY"
 
+# the floor under the phases above (tools/device_floor.py): the same device copies, a bare host handshake
+# and interprocess events between the two ranks, with none of ringcomm's work; the phases minus the
+# floor is ringcomm's own cost, and the floor itself what sharing one GPU costs
+step floor 40 bash -c 'for size in 4K 1M; do
+    "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/device_floor.py --bytes $size --ops 300
+done'
+grep -h "<stdout>:floor " "$OUT/floor.log" | sed "s/^\[0\]<stdout>://" >>"$SUMMARY"
+mv "$OUT/floor.log" "$RAW/" 2>/dev/null
+
 # DistributedOptimizer with the host waiting for the peers' events (RINGCOMM_DEVICE_IPC_WAIT=host),
 # beside the default's rounds above
 RINGCOMM_DEVICE_IPC_WAIT=host step training-b64-host-waits 120 "$PY" -m ringcomm.bench training --device cuda \
@@ -237,12 +246,13 @@ RINGCOMM_DEVICE_IPC_MIN_BYTES=0 step training-b64-fsdp 90 "$PY" -m ringcomm.benc
 { echo "FSDP2:"; grep -h "img/s\|^| \|FAILED" "$OUT/training-b64-fsdp.log" | tail -n 8; } >>"$SUMMARY"
 mv "$OUT/training-b64-fsdp.log" "$RAW/" 2>/dev/null
 
-# the same ways under CUDA's multi-process service (MPS), where both ranks' work runs in one
-# context: its own pipe folder, so no other step's process joins it; stopped at the end
-step mps 90 bash -c 'command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control here"; exit 3; }
+# the floor and the same ways under CUDA's multi-process service (MPS), where both ranks' work runs
+# in one context: its own pipe folder, so no other step's process joins it; stopped at the end
+step mps 110 bash -c 'command -v nvidia-cuda-mps-control >/dev/null || { echo "no nvidia-cuda-mps-control here"; exit 3; }
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/gpu-check-mps CUDA_MPS_LOG_DIRECTORY=/tmp/gpu-check-mps-log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d || { echo "MPS did not start"; exit 4; }
+    "$PY" -m ringcomm.launch.launcher -np 2 "$PY" tools/device_floor.py --bytes 4K --ops 300 | sed "s/^\[0\]<stdout>:floor /MPS floor /"
     for way in stream host; do
         echo "MPS, way $way"
         RINGCOMM_DEVICE_IPC_MIN_BYTES=0 RINGCOMM_DEVICE_IPC_WAIT=$way "$PY" -m ringcomm.bench allreduce --device cuda \

@@ -175,3 +175,21 @@ def test_the_allreduce_phases_tool_times_each_path_on_the_fake_device():
         assert len(profile) == 1 and listed, proc.stdout[-4000:]
     assert len(lines["1"]) == 1 and " arena " in lines["1"][0] and " call " in lines["1"][0], lines
     assert len(lines["0"]) == 1 and " pinned " in lines["0"][0], lines
+
+
+@pytest.mark.timeout(120)
+def test_the_device_floor_tool_times_each_way_of_a_bare_exchange_on_the_fake_device():
+    """tools/device_floor.py (the GPU check's floor for a small exchange, without ringcomm's work)
+    runs at np 2 on the fake device: each host-side way, p50 and p99 on both ranks."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "ringcomm.launch.launcher", "-np", "2", *rank_python(2),
+           "tools/device_floor.py", "--ops", "50"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = {ln.split("<stdout>:floor ", 1)[1][:16].strip(): ln for ln in proc.stdout.splitlines() if "<stdout>:floor " in ln}
+    assert {"handshake", "copies alone", "copies together", "pinned exchange", "ipc events: CUDA"} <= set(rows), rows
+    for way in ("handshake", "copies alone", "copies together", "pinned exchange"):
+        numbers = [float(v) for v in rows[way].replace("|", "/").split(way, 1)[1].split("/")]
+        assert len(numbers) == 4 and all(v > 0 for v in numbers), rows[way]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("ringcomm-floor-")]  # the page is gone
