@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -18,9 +19,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _preload import rank_python
 from ringcomm.bench import _util, collectives, report
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _preloaded() -> list[str]:
+    """``--rank-python`` for ranks that start with torch imported (tests/_preload.py): the benches' own
+    figures do not matter here, their runs do."""
+    return ["--rank-python", shlex.join(rank_python(2))]
 
 
 def _env() -> dict[str, str]:
@@ -112,7 +120,7 @@ def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Pat
 @pytest.mark.timeout(240)
 def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--np", "2", "--steps", "3", "--warmup", "1",
+    cmd = [sys.executable, "-m", "ringcomm.bench", "training", *_preloaded(), "--np", "2", "--steps", "3", "--warmup", "1",
            "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path), "--no-plot", "--job-timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -133,7 +141,7 @@ def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
 @pytest.mark.timeout(200)
 def test_exchange_only_training_runs_ringcomm_against_ddp_on_both_backends(tmp_path: Path) -> None:
     out = tmp_path / "exchange.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--model", "exchange", "--np", "2", "--steps", "2",
+    cmd = [sys.executable, "-m", "ringcomm.bench", "training", *_preloaded(), "--model", "exchange", "--np", "2", "--steps", "2",
            "--warmup", "1", "--repeats", "1", "--setups", "ddp", "ddp_ringcomm", "ringcomm", "--json", str(out),
            "--out-dir", str(tmp_path), "--no-plot", "--job-timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
@@ -151,7 +159,7 @@ def test_exchange_only_training_runs_ringcomm_against_ddp_on_both_backends(tmp_p
 @pytest.mark.timeout(200)
 def test_fsdp_setups_run_only_when_named_and_compare_the_backends(tmp_path: Path) -> None:
     out = tmp_path / "fsdp.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "training", "--np", "2", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "ringcomm.bench", "training", *_preloaded(), "--np", "2", "--steps", "2", "--warmup", "1",
            "--repeats", "1", "--setups", "fsdp", "fsdp_ringcomm", "--json", str(out), "--out-dir", str(tmp_path),
            "--no-plot", "--job-timeout", "60"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env(), cwd=tmp_path)
@@ -461,3 +469,20 @@ def test_device_cuda_without_a_gpu_says_so_before_starting_a_job(tmp_path: Path,
     assert proc.returncode == 2, proc.stderr
     assert "--device cuda needs a GPU that torch can see" in proc.stderr and "leave --device out" in proc.stderr
     assert not list(tmp_path.iterdir())  # no job ran, no report was written
+
+
+def test_rank_python_starts_every_rank_and_the_launcher_stays_this_interpreter() -> None:
+    from ringcomm.bench import _launch
+    from ringcomm.bench.__main__ import build_parser
+
+    assert build_parser().parse_args(["training", "--rank-python", "numactl -N 0 python3"]).rank_python
+    with pytest.raises(SystemExit):  # the commands that start no ranks of their own do not take it
+        build_parser().parse_args(["ceiling", "--rank-python", "python3"])
+    try:
+        _launch.use_python(["numactl", "-N", "0", "python3"])
+        assert _launch.ringcomm_commands(2, "m", ["--x"]) == [[sys.executable, "-m", "ringcomm.launch.launcher", "-np",
+                                                               "2", "numactl", "-N", "0", "python3", "-m", "m", "--x"]]
+        assert all(cmd[:4] == ["numactl", "-N", "0", "python3"] for cmd in _launch.gloo_commands(2, "m", [], 1))
+    finally:
+        _launch.use_python([])
+    assert _launch.python() == [sys.executable]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where files not named by --json/--plot go, with a Markdown copy (default: bench-results)")
     out.add_argument("--job-timeout", type=float, default=300.0, metavar="S",
                      help="seconds one job may run before it is killed (default: 300)")
+    ranks = argparse.ArgumentParser(add_help=False)
+    ranks.add_argument_group("ranks").add_argument(
+        "--rank-python", metavar="COMMAND",
+        help="the command that starts each rank's Python, split as a shell splits it, e.g. "
+             "'numactl --cpunodebind=0 python3' (default: this interpreter)")
 
     coll = argparse.ArgumentParser(add_help=False)
     g = coll.add_argument_group("collective")
@@ -89,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="A measuring tool: absolute numbers drift, compare ratios from one run.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for op in COLLECTIVE_OPS:
-        sub.add_parser(op, parents=[coll, output], help=f"{op} latency and bus bandwidth, ringcomm vs gloo")
+        sub.add_parser(op, parents=[coll, output, ranks], help=f"{op} latency and bus bandwidth, ringcomm vs gloo")
 
-    lat = sub.add_parser("latency", parents=[output],
+    lat = sub.add_parser("latency", parents=[output, ranks],
                          help="small allreduces back to back: p10/p50/p90/p99 vs gloo, MPI and a raw round trip")
     lat.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N", help="world sizes (default: 2 4)")
     lat.add_argument("--bytes", type=_size, default=4096, help="message size (default: 4K)")
@@ -142,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     ceil.add_argument("--count", type=_positive, default=100, help="timed messages per run (default: 100)")
     ceil.add_argument("--message-size", type=_size, default=16 << 20, help="message size (default: 16M)")
 
-    train = sub.add_parser("training", parents=[output], help="small-CNN img/s: one process, DDP, ringcomm_torch")
+    train = sub.add_parser("training", parents=[output, ranks], help="small-CNN img/s: one process, DDP, ringcomm_torch")
     train.add_argument("--np", type=_positive, nargs="+", default=[2], metavar="N", help="world sizes (default: 2)")
     train.add_argument("--steps", type=_positive, default=30, help="timed steps per job (default: 30)")
     train.add_argument("--warmup", type=int, default=5, help="untimed steps per job (default: 5)")
@@ -159,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only these setups (default: every one the device runs): "
                             + ", ".join(k for k in training.LABELS if k != "single"))
 
-    ddpp = sub.add_parser("ddp", parents=[output],
+    ddpp = sub.add_parser("ddp", parents=[output, ranks],
                           help='DDP img/s on torch.distributed backend "ringcomm" vs gloo (CNN and MLP)')
     ddpp.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
     ddpp.add_argument("--models", nargs="+", choices=ddp.MODELS, default=list(ddp.MODELS),
@@ -174,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     ddpp.add_argument("--epochs", type=_positive, default=4,
                       help="with --framework: epochs per job, the first untimed (default: 4)")
 
-    bk = sub.add_parser("backend", parents=[output],
+    bk = sub.add_parser("backend", parents=[output, ranks],
                         help='torch.distributed collectives op by op on backend "ringcomm" vs gloo (p50, p99, mean)')
     bk.add_argument("--np", type=_positive, nargs="+", default=[2], metavar="N", help="world sizes (default: 2)")
     bk.add_argument("--ops", nargs="+", choices=backend_ops.OPS, default=list(backend_ops.DEFAULT_OPS),
@@ -187,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--warmup", type=int, default=20, help="untimed calls per op (default: 20)")
     bk.add_argument("--repeats", type=_positive, default=2, help="alternating rounds (default: 2)")
 
-    res = sub.add_parser("resources", parents=[output],
+    res = sub.add_parser("resources", parents=[output, ranks],
                          help="RSS growth over many allreduces and CPU of an idle job, ringcomm vs gloo")
     res.add_argument("--np", type=_positive, default=2, metavar="N", help="world size (default: 2)")
     res.add_argument("--bytes", type=_size, default=64 << 20, help="allreduce size (default: 64M)")
@@ -204,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordp.add_argument("--tensors", type=_positive, default=20, help="allreduces per step (default: 20)")
     coordp.add_argument("--ops", type=_positive, default=5, help="cached steps after the first (default: 5)")
 
-    everything = sub.add_parser("all", parents=[output],
+    everything = sub.add_parser("all", parents=[output, ranks],
                                 help="all collectives, the ceilings and training, with moderate defaults")
     everything.add_argument("--np", type=_positive, nargs="+", default=[2, 4], metavar="N",
                             help="world sizes of the collectives (default: 2 4); training uses the smallest")
@@ -294,6 +300,8 @@ def _failures(results: dict[str, Any]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0, or 1 if any job failed (the report still shows what worked)."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "rank_python", None):
+        _launch.use_python(shlex.split(args.rank_python))
     if getattr(args, "device", "cpu") == "cuda":
         why = _util.cuda_missing()
         if why is not None:

@@ -16,16 +16,27 @@ SYSTEMS = ("ringcomm", "gloo", "horovod")
 #: ringcomm with RINGCOMM_ENCRYPT=1 (``--encrypt``): the same worker, CURVE on every connection.
 ENCRYPTED = "ringcomm-encrypted"
 
+_python: list[str] = [sys.executable]
+
+
+def use_python(command: Sequence[str]) -> None:
+    """Start every rank's Python with ``command`` (``--rank-python``; default: this interpreter)."""
+    _python[:] = list(command) or [sys.executable]
+
+
+def python() -> list[str]:
+    """The command that starts a rank's Python (:func:`use_python`)."""
+    return list(_python)
+
 
 def ringcomm_commands(np_: int, module: str, args: Sequence[str]) -> list[list[str]]:
     """One command: the ringcomm launcher starting ``np_`` copies of ``python -m module args``."""
-    return [[sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_),
-             sys.executable, "-m", module, *args]]
+    return [[sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), *python(), "-m", module, *args]]
 
 
 def gloo_commands(np_: int, module: str, args: Sequence[str], port: int) -> list[list[str]]:
     """``np_`` commands, one per rank, meeting at tcp://127.0.0.1:port."""
-    return [[sys.executable, "-m", module, "--rank", str(r), "--world-size", str(np_), "--port", str(port), *args]
+    return [[*python(), "-m", module, "--rank", str(r), "--world-size", str(np_), "--port", str(port), *args]
             for r in range(np_)]
 
 
@@ -39,14 +50,14 @@ def horovod_commands(np_: int, module: str, args: Sequence[str]) -> list[list[st
     runner = _horovodrun()
     if runner is None:
         raise RuntimeError("horovodrun not found")
-    return [[runner, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable, "-m", module, *args]]
+    return [[runner, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *python(), "-m", module, *args]]
 
 
 @functools.cache
 def horovod_status() -> str | None:
     """``None`` if ``import horovod.torch`` works and horovodrun exists, else why Horovod is skipped."""
     try:
-        probe = subprocess.run([sys.executable, "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
+        probe = subprocess.run([*python(), "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
                                capture_output=True, text=True, timeout=120, env=_util.worker_env(False))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot check for Horovod: {exc}"

@@ -15,12 +15,11 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _procs, _util
+from . import _launch, _procs, _util
 from ._backend_worker import OPS
 
 MODULE = "ringcomm.bench._backend_worker"
@@ -49,7 +48,7 @@ def _iters_for(nbytes: int, iters: int) -> int:
 def _job(backend: str, np_: int, cfg: BackendConfig, nbytes: int, out: str) -> dict[str, Any]:
     port = _util.free_port()
     iters = _iters_for(nbytes, cfg.iters)
-    commands = [[sys.executable, "-m", MODULE, "--backend", backend, "--rank", str(r), "--world", str(np_),
+    commands = [[*_launch.python(), "-m", MODULE, "--backend", backend, "--rank", str(r), "--world", str(np_),
                  "--port", str(port), "--ops", *cfg.ops, "--sizes", str(nbytes), "--iters", str(iters),
                  "--warmup", str(min(cfg.warmup, iters)), "--out", out] for r in range(np_)]
     res = _procs.run_job(commands, _util.worker_env(backend == "ringcomm"), cfg.job_timeout)

@@ -15,12 +15,11 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from . import _procs, _util
+from . import _launch, _procs, _util
 
 MODULE = "ringcomm.bench._ddp_worker"
 BACKENDS = ("ringcomm", "gloo")
@@ -46,7 +45,7 @@ def _free_port() -> int:
 
 def _job(backend: str, model: str, cfg: DDPConfig, out: str) -> dict[str, Any]:
     port = _free_port()
-    commands = [[sys.executable, "-m", MODULE, "--backend", backend, "--model", model, "--rank", str(r),
+    commands = [[*_launch.python(), "-m", MODULE, "--backend", backend, "--model", model, "--rank", str(r),
                  "--world", str(cfg.np_), "--port", str(port), "--batch", str(cfg.batch), "--steps", str(cfg.steps),
                  "--warmup", str(cfg.warmup), "--out", out] for r in range(cfg.np_)]
     res = _procs.run_job(commands, _util.worker_env(backend == "ringcomm"), cfg.job_timeout)

@@ -110,7 +110,7 @@ def _run_one(system: str, np_: int, cfg: LatencyConfig, tmp: str, tag: str, mpir
     if system == "mpi":
         assert mpirun is not None
         env = _util.worker_env(False, {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-        cmd = [*mpirun, "-np", str(np_), sys.executable, "-m", WORKERS["mpi"], *args]
+        cmd = [*mpirun, "-np", str(np_), *_launch.python(), "-m", WORKERS["mpi"], *args]
         result = _procs.run_job([cmd], env, cfg.job_timeout)
     else:
         result = _launch.run_system(system, np_, WORKERS[system], args, cfg.job_timeout)

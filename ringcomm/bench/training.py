@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -82,7 +81,7 @@ def ringcomm_torch_status() -> str | None:
     """``None`` if ``ringcomm_torch.DistributedOptimizer`` imports, else why the row is skipped."""
     code = "import ringcomm_torch; ringcomm_torch.DistributedOptimizer"
     try:
-        probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        probe = subprocess.run([*_launch.python(), "-c", code], capture_output=True, text=True, timeout=120,
                                env=_util.worker_env(True))
     except (OSError, subprocess.SubprocessError) as exc:
         return f"cannot check for ringcomm_torch: {exc}"
@@ -93,17 +92,20 @@ def ringcomm_torch_status() -> str | None:
 
 
 def _job(setup: str, system: str, np_: int, cfg: TrainingConfig, out: str) -> _procs.JobResult:
-    def worker(mode: str, out_path: str) -> list[str]:
-        return [sys.executable, "-m", MODULE, "--mode", mode, "--batch", str(cfg.batch), "--steps", str(cfg.steps),
-                "--warmup", str(cfg.warmup), "--out", out_path, "--deadline", str(_timing.worker_deadline(cfg.job_timeout)),
+    def args(mode: str, out_path: str) -> list[str]:
+        return ["--mode", mode, "--batch", str(cfg.batch), "--steps", str(cfg.steps), "--warmup", str(cfg.warmup),
+                "--out", out_path, "--deadline", str(_timing.worker_deadline(cfg.job_timeout)),
                 "--device", cfg.device, "--model", cfg.model_name]
+
+    def worker(mode: str, out_path: str) -> list[str]:
+        return [*_launch.python(), "-m", MODULE, *args(mode, out_path)]
 
     if setup == "single":
         return _procs.run_job([worker("single", out)], _util.worker_env(False), cfg.job_timeout)
     if setup == "independent":  # np single processes at once, each with its own result file
         commands = [worker("single", f"{out}.{r}") for r in range(np_)]
         return _procs.run_job(commands, _util.worker_env(False), cfg.job_timeout)
-    return _launch.run_system(system, np_, MODULE, worker(setup, out)[3:], cfg.job_timeout)
+    return _launch.run_system(system, np_, MODULE, args(setup, out), cfg.job_timeout)
 
 
 def _independent_result(out: str, np_: int) -> dict[str, Any]:

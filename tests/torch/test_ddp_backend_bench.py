@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _preload import rank_python
 from ringcomm.bench import ddp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +35,7 @@ def test_summary_takes_medians_and_per_round_ratios():
 def test_ddp_bench_runs_both_backends(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "ddp.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "ddp", "--models", "mlp", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "ringcomm.bench", "ddp", "--rank-python", shlex.join(rank_python(2)), "--models", "mlp", "--steps", "2", "--warmup", "1",
            "--repeats", "1", "--json", str(out), "--out-dir", str(tmp_path), "--no-plot"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=tmp_path, env=env)
@@ -67,7 +69,7 @@ def test_framework_summary_pairs_rounds_and_compares_parameters():
 @pytest.mark.timeout(120)
 def test_backend_bench_times_each_op_on_both_backends(tmp_path: Path) -> None:
     out = tmp_path / "backend.json"
-    cmd = [sys.executable, "-m", "ringcomm.bench", "backend", "--ops", "scatter", "uneven_all_to_all_single",
+    cmd = [sys.executable, "-m", "ringcomm.bench", "backend", "--rank-python", shlex.join(rank_python(2)), "--ops", "scatter", "uneven_all_to_all_single",
            "--sizes", "4K", "--iters", "5", "--warmup", "1", "--repeats", "1", "--json", str(out), "--out-dir",
            str(tmp_path), "--no-plot"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
