@@ -486,3 +486,33 @@ def test_rank_python_starts_every_rank_and_the_launcher_stays_this_interpreter()
     finally:
         _launch.use_python([])
     assert _launch.python() == [sys.executable]
+
+
+HIDE_TORCH = """
+import sys
+class _Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_without_torch_the_benches_skip_gloo_and_the_torch_benches_say_why(tmp_path: Path) -> None:
+    """The core needs only numpy, pyzmq and msgpack: without torch (hidden from every process here)
+    the collectives run ringcomm alone and say why gloo is missing; the torch benches exit at once."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_TORCH)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    cmd = [sys.executable, "-m", "ringcomm.bench", "allreduce", "--np", "2", "--sizes", "4K", "--iters", "5",
+           "--repeats", "1", "--no-plot", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gloo skipped (it comes with torch): torch is not installed here: pip install torch" in proc.stdout
+    assert "| 2 | 4 KiB |" in proc.stdout, proc.stdout
+    for command in ("training", "ddp", "backend"):
+        proc = subprocess.run([sys.executable, "-m", "ringcomm.bench", command], capture_output=True, text=True,
+                              timeout=60, env=env, cwd=tmp_path)
+        assert proc.returncode == 2 and "pip install torch" in proc.stderr, (command, proc.stderr)

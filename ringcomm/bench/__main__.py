@@ -283,8 +283,9 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
                 op=op, nps=args.np, sizes=[_util.parse_size(s) for s in ALL_SIZES[op]], repeats=args.repeats,
                 job_timeout=args.job_timeout))
         results["ceiling"] = ceiling.run(ceiling.CeilingConfig(repeats=args.repeats, job_timeout=args.job_timeout))
-        results["training"] = training.run(training.TrainingConfig(nps=[min(args.np)], repeats=args.repeats,
-                                                                   job_timeout=args.job_timeout))
+        if _launch.torch_status() is None:  # else the collectives' notes say that torch is missing
+            results["training"] = training.run(training.TrainingConfig(nps=[min(args.np)], repeats=args.repeats,
+                                                                       job_timeout=args.job_timeout))
     return results
 
 
@@ -302,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "rank_python", None):
         _launch.use_python(shlex.split(args.rank_python))
+    if args.command in ("training", "ddp", "backend") and _launch.torch_status() is not None:
+        print(f"python -m ringcomm.bench {args.command} runs torch jobs, and {_launch.torch_status()}",
+              file=sys.stderr)
+        return 2
     if getattr(args, "device", "cpu") == "cuda":
         why = _util.cuda_missing()
         if why is not None:

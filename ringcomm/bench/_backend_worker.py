@@ -19,10 +19,7 @@ import torch.distributed as dist
 
 from . import _torch_group
 from ._timing import exit_now
-
-#: The ops, each made from the rank, the world size and the float32 elements per rank.
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "all_to_all_single", "uneven_all_to_all_single", "all_to_all", "gather", "scatter")
+from .backend_ops import OPS
 
 
 def make(op: str, rank: int, world: int, numel: int) -> Callable[[], object]:

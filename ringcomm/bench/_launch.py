@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,24 @@ def horovod_commands(np_: int, module: str, args: Sequence[str]) -> list[list[st
     if runner is None:
         raise RuntimeError("horovodrun not found")
     return [[runner, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *python(), "-m", module, *args]]
+
+
+def torch_status() -> str | None:
+    """``None`` if torch is installed here, else why gloo and the torch benchmarks are skipped (the
+    core needs only numpy, pyzmq and msgpack)."""
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "torch is not installed here: pip install torch"
+
+
+def skip_gloo(systems: list[str], notes: list[str]) -> None:
+    """Take gloo out of ``systems`` where torch is missing, with a note saying why."""
+    why = torch_status() if "gloo" in systems else None
+    if why is not None:
+        systems.remove("gloo")
+        notes.append(f"gloo skipped (it comes with torch): {why}")
 
 
 @functools.cache

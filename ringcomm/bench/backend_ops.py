@@ -20,10 +20,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _launch, _procs, _util
-from ._backend_worker import OPS
 
 MODULE = "ringcomm.bench._backend_worker"
 BACKENDS = ("ringcomm", "gloo")
+#: The ops the worker times (``_backend_worker``), each made from the rank, the world size and the
+#: float32 elements per rank.
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "all_to_all_single", "uneven_all_to_all_single", "all_to_all", "gather", "scatter")
 DEFAULT_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
                "uneven_all_to_all_single", "gather", "scatter")
 DEFAULT_SIZES = ("4K", "256K", "4M")

@@ -90,6 +90,7 @@ def run(cfg: CollectiveConfig) -> dict[str, Any]:
     """Measure ``cfg.op``; returns the JSON-ready section (config, raw runs, summary, notes)."""
     notes: list[str] = []
     systems = list(cfg.systems)
+    _launch.skip_gloo(systems, notes)
     if "horovod" in systems:
         why = _launch.horovod_status()
         if why is not None:

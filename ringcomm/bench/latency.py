@@ -133,6 +133,7 @@ def run(cfg: LatencyConfig) -> dict[str, Any]:
     """Measure; returns the JSON-ready section (config, raw runs, summary, notes)."""
     notes: list[str] = []
     systems = list(cfg.systems)
+    _launch.skip_gloo(systems, notes)
     mpirun: list[str] | None = None
     if "mpi" in systems:
         mpirun, what = mpi_status()

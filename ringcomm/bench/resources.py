@@ -41,8 +41,10 @@ def _summary(record: dict[str, Any], ops: int) -> dict[str, Any]:
 def run(cfg: ResourceConfig) -> dict[str, Any]:
     """One job per system; returns the JSON-ready section."""
     runs: list[dict[str, Any]] = []
+    systems, notes = list(cfg.systems), list[str]()
+    _launch.skip_gloo(systems, notes)
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
-        for system in cfg.systems:
+        for system in systems:
             out = os.path.join(tmp, f"{system}.json")
             args = ["--system", system, "--bytes", str(cfg.nbytes), "--ops", str(cfg.ops), "--idle", str(cfg.idle),
                     "--out", out, "--deadline", str(_timing.worker_deadline(cfg.job_timeout))]
@@ -56,7 +58,7 @@ def run(cfg: ResourceConfig) -> dict[str, Any]:
             with open(out, encoding="utf-8") as f:
                 record = json.load(f)
             runs.append({"ok": True, **record, **_summary(record, cfg.ops)})
-    return {"np": cfg.np_, "bytes": cfg.nbytes, "ops": cfg.ops, "idle_s": cfg.idle, "runs": runs}
+    return {"np": cfg.np_, "bytes": cfg.nbytes, "ops": cfg.ops, "idle_s": cfg.idle, "runs": runs, "notes": notes}
 
 
 def markdown(section: dict[str, Any]) -> str:
@@ -75,4 +77,6 @@ def markdown(section: dict[str, Any]) -> str:
         threads = ", ".join(str(x["threads"]) for x in ranks)
         lines.append(f"| {r['system']} | {first} | {last} | {r['max_rss_growth_percent']:.2f}% | "
                      f"{r['max_idle_cpu_percent']:.2f}% | {threads} | {r['median_op_ms']:.1f} |")
+    notes = section.get("notes", [])
+    lines += [""] * bool(notes) + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
