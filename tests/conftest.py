@@ -32,8 +32,11 @@ def _torch_missing() -> bool:
     return spec is None or spec.origin in (None, "namespace")
 
 
-if _torch_missing():
+HAS_TORCH = not _torch_missing()
+if not HAS_TORCH:
     sys.modules["torch"] = None  # type: ignore[assignment]
+#: For a test whose processes use torch (its ranks, gloo): skipped where torch is not installed.
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install 'ringcomm[torch]')")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ringcomm.bench import _profile
+import pytest
+
+pytest.importorskip("torch")  # the profiler is torch's
+
+from ringcomm.bench import _profile  # noqa: E402
 
 
 def _ev(name: str, start: float, end: float, thread: int, device: str = "DeviceType.CPU") -> SimpleNamespace:

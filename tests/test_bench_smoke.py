@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _preload import rank_python
+from conftest import needs_torch
 from ringcomm.bench import _util, collectives, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,7 @@ def test_sizes_and_bandwidth_formulas() -> None:
     assert report.sig(0.0123456) == "0.0123" and report.sig(293.4) == "293" and report.sig(None) == "n/a"
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
@@ -95,6 +97,7 @@ def test_allreduce_bench_writes_both_systems(tmp_path: Path) -> None:
     assert "ringcomm encrypted ms" in proc.stdout and "encrypted/plain latency" in proc.stdout
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Path) -> None:
@@ -116,6 +119,7 @@ def test_resources_bench_measures_rss_and_idle_cpu_of_both_systems(tmp_path: Pat
     assert "### Resources: np=2, 200 allreduces of 4 MiB" in proc.stdout
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
@@ -137,6 +141,7 @@ def test_training_bench_runs_every_setup_and_the_bounds(tmp_path: Path) -> None:
     assert "bound: independent processes" in proc.stdout and "ringcomm / lockstep img/s" in proc.stdout
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_exchange_only_training_runs_ringcomm_against_ddp_on_both_backends(tmp_path: Path) -> None:
@@ -155,6 +160,7 @@ def test_exchange_only_training_runs_ringcomm_against_ddp_on_both_backends(tmp_p
     assert "Training step (exchange only, cpu)" in proc.stdout
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_fsdp_setups_run_only_when_named_and_compare_the_backends(tmp_path: Path) -> None:
@@ -183,6 +189,7 @@ def test_latency_percentiles_and_raw_round_trip() -> None:
     assert len(times) == 20 and all(t > 0 for t in times)
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_latency_bench_reports_percentiles_and_idle_cpu(tmp_path: Path) -> None:
@@ -252,6 +259,7 @@ def test_the_plain_ring_sums_over_any_number_of_members_and_segments(hosts: int,
         np.testing.assert_array_equal(buf, expected.astype(np.float32))
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_crosshost_bench_runs_both_systems_over_a_shaped_link(tmp_path: Path) -> None:
@@ -380,6 +388,7 @@ def test_cluster_hosts_and_the_ceiling_shares() -> None:
     assert argv[argv.index("--system") + 1] == "gloo" and "--ssh-command" not in argv
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_cluster_bench_runs_on_two_hosts_as_a_user_runs_it(hosts, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -460,6 +469,7 @@ def test_raw_tcp_round_trip_echoes_every_size_of_the_plan() -> None:
     assert all(t > 0 for r in results for t in r["times_s"])
 
 
+@needs_torch
 @pytest.mark.parametrize("command", [["training"], ["allreduce", "--np", "2"]])
 def test_device_cuda_without_a_gpu_says_so_before_starting_a_job(tmp_path: Path, command: list[str]) -> None:
     if _util.cuda_missing() is None:

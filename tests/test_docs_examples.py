@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch
+from conftest import launch, needs_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = ROOT / "docs" / "guides"
@@ -22,6 +22,7 @@ def python_block_after(page: Path, marker: str) -> str:
     return found.group(1)
 
 
+@needs_torch
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_the_complete_script_of_the_migration_guide_runs_as_written(tmp_path: Path) -> None:

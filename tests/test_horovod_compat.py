@@ -21,7 +21,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import job_env
+from conftest import job_env, needs_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPAT = ROOT / "compat" / "horovod"
@@ -113,6 +113,7 @@ def test_import_refuses_beside_another_horovod_naming_both(tmp_path: Path) -> No
     assert str((other / "horovod").resolve()) in out.stderr and str(PACKAGE) in out.stderr
 
 
+@needs_torch
 def test_horovods_names_are_ringcomms_objects() -> None:
     code = """
         import json, inspect

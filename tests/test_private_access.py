@@ -18,11 +18,10 @@ import pathlib
 import pytest
 
 import ringcomm
-import ringcomm_torch
 
 pytestmark = pytest.mark.pure
 
-ROOTS = [pathlib.Path(ringcomm.__file__).parent, pathlib.Path(ringcomm_torch.__file__).parent]
+ROOTS = [pathlib.Path(ringcomm.__file__).parent, pathlib.Path(ringcomm.__file__).parent.parent / "ringcomm_torch"]
 
 #: Private names of other libraries that are used on purpose, each with its reason.
 ALLOWED = {

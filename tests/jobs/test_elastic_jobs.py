@@ -47,6 +47,7 @@ def check_all_gone(stderr: str) -> None:
 
 @pytest.mark.timeout(150)
 def test_lost_worker_training_continues_from_the_last_commit(tmp_path):
+    pytest.importorskip("torch")  # the workers train a torch model
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n")
     result, _ = run_launcher(
@@ -79,6 +80,7 @@ def test_lost_worker_training_continues_from_the_last_commit(tmp_path):
 @pytest.mark.timeout(150)
 def test_discovered_slot_grows_the_job_at_the_next_commit(tmp_path):
     """With RINGCOMM_PORT_RANGE set, the driver's store and every generation's rendezvous listen in it."""
+    pytest.importorskip("torch")  # the workers train a torch model
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:1\n127.0.0.2:1\n")
     low = 24000 + (os.getpid() % 400) * 10  # ports below the ephemeral range; a taken one is skipped

@@ -184,6 +184,8 @@ JOBS = [
 @pytest.mark.parametrize("mb,np_,sizes,options", JOBS, ids=[f"{j[0]}MB-np{j[1]}" for j in JOBS])
 def test_a_job_in_a_small_dev_shm_is_right_and_leaves_it_empty(mb: int, np_: int, sizes: list[int],
                                                                options: list[str]) -> None:
+    if "--torch" in options:
+        pytest.importorskip("torch")
     worker = WORKERS / "small_shm_worker.py"
     command = " ".join([sys.executable, "-m", "ringcomm.launch.launcher", "-np", str(np_), sys.executable,
                         str(worker), *options, *map(str, sizes)])

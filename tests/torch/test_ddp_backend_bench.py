@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from _preload import rank_python
+from conftest import needs_torch
 from ringcomm.bench import ddp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +67,7 @@ def test_framework_summary_pairs_rounds_and_compares_parameters():
         frameworks.example("keras")
 
 
+@needs_torch
 @pytest.mark.timeout(120)
 def test_backend_bench_times_each_op_on_both_backends(tmp_path: Path) -> None:
     out = tmp_path / "backend.json"

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringcomm_torch.distributed import store_join as sj
+pytest.importorskip("torch")
+
+from ringcomm_torch.distributed import store_join as sj  # noqa: E402
 
 pytestmark = pytest.mark.pure
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import collections
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import ringcomm_torch as hvd
-from ringcomm.elastic.state import ObjectState, run_fn
-from ringcomm.errors import HostsUpdatedInterrupt, PeerLostError
-from ringcomm_torch.elastic import ElasticSampler, TorchState, partition_indices
+torch = pytest.importorskip("torch")
+
+import ringcomm_torch as hvd  # noqa: E402
+from ringcomm.elastic.state import ObjectState, run_fn  # noqa: E402
+from ringcomm.errors import HostsUpdatedInterrupt, PeerLostError  # noqa: E402
+from ringcomm_torch.elastic import ElasticSampler, TorchState, partition_indices  # noqa: E402
 
 
 @given(st.integers(0, 60), st.integers(1, 7), st.data())
