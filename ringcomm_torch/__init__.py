@@ -21,7 +21,16 @@ staging, bfloat16, CUDA through pinned memory).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
+
+try:  # before a submodule fails on it, deep inside
+    _torch_found = importlib.util.find_spec("torch") is not None
+except (ImportError, ValueError):  # hidden, or set to None in sys.modules
+    _torch_found = False
+if not _torch_found:
+    raise ModuleNotFoundError("ringcomm_torch needs torch, which is not installed here: "
+                              "pip install 'ringcomm[torch]' (any torch >= 2.1)", name="torch")
 
 from ringcomm.errors import (
     DuplicateNameError,

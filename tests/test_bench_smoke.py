@@ -512,7 +512,8 @@ sys.meta_path.insert(0, _Hide())
 @pytest.mark.timeout(120)
 def test_without_torch_the_benches_skip_gloo_and_the_torch_benches_say_why(tmp_path: Path) -> None:
     """The core needs only numpy, pyzmq and msgpack: without torch (hidden from every process here)
-    the collectives run ringcomm alone and say why gloo is missing; the torch benches exit at once."""
+    the collectives run ringcomm alone and say why gloo is missing; the torch benches exit at once,
+    and ``import ringcomm_torch`` names the fix."""
     (tmp_path / "sitecustomize.py").write_text(HIDE_TORCH)
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
@@ -526,3 +527,6 @@ def test_without_torch_the_benches_skip_gloo_and_the_torch_benches_say_why(tmp_p
         proc = subprocess.run([sys.executable, "-m", "ringcomm.bench", command], capture_output=True, text=True,
                               timeout=60, env=env, cwd=tmp_path)
         assert proc.returncode == 2 and "pip install torch" in proc.stderr, (command, proc.stderr)
+    proc = subprocess.run([sys.executable, "-c", "import ringcomm_torch"], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=tmp_path)
+    assert "ringcomm_torch needs torch, which is not installed here: pip install 'ringcomm[torch]'" in proc.stderr

@@ -79,7 +79,7 @@ def check_op(op: object, dtype_name: str, what: str) -> ReduceOp:
     if rop is ReduceOp.ADASUM and dtype_name not in ("float16", "float32", "float64"):
         raise InvalidTypeError(
             f"{what}: op=Adasum reduces float16, float32 and float64 tensors, got {dtype_name}; "
-            "convert with arr.astype(np.float32), or use Sum or Average"
+            "convert to a float dtype (arr.astype(np.float32); a torch tensor: t.float()), or use Sum or Average"
         )
     if dtype_name == "bool" and rop is ReduceOp.AVERAGE:
         raise InvalidTypeError(
