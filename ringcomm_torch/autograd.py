@@ -34,6 +34,7 @@ from .collectives import (
     grouped_reducescatter_async, reducescatter_async, refusing, resolve_op, synchronize,
 )
 from .compression import Compression
+from .device_threads import caller_waits
 from .tracing import untraced
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -71,6 +72,7 @@ class HorovodAllreduce(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
@@ -114,6 +116,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -154,6 +157,7 @@ class HorovodAllgather(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0 (sizes may differ there).  Differentiable.
@@ -186,6 +190,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors as one op; returns a list.  Differentiable."""
@@ -213,6 +218,7 @@ class HorovodBroadcast(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """Return a new tensor holding ``root_rank``'s ``tensor`` on every rank.  Differentiable.
@@ -246,6 +252,7 @@ class HorovodAlltoall(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = global_process_set) -> Any:
     """Send ``splits[j]`` rows of ``tensor`` to rank j; receive every rank's rows for this rank.
@@ -288,6 +295,7 @@ class HorovodReducescatter(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -324,6 +332,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
 
 
 @untraced
+@caller_waits
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,

@@ -32,6 +32,7 @@ from ringcomm.handles import GroupHandle
 from .basics import check_process_set, global_process_set, rank, set_size
 from . import device_arena_ops
 from .device_arena import arena_for, one_host_arena_for
+from .device_threads import caller_waits
 from .handles import Handle, completed, poll, synchronize
 from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 from .tensors import Staged, begin, empty_result, stage, stageable_dtype
@@ -255,6 +256,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 
 
 @untraced
+@caller_waits
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
@@ -318,6 +320,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 
 @untraced
+@caller_waits
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -453,6 +456,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 
 @untraced
+@caller_waits
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s values on every rank and return it.

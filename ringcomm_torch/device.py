@@ -10,7 +10,7 @@ Under :func:`override` every tensor is a device tensor served by the given opera
 fake covers the optimizer's buckets, the per-tensor collectives and the ``"ringcomm"`` backend.
 
 Nothing here blocks the calling thread except :meth:`DeviceOps.wait_event`, which the stager
-thread calls (:mod:`.device_threads`), and, on the device path, a return thread or
+thread calls (:mod:`.device_threads`; a blocking collective's own thread does it for its op), and, on the device path, a return thread or
 ``synchronize()`` with ``RINGCOMM_DEVICE_IPC_WAIT=host`` (and any thread while a timeline is
 written, so that a copy's span is the copy).  A return thread waits for each core op and then
 queues the device work that brings its results back, so the thread in ``synchronize()`` only
@@ -430,11 +430,11 @@ class DeviceService:
         self.ops.record(event, self.side if stream is None else stream)
         return event
 
-    def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> None:
+    def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> Any:
         """Queue ``target`` = ``host`` on the side stream, after ``consumer``'s work (default: the
-        current stream), and make ``consumer`` wait for it.  A ``host`` that is not a pinned
-        buffer is first copied into one from the pool (a copy from pageable memory would make
-        the host wait)."""
+        current stream), and make ``consumer`` wait for it; returns the copy's event.  A ``host``
+        that is not a pinned buffer is first copied into one from the pool (a copy from pageable
+        memory would make the host wait)."""
         consumer = self.current() if consumer is None else consumer
         side = self.after(consumer)
         buf = None
@@ -450,6 +450,7 @@ class DeviceService:
         self.ops.stream_wait(consumer, back)
         if buf is not None:
             self.pool.release(buf, back)
+        return back
 
     def release(self, buf: torch.Tensor) -> None:
         """Give a pooled buffer back once the copies queued so far on the side stream are done."""
@@ -465,6 +466,7 @@ class DeviceService:
 
 
 _services: dict[tuple[int, str], DeviceService] = {}
+_known: dict[tuple[int, torch.device], DeviceService] = {}  # by the device as tensors name it
 _services_lock = threading.Lock()
 
 
@@ -476,11 +478,16 @@ def _device_key(device: torch.device) -> str:
 
 def service(ops: DeviceOps, device: torch.device) -> DeviceService:
     """The one :class:`DeviceService` of ``device`` served by ``ops``."""
+    svc = _known.get((id(ops), device))  # every op asks: a dict read, without the lock
+    if svc is not None:
+        return svc
     key = (id(ops), _device_key(device))
     with _services_lock:
         svc = _services.get(key)
         if svc is None:
             svc = _services[key] = DeviceService(ops, torch.device(key[1]))
+        if device.type != "cuda" or device.index is not None:  # "cuda" alone: whichever is current
+            _known[(id(ops), device)] = svc
         return svc
 
 
@@ -498,3 +505,5 @@ def _forget(ops: DeviceOps | None) -> None:
     with _services_lock:
         for key in [k for k in _services if k[0] == id(ops)]:
             del _services[key]
+        for known in [k for k in _known if k[0] == id(ops)]:
+            del _known[known]

@@ -2,7 +2,12 @@
 
 * :class:`Stager` (one thread, ``ringcomm-torch-stager``): waits for each staged buffer's
   *ready* event with the GIL released, then starts the op's core collective, in submission
-  order.  It is the only thread of the CUDA path that waits for the device.
+  order.  A blocking collective (``hvd.allreduce``, not ``allreduce_async``: its caller waits
+  for the op at once) does that on its own thread, with no other thread between it and its
+  op, when the stager has nothing queued or in hand (:func:`caller_waits`); otherwise its op
+  queues behind the others.  Apart from those, and the return threads with
+  ``RINGCOMM_DEVICE_IPC_WAIT=host``, the stager is the only thread of the CUDA path that waits
+  for the device.
 * :class:`ReturnPool` (at most :data:`RETURN_THREADS` threads, ``ringcomm-torch-device-return``):
   waits for an op's core collective and then runs its ``then(result)``, which queues the device
   work that brings the results home.  An idle thread takes the first job whose op is done, else
@@ -19,18 +24,39 @@ which completes torch futures.  Both start on first use and again in a forked ch
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Staging", "Stager", "stager", "Returning", "ReturnPool", "returns", "RETURN_THREADS",
+__all__ = ["caller_waits", "Staging", "Stager", "stager", "Returning", "ReturnPool", "returns", "RETURN_THREADS",
            "STAGER_THREAD", "RETURN_THREAD"]
 
 #: The most threads that wait for ops on their way home (per process).
 RETURN_THREADS = 4
 STAGER_THREAD = "ringcomm-torch-stager"
 RETURN_THREAD = "ringcomm-torch-device-return"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_caller = threading.local()  # .waits: this thread is in a blocking collective
+
+
+def caller_waits(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Mark ``fn`` as a blocking collective: its caller waits for the ops it submits, so a staged
+    op of its starts on the caller's thread (:meth:`Stager.submit`) rather than the stager's,
+    sparing two handoffs between threads."""
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if getattr(_caller, "waits", False):  # nested: the outer call resets it
+            return fn(*args, **kwargs)
+        _caller.waits = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _caller.waits = False
+    return run
 
 
 class Staging:
@@ -61,41 +87,63 @@ class Staging:
 
 class Stager:
     """One daemon thread that waits for each staged buffer's event (GIL released) and then starts
-    its core op, in submission order; the submitting thread never waits."""
+    its core op, in submission order; the submitting thread never waits, unless it is in a
+    blocking collective (:func:`caller_waits`)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._jobs: collections.deque[tuple[Any, Any, Callable[[], Any], Staging]] = collections.deque()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._busy = False  # a job is being started (by the thread or a blocking caller): the next one waits
+        self.started = 0  # jobs started so far, on the thread or by a blocking caller
 
     def submit(self, ops: Any, ready: Any, start: Callable[[], Any], name: str | None) -> Staging:
-        """``start()`` (which returns the core handle) runs on the stager once ``ready`` (an event,
-        or a list of them, of ``ops``) happened."""
+        """``start()`` (which returns the core handle) runs once ``ready`` (an event, or a list of
+        them, of ``ops``) happened: on the stager, or, in a blocking collective with nothing queued
+        before it, here, before this returns (so ops still start in submission order)."""
         staging = Staging(name)
+        here = getattr(_caller, "waits", False)
         with self._cond:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()  # a forked child starts its own thread
+            if self._pid != os.getpid():  # a forked child has none of its parent's jobs or thread
+                self._pid, self._thread, self._busy = os.getpid(), None, False
                 self._jobs.clear()
-                self._thread = threading.Thread(target=self._run, name=STAGER_THREAD, daemon=True)
-                self._thread.start()
-            self._jobs.append((ops, ready, start, staging))
-            self._cond.notify()
+            if here and not self._jobs and not self._busy:
+                self._busy = True
+            else:
+                here = False
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name=STAGER_THREAD, daemon=True)
+                    self._thread.start()
+                self._jobs.append((ops, ready, start, staging))
+                self._cond.notify()
+        if here:
+            self._start(ops, ready, start, staging)
         return staging
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs:
+                while not self._jobs or self._busy:
                     self._cond.wait()
                 ops, ready, start, staging = self._jobs.popleft()
-            try:
-                for event in ready if isinstance(ready, list) else [ready]:
-                    ops.wait_event(event)
-                staging._core = start()
-            except BaseException as exc:  # raised again by wait(), on the caller's thread
-                staging._error = exc
-            staging._started.set()
+                self._busy = True
+            self._start(ops, ready, start, staging)
+
+    def _start(self, ops: Any, ready: Any, start: Callable[[], Any], staging: Staging) -> None:
+        """Wait for ``ready``, start the op, then let the next job go."""
+        try:
+            for event in ready if isinstance(ready, list) else [ready]:
+                ops.wait_event(event)
+            staging._core = start()
+        except BaseException as exc:  # raised again by wait(), on the caller's thread
+            staging._error = exc
+        with self._cond:
+            self._busy = False
+            self.started += 1
+            if self._jobs:
+                self._cond.notify()
+        staging._started.set()
 
 
 class Returning:

@@ -31,6 +31,7 @@ from ringcomm.core.ops import Sum
 
 from .basics import global_process_set, set_size
 from .collectives import allgather_async, allreduce_async
+from .device_threads import caller_waits
 from .handles import synchronize
 
 __all__ = ["SyncBatchNorm"]
@@ -38,6 +39,12 @@ __all__ = ["SyncBatchNorm"]
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@caller_waits
+def _sum_over_ranks(both: torch.Tensor, process_set: Any) -> torch.Tensor:
+    """The sums of every rank's ``both``, blocking (a device tensor's op starts on this thread)."""
+    return synchronize(allreduce_async(both, op=Sum, process_set=process_set))
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -108,7 +115,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # on the tensors' device: a CUDA job's sums go through the device service (or, on one host
         # with RINGCOMM_DEVICE_IPC=1, the GPUs' shared arenas), not through a blocking copy here
         both = torch.cat([sum_dy, sum_dy_xmu]).to(torch.float64)
-        both = synchronize(allreduce_async(both, op=Sum, process_set=ctx.process_set))
+        both = _sum_over_ranks(both, ctx.process_set)
         mean_dy = (both[:channels] / ctx.total).to(cdtype)
         mean_dy_xmu = (both[channels:] / ctx.total).to(cdtype)
         grad_input = None

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,27 +115,38 @@ def _device_service(device: torch.device) -> DeviceService:
 _trace = threading.local()
 
 
-@contextmanager
-def traced_copy(phase: str) -> Iterator[bool]:
-    """Time a device<->host copy for the timeline; yields whether a timeline is being written.
+class traced_copy:  # lower case: used as a function, like contextlib's managers
+    """Time a device<->host copy for the timeline; ``with`` gives whether a timeline is being written.
 
     When it is, the caller must make the copy complete before the block ends (synchronize), so
-    the span covers the copy itself; without a timeline nothing is timed and nothing waits.
-    """
-    if not _core_api.timeline_active():
-        yield False
-        return
-    start = time.perf_counter()
-    yield True
-    end = time.perf_counter()
-    name = getattr(_trace, "name", None)
-    if name is not None:
-        _core_api.timeline_span(name, phase, start, end)
-    else:
-        pending = getattr(_trace, "pending", None)
-        if pending is None:
-            pending = _trace.pending = []
-        pending.append((phase, start, end))
+    the span covers the copy itself; without a timeline nothing is timed and nothing waits.  A
+    class, as :class:`copies_belong_to`: every device op enters one or two."""
+
+    __slots__ = ("_phase", "_start")
+
+    def __init__(self, phase: str) -> None:
+        self._phase = phase
+        self._start: float | None = None
+
+    def __enter__(self) -> bool:
+        if not _core_api.timeline_active():
+            return False
+        self._start = time.perf_counter()
+        return True
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        start = self._start
+        if start is None or exc_type is not None:
+            return
+        end = time.perf_counter()
+        name = getattr(_trace, "name", None)
+        if name is not None:
+            _core_api.timeline_span(name, self._phase, start, end)
+        else:
+            pending = getattr(_trace, "pending", None)
+            if pending is None:
+                pending = _trace.pending = []
+            pending.append((self._phase, start, end))
 
 
 def has_pending_copies() -> bool:
@@ -185,7 +195,8 @@ class Staged:
     is then a pinned buffer of its pool, filled once ``ready`` (an event) happened.
     """
 
-    __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "service", "consumer", "_buf", "_keep")
+    __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "service", "consumer", "_buf", "_keep",
+                 "_home")
 
     def __init__(self, array: np.ndarray, dtype: torch.dtype, wire: torch.dtype, device: torch.device,
                  direct: bool, buf: torch.Tensor | None, keep: Any, ready: Any = None,
@@ -200,6 +211,7 @@ class Staged:
         self.consumer: Any = None  # the stream results are ordered on (None: the current one then)
         self._buf = buf
         self._keep = keep
+        self._home: Any = None  # the event of the copy home, recorded after the buffer's last use
 
     def write_back(self, target: torch.Tensor, result: np.ndarray | None = None) -> torch.Tensor:
         """Copy ``result`` (default: ``self.array``) into ``target``, which has this tensor's shape."""
@@ -212,7 +224,10 @@ class Staged:
             src = src.copy()
         host = torch.from_numpy(np.ascontiguousarray(src)).reshape(target.shape)
         if self.service is not None:
-            _copy_to_device(self.service, target, host, pinned=result is None, consumer=self.consumer)
+            # recorded after every copy of the buffer on the side stream: when it has happened,
+            # the buffer may go back to the pool
+            self._home = _copy_to_device(self.service, target, host, pinned=result is None,
+                                         consumer=self.consumer)
         else:
             if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
                 host = host.view(torch.bfloat16)  # bits; any other dtype change happens in copy_
@@ -223,27 +238,36 @@ class Staged:
     def to_tensor(self, result: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         """A new tensor of ``like``'s dtype and device holding ``result`` (a core array in the wire
         dtype, of any shape)."""
-        return to_tensor(result, like.dtype, like.device, self.service)
+        out, home = _to_tensor(result, like.dtype, like.device, self.service)
+        if home is not None:
+            self._home = home
+        return out
 
     def release(self) -> None:
         """Return a pinned staging buffer to the pool (no-op for host tensors), once the copies
-        queued on the side stream so far are done."""
+        queued on the side stream so far are done (after its copy home: that copy's event)."""
         if self._buf is not None:
             buf, self._buf = self._buf, None
             if self.service is not None:
-                self.service.release(buf)
+                if self._home is not None:
+                    self.service.pool.release(buf, self._home)
+                else:
+                    self.service.release(buf)
         self._keep = None
+        self._home = None
 
 
 def _copy_to_device(service: DeviceService, target: torch.Tensor, host: torch.Tensor, *, pinned: bool,
-                    consumer: Any = None) -> None:
-    """Host -> ``target`` on the side stream; ``consumer`` (default: the current stream) waits for it."""
+                    consumer: Any = None) -> Any:
+    """Host -> ``target`` on the side stream; ``consumer`` (default: the current stream) waits for
+    it.  Returns the event recorded after the copy on the side stream."""
     if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
         host = host.view(torch.bfloat16)  # the bits as they were sent
     with traced_copy("MEMCPY_H2D") as timed:
-        service.to_device(target, host, pinned=pinned, consumer=consumer)
+        home = service.to_device(target, host, pinned=pinned, consumer=consumer)
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
-            service.ops.wait_event(service.mark())
+            service.ops.wait_event(home)
+    return home
 
 
 def check_stageable(t: Any, what: str) -> None:
@@ -327,8 +351,11 @@ def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Sta
     host = buf[:nbytes].view(wire).view(t.shape)
     with traced_copy("MEMCPY_D2H") as timed:
         side = svc.after(svc.current())  # t's producers have finished
-        with svc.ops.on(side), torch.no_grad():
-            src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) runs on the side stream too
+        if t.dtype is wire and t.is_contiguous():
+            src = t.detach()  # nothing to run on the device before the copy
+        else:
+            with svc.ops.on(side), torch.no_grad():
+                src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) or a gather runs on the side stream too
         svc.ops.copy(host, src, side)
         ready = svc.mark()  # the stager waits for it before the core reads the buffer
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
@@ -360,6 +387,12 @@ def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
               service: DeviceService | None = None) -> torch.Tensor:
     """A new tensor of ``dtype`` on ``device`` from a core result array in the wire dtype; through
     ``service`` (default: the device's, for a CUDA device) when it goes to a device."""
+    return _to_tensor(result, dtype, device, service)[0]
+
+
+def _to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
+               service: DeviceService | None) -> tuple[torch.Tensor, Any]:
+    """:func:`to_tensor`, and the event of its copy to the device (None: no copy)."""
     arr = np.ascontiguousarray(result)
     if not arr.flags.writeable:
         arr = arr.copy()
@@ -368,9 +401,8 @@ def to_tensor(result: np.ndarray, dtype: torch.dtype, device: torch.device,
         service = _device_service(device)
     if service is not None:
         out = torch.empty(host.shape, dtype=dtype, device=device)
-        _copy_to_device(service, out, host, pinned=False)
-        return out
-    return _from_wire(host, dtype)
+        return out, _copy_to_device(service, out, host, pinned=False)
+    return _from_wire(host, dtype), None
 
 
 def empty_result(like: torch.Tensor) -> torch.Tensor:

@@ -107,19 +107,19 @@ def ops():
 
 
 class Untouched:
-    """No pinned buffer taken and no stager wait (the host waiting for the device) on the fake
-    device ``ops`` (``ringcomm_torch.device.FakeOps``) since made."""
+    """No pinned buffer taken on the fake device ``ops`` (``ringcomm_torch.device.FakeOps``) and no
+    op started after a wait for its copy to pinned memory (by the stager or a blocking caller)
+    since made."""
 
     def __init__(self, ops) -> None:
-        from ringcomm_torch.device_threads import STAGER_THREAD
+        from ringcomm_torch.device_threads import stager
 
-        self.ops, self.thread = ops, STAGER_THREAD
+        self.ops, self.stager = ops, stager
         self.pinned = ops.pinned_allocations
-        self.waits = ops.count("wait_event", thread=STAGER_THREAD)
+        self.started = stager.started
 
     def __bool__(self) -> bool:
-        return (self.ops.pinned_allocations == self.pinned
-                and self.ops.count("wait_event", thread=self.thread) == self.waits)
+        return self.ops.pinned_allocations == self.pinned and self.stager.started == self.started
 
 
 def job_env(**extra: str) -> dict[str, str]:

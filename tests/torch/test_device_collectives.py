@@ -49,11 +49,11 @@ def only_queued_here(ops: device.FakeOps, mark: int) -> list[str]:
     return [c for c, t in ops.calls[mark:] if t == me]
 
 
-def test_every_collective_on_the_device_gives_the_host_results_and_the_caller_never_waits():
+def test_every_collective_on_the_device_gives_the_host_results_and_a_blocking_one_waits_for_its_copy_itself():
     ops = device.FakeOps()
     size, r = hvd.size(), hvd.rank()
     with device.override(ops):
-        mark = len(ops.calls)
+        mark, staged = len(ops.calls), ops.count("wait_event", STAGER_THREAD)
         assert torch.equal(hvd.allreduce(mine(), op=hvd.Sum), summed())
         assert torch.allclose(hvd.allreduce(mine()), summed() / size)
         assert torch.allclose(hvd.allreduce(mine(), op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
@@ -78,10 +78,63 @@ def test_every_collective_on_the_device_gives_the_host_results_and_the_caller_ne
     calls = only_queued_here(ops, mark)
     receiving = (r != size - 1) + (r != 0)  # the broadcasts this rank only receives: nothing goes to the host
     kept = r == 0  # broadcast_'s root keeps its tensor: nothing comes home
-    assert "wait_event" not in calls  # the caller only queues device work
     assert calls.count("copy") >= 2 * 13 - receiving - kept
     assert calls.count("stream_wait") >= 2 * 13 - receiving - 2 * kept
-    assert ops.count("wait_event", STAGER_THREAD) >= 13 - receiving  # each op's copy waited for there
+    # a blocking call waits for its copy to the host on its own thread, as it waits for the op:
+    # no other thread stands between it and its op
+    assert calls.count("wait_event") >= 13 - receiving
+    assert ops.count("wait_event", STAGER_THREAD) == staged
+
+
+def test_an_async_call_only_queues_device_work_and_the_stager_waits_for_its_copy():
+    ops = device.FakeOps()
+    size, r = hvd.size(), hvd.rank()
+    with device.override(ops):
+        mark, staged = len(ops.calls), ops.count("wait_event", STAGER_THREAD)
+        handles = [hvd.allreduce_async(mine(), op=hvd.Sum), hvd.allreduce_async_(mine(), op=hvd.Sum),
+                   hvd.allgather_async(mine(2).view(1, 2)), hvd.broadcast_async(mine(), root_rank=0),
+                   hvd.alltoall_async(torch.full((size, 2), float(r))),
+                   hvd.reducescatter_async(mine(2 * size).view(size, 2), op=hvd.Sum),
+                   hvd.grouped_allreduce_async([mine(), mine(3, torch.float64)], op=hvd.Sum)]
+        assert "wait_event" not in only_queued_here(ops, mark)  # the calls only queued device work
+        results = [hvd.synchronize(h) for h in handles]
+    assert "wait_event" not in only_queued_here(ops, mark)  # nor did synchronize wait for a copy
+    assert ops.count("wait_event", STAGER_THREAD) - staged >= 7 - (r != 0)  # the stager did
+    assert torch.equal(results[0], summed()) and torch.equal(results[1], summed())
+    assert torch.equal(results[3], torch.arange(6.0))
+
+
+def test_a_blocking_call_queues_behind_an_async_op_still_waiting_for_its_copy():
+    """Ops start in the order they were called: a blocking call made while an async op waits
+    for its copy goes to the stager behind it, and starts after it, on every rank."""
+    ops = device.FakeOps()
+    submitted: list[float] = []
+    real = rc.allreduce_async
+
+    def spy(arr, *args, **kwargs):
+        submitted.append(float(arr.reshape(-1)[0]))
+        return real(arr, *args, **kwargs)
+
+    with device.override(ops):
+        ops.hold()
+        rc.allreduce_async = spy
+        try:
+            first = hvd.allreduce_async(torch.full((3,), 1.0), op=hvd.Sum, name="order.first")
+            out: list = []
+            caller = threading.Thread(target=lambda: out.append(
+                hvd.allreduce(torch.full((3,), 2.0), op=hvd.Sum, name="order.second")))
+            caller.start()
+            time.sleep(0.2)
+            assert not submitted and caller.is_alive()  # both wait for the first one's copy
+            ops.fire()
+            caller.join(20)
+            assert not caller.is_alive()
+            got = hvd.synchronize(first)
+        finally:
+            rc.allreduce_async = real
+    assert submitted == [1.0, 2.0], submitted
+    assert torch.equal(got, torch.full((3,), float(hvd.size()))) and torch.equal(out[0], 2 * got)
+    assert ops.count("wait_event", caller.name) == 0  # its op went through the stager's queue
 
 
 def test_a_broadcast_copies_the_tensor_to_the_host_on_its_root_only_and_the_others_start_at_once():
@@ -132,8 +185,9 @@ def test_an_async_op_returns_before_its_copy_is_done_and_its_result_stays_poison
             ops.hold()  # the way home is held
             mark = len(ops.calls)
             assert hvd.synchronize(h) is t
-            assert only_queued_here(ops, mark) == ["record", "stream_wait", "copy", "record", "stream_wait",
-                                                   "record"]  # queued home; the buffer goes back after it
+            # queued home, with one event: the current stream waits for it, and the buffer goes
+            # back to the pool once it has happened
+            assert only_queued_here(ops, mark) == ["record", "stream_wait", "copy", "record", "stream_wait"]
             assert torch.isnan(t).all()  # the current stream has not run the copy home yet
             ops.fire()
         finally:
