@@ -291,6 +291,7 @@ class FakeOps:
         run()
 
     def on(self, stream: Any) -> Any:
+        self._note("on")  # a switch of the current stream: it costs host time on a GPU
         return _null()
 
 

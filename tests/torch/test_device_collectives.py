@@ -195,6 +195,20 @@ def test_an_async_op_returns_before_its_copy_is_done_and_its_result_stays_poison
     assert torch.equal(t, summed())
 
 
+def test_staging_switches_the_current_stream_only_for_a_tensor_it_must_convert_first():
+    """A contiguous tensor of a wire dtype is copied to the host as it is: no device work before
+    the copy, so no switch to the side stream around it (the copy names its stream itself); a
+    bfloat16 tensor is widened there first, and a non-contiguous one gathered."""
+    ops = device.FakeOps()
+    with device.override(ops):
+        same = torch.arange(8.0)  # on every rank
+        for t, switches in ((same.clone(), 0), (same.to(torch.bfloat16), 1), (same.view(2, 4).t(), 1)):
+            mark = len(ops.calls)
+            h = hvd.allreduce_async(t, op=hvd.Sum)
+            assert only_queued_here(ops, mark).count("on") == switches, (t.dtype, t.is_contiguous())
+            assert torch.equal(hvd.synchronize(h).float(), t.float() * hvd.size())
+
+
 def test_grouped_async_ops_of_several_dtypes_copy_each_tensor_once_each_way():
     ops = device.FakeOps()
     size = hvd.size()
