@@ -10,9 +10,10 @@ Under :func:`override` every tensor is a device tensor served by the given opera
 fake covers the optimizer's buckets, the per-tensor collectives and the ``"ringcomm"`` backend.
 
 Nothing here blocks the calling thread except :meth:`DeviceOps.wait_event`, which the stager
-thread calls (:mod:`.device_threads`; a blocking collective's own thread does it for its op), and, on the device path, a return thread or
-``synchronize()`` with ``RINGCOMM_DEVICE_IPC_WAIT=host`` (and any thread while a timeline is
-written, so that a copy's span is the copy).  A return thread waits for each core op and then
+thread calls (:mod:`.device_threads`; a blocking collective's own thread does it for its op),
+and, on the device path, a return thread or ``synchronize()`` with
+``RINGCOMM_DEVICE_IPC_WAIT=host`` (and any thread while a timeline is written, so that a copy's
+span is the copy).  A return thread waits for each core op and then
 queues the device work that brings its results back, so the thread in ``synchronize()`` only
 makes its stream wait for an event::
 

@@ -4,7 +4,7 @@
   *ready* event with the GIL released, then starts the op's core collective, in submission
   order.  A blocking collective (``hvd.allreduce``, not ``allreduce_async``: its caller waits
   for the op at once) does that on its own thread, with no other thread between it and its
-  op, when the stager has nothing queued or in hand (:func:`caller_waits`); otherwise its op
+  op, when the stager has nothing queued or in hand (:class:`waiting_caller`); otherwise its op
   queues behind the others.  Apart from those, and the return threads with
   ``RINGCOMM_DEVICE_IPC_WAIT=host``, the stager is the only thread of the CUDA path that waits
   for the device.
@@ -30,8 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["caller_waits", "Staging", "Stager", "stager", "Returning", "ReturnPool", "returns", "RETURN_THREADS",
-           "STAGER_THREAD", "RETURN_THREAD"]
+__all__ = ["waiting_caller", "caller_waits", "Staging", "Stager", "stager", "Returning", "ReturnPool", "returns",
+           "RETURN_THREADS", "STAGER_THREAD", "RETURN_THREAD"]
 
 #: The most threads that wait for ops on their way home (per process).
 RETURN_THREADS = 4
@@ -43,19 +43,27 @@ _R = TypeVar("_R")
 _caller = threading.local()  # .waits: this thread is in a blocking collective
 
 
+class waiting_caller:  # lower case: used as a function, like contextlib's managers
+    """Within the block, this thread is in a blocking collective: its caller waits for the ops it
+    submits, so a staged op of its starts on this thread (:meth:`Stager.submit`) rather than the
+    stager's, sparing two handoffs between threads."""
+
+    __slots__ = ("_outer",)
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_caller, "waits", False)
+        _caller.waits = True
+
+    def __exit__(self, *exc: object) -> None:
+        _caller.waits = self._outer
+
+
 def caller_waits(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Mark ``fn`` as a blocking collective: its caller waits for the ops it submits, so a staged
-    op of its starts on the caller's thread (:meth:`Stager.submit`) rather than the stager's,
-    sparing two handoffs between threads."""
+    """``fn``, a blocking collective, run as a :class:`waiting_caller`."""
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if getattr(_caller, "waits", False):  # nested: the outer call resets it
+        with waiting_caller():
             return fn(*args, **kwargs)
-        _caller.waits = True
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _caller.waits = False
     return run
 
 
@@ -88,7 +96,7 @@ class Staging:
 class Stager:
     """One daemon thread that waits for each staged buffer's event (GIL released) and then starts
     its core op, in submission order; the submitting thread never waits, unless it is in a
-    blocking collective (:func:`caller_waits`)."""
+    blocking collective (:class:`waiting_caller`)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

@@ -40,7 +40,7 @@ from ..tensors import Staged, begin, host_memory, stage
 from ..tracing import untraced_methods
 from .arguments import check_root, check_tensors, reduce_op, refusing
 from .exchange_counts import gather_counts, scatter_counts, single_receipts
-from .work import RingcommWork, as_backend_error, completer
+from .work import RingcommWork, as_backend_error, completer, sync_calls_wait
 
 __all__ = ["RingcommProcessGroup", "NAME"]
 
@@ -595,4 +595,5 @@ ENTRY_POINTS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", 
                 "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "all_to_all_single",
                 "alltoall_base", "alltoall", "gather", "scatter", "barrier", "send", "recv", "recv_anysource",
                 "monitored_barrier", "shutdown", "abort")
+sync_calls_wait(RingcommProcessGroup, ENTRY_POINTS)
 untraced_methods(RingcommProcessGroup, ENTRY_POINTS)

@@ -15,16 +15,18 @@ the rank that was lost).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..device import Staging
+from ..device_threads import waiting_caller
 
-__all__ = ["RingcommWork", "Completer", "completer", "as_backend_error", "completed_work"]
+__all__ = ["RingcommWork", "Completer", "completer", "as_backend_error", "completed_work", "sync_calls_wait"]
 
 Finish = Callable[[list[Any]], Any]
 _local = threading.local()  # .completing: this thread completes futures (and so runs their callbacks)
@@ -178,3 +180,23 @@ def completed_work(what: str, value: Any) -> RingcommWork:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return RingcommWork(what, fut)
+
+
+def sync_calls_wait(cls: type, names: Sequence[str]) -> None:
+    """Make each of ``cls``'s methods ``names`` a blocking collective
+    (:class:`~ringcomm_torch.device_threads.waiting_caller`) when torch calls it for a synchronous
+    op: its options say ``asyncOp=False``, and torch waits for the work at once.  A device tensor's
+    op then waits for its copy to the host and starts on the calling thread, as ``hvd.allreduce``
+    does; DDP's buckets and every ``async_op=True`` call keep the stager."""
+    for name in names:
+        setattr(cls, name, _waits_when_sync(getattr(cls, name)))
+
+
+def _waits_when_sync(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(getattr(a, "asyncOp", True) is False for a in (*args, *kwargs.values())):
+            with waiting_caller():
+                return fn(self, *args, **kwargs)
+        return fn(self, *args, **kwargs)
+    return run

@@ -290,8 +290,9 @@ def check_collectives(rank: int, gloo: dist.ProcessGroup) -> None:
 
 def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
     """The backend's device path, on the fake device (every tensor a device tensor): every collective,
-    DDP and FSDP training give gloo's results; the calling thread (and autograd's, which runs DDP's
-    hooks) only queues device work, and the stager waits for the copies to the host."""
+    DDP and FSDP training give gloo's results; a DDP step (its hooks and its buffers' broadcast) and
+    every ``async_op=True`` call only queue device work on the calling thread, and the stager waits
+    for their copies to the host; a synchronous call waits for its own copy, on its own thread."""
     import threading
 
     from ringcomm_torch import device
@@ -301,16 +302,27 @@ def check_device(rank: int, gloo: dist.ProcessGroup) -> None:
         check_collectives(rank, gloo)
         check_equiv(rank, gloo)
         check_fsdp(rank, gloo)
+        me, stager = threading.current_thread().name, "ringcomm-torch-stager"
         for root in range(dist.get_world_size()):  # one copy each: the root's to the host, the others' home
-            t = torch.full((5,), float(rank))
-            copies, waits = ops.count("copy"), ops.count("wait_event")
-            dist.broadcast(t, src=root)
-            assert t.tolist() == [float(root)] * 5, f"rank {rank}: broadcast from {root}: {t}"
-            assert ops.count("copy") - copies == 1, f"rank {rank}: {ops.count('copy') - copies} copies, root {root}"
-            assert ops.count("wait_event") - waits == (rank == root), f"rank {rank}: waited for the device, root {root}"
-    waited = {t for c, t in ops.calls if c == "wait_event"}
-    assert waited == {"ringcomm-torch-stager"}, f"rank {rank}: device waits on threads {waited}"
-    here = [c for c, t in ops.calls if t == threading.current_thread().name]
+            for async_op in (False, True):
+                t = torch.full((5,), float(rank))
+                copies, mine, staged = ops.count("copy"), ops.count("wait_event", me), ops.count("wait_event", stager)
+                work = dist.broadcast(t, src=root, async_op=async_op)
+                if async_op:
+                    assert ops.count("wait_event", me) == mine, f"rank {rank}: an async call waited for the device"
+                    work.wait()
+                assert t.tolist() == [float(root)] * 5, f"rank {rank}: broadcast from {root}: {t}"
+                assert ops.count("copy") - copies == 1, f"rank {rank}: {ops.count('copy') - copies} copies, root {root}"
+                waited = (ops.count("wait_event", me) - mine, ops.count("wait_event", stager) - staged)
+                assert waited == ((0, rank == root) if async_op else (rank == root, 0)), \
+                    f"rank {rank}: device waits (here, stager) {waited}, root {root}, async_op={async_op}"
+        ddp = nn.parallel.DistributedDataParallel(model(5))
+        mine = ops.count("wait_event", me)
+        train(ddp, rank, 2)  # hooks on this thread (autograd runs CPU tensors' backward here)
+        assert ops.count("wait_event", me) == mine, f"rank {rank}: a DDP step waited for the device"
+    waited_on = {t for c, t in ops.calls if c == "wait_event"}
+    assert waited_on <= {stager, me}, f"rank {rank}: device waits on threads {waited_on}"
+    here = [c for c, t in ops.calls if t == me]
     assert here.count("copy") > 50 and here.count("stream_wait") > 50, f"rank {rank}: {len(here)} calls here"
     home = ops.count("copy", "ringcomm-torch-completer")  # the results, queued as each op completes
     assert home > 50, f"rank {rank}: {home} copies home on the backend's completer"
