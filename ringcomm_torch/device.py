@@ -48,7 +48,8 @@ class DeviceOps(Protocol):
     def side_stream(self, device: torch.device) -> Any: ...
     def current_stream(self, device: torch.device) -> Any: ...
     def event(self) -> Any: ...
-    def record(self, event: Any, stream: Any) -> None: ...
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream`` (None: the calling thread's current stream)."""
     def stream_wait(self, stream: Any, event: Any) -> None:
         """``stream`` runs nothing more until ``event`` has happened (the host does not wait)."""
     def wait_event(self, event: Any) -> None:
@@ -65,7 +66,8 @@ class DeviceOps(Protocol):
     def unpack_parts(self, parts: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], stream: Any) -> None:
         """Each tensor = its part (views of one flat buffer; one batched copy on ``stream``)."""
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """``dst`` = ``src`` on ``stream``, without the host waiting (pinned <-> device)."""
+        """``dst`` = ``src`` on ``stream`` (None: the calling thread's current stream), without the
+        host waiting (pinned <-> device)."""
     def on(self, stream: Any) -> Any:
         """A context in which torch operations run on ``stream``."""
 
@@ -101,7 +103,10 @@ class CudaOps:
         return torch.cuda.Event()
 
     def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)
 
     def stream_wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
@@ -136,11 +141,15 @@ class CudaOps:
             torch._foreach_copy_(list(tensors), list(parts))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        if stream is None:  # the current stream: in its order, as any torch operation there
+            with torch.no_grad():
+                dst.copy_(src, non_blocking=True)
+            return
         with torch.cuda.stream(stream), torch.no_grad():
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
             if t.is_cuda:
-                t.record_stream(stream)  # the allocator keeps it until the side stream is done with it
+                t.record_stream(stream)  # the allocator keeps it until that stream is done with it
 
     def on(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
@@ -433,12 +442,10 @@ class DeviceService:
         return event
 
     def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> Any:
-        """Queue ``target`` = ``host`` on the side stream, after ``consumer``'s work (default: the
-        current stream), and make ``consumer`` wait for it; returns the copy's event.  A ``host``
-        that is not a pinned buffer is first copied into one from the pool (a copy from pageable
-        memory would make the host wait)."""
-        consumer = self.current() if consumer is None else consumer
-        side = self.after(consumer)
+        """Queue ``target`` = ``host`` on ``consumer`` (default: the current stream), in its order:
+        its later work sees the result, and nothing of its earlier work is overtaken; returns the
+        event recorded after the copy there.  A ``host`` that is not a pinned buffer is first
+        copied into one from the pool (a copy from pageable memory would make the host wait)."""
         buf = None
         if not pinned:
             nbytes = host.numel() * host.element_size()
@@ -447,9 +454,9 @@ class DeviceService:
             with torch.no_grad():
                 staged.copy_(host)
             host = staged
-        self.ops.copy(target, host, side)
-        back = self.mark()
-        self.ops.stream_wait(consumer, back)
+        self.ops.copy(target, host, consumer)
+        back = self.ops.event()
+        self.ops.record(back, consumer)
         if buf is not None:
             self.pool.release(buf, back)
         return back

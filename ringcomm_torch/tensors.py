@@ -16,9 +16,9 @@ an array (:func:`stage`) and puts results back (:meth:`Staged.write_back`,
   of its pool (one free list per power-of-two size class, reused across steps), copied on its
   side stream after the current stream's work; the copy's event is :attr:`Staged.ready`, and
   the stager thread waits for it before the core reads the buffer (:func:`begin`), so the
-  caller never waits for the GPU.  Results go back host -> device on the side stream; the
-  current stream waits for that copy, and the buffer returns to the pool only once the copy's
-  event has happened.  A result the core allocated (allgather, alltoall, reducescatter) is
+  caller never waits for the GPU.  Results go back host -> device on the current stream (the
+  stream that uses them), in its order, and the buffer returns to the pool only once the
+  event recorded after that copy has happened.  A result the core allocated (allgather, alltoall, reducescatter) is
   first copied into a pooled pinned buffer, so that no copy reads pageable memory.
 
 Example (any rank)::
@@ -224,8 +224,8 @@ class Staged:
             src = src.copy()
         host = torch.from_numpy(np.ascontiguousarray(src)).reshape(target.shape)
         if self.service is not None:
-            # recorded after every copy of the buffer on the side stream: when it has happened,
-            # the buffer may go back to the pool
+            # recorded after the buffer's last copy (the one home): when it has happened, the
+            # buffer may go back to the pool
             self._home = _copy_to_device(self.service, target, host, pinned=result is None,
                                          consumer=self.consumer)
         else:
@@ -244,8 +244,8 @@ class Staged:
         return out
 
     def release(self) -> None:
-        """Return a pinned staging buffer to the pool (no-op for host tensors), once the copies
-        queued on the side stream so far are done (after its copy home: that copy's event)."""
+        """Return a pinned staging buffer to the pool (no-op for host tensors), once its last copy
+        is done: the copy home's event, or else an event after the side stream's copies so far."""
         if self._buf is not None:
             buf, self._buf = self._buf, None
             if self.service is not None:
@@ -259,8 +259,8 @@ class Staged:
 
 def _copy_to_device(service: DeviceService, target: torch.Tensor, host: torch.Tensor, *, pinned: bool,
                     consumer: Any = None) -> Any:
-    """Host -> ``target`` on the side stream; ``consumer`` (default: the current stream) waits for
-    it.  Returns the event recorded after the copy on the side stream."""
+    """Host -> ``target`` on ``consumer`` (default: the current stream), in its order.  Returns the
+    event recorded after the copy there."""
     if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
         host = host.view(torch.bfloat16)  # the bits as they were sent
     with traced_copy("MEMCPY_H2D") as timed:

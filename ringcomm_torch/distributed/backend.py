@@ -142,8 +142,8 @@ class RingcommProcessGroup(dist.ProcessGroup):
         """Submit the core ops (``submit`` returns their handles); the work completes with ``finish``.
 
         Device tensors go through their device's service (:mod:`ringcomm_torch.device`): the
-        results are copied home on its side stream, ordered before later work of the stream that
-        is current here, at the call (the completer thread's own stream is another)."""
+        results are copied home on the stream that is current here, at the call, in its order
+        (the completer thread's own current stream is another)."""
         for s in staged:
             if s.service is not None:
                 s.consumer = s.service.current()

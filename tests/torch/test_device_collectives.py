@@ -79,7 +79,7 @@ def test_every_collective_on_the_device_gives_the_host_results_and_a_blocking_on
     receiving = (r != size - 1) + (r != 0)  # the broadcasts this rank only receives: nothing goes to the host
     kept = r == 0  # broadcast_'s root keeps its tensor: nothing comes home
     assert calls.count("copy") >= 2 * 13 - receiving - kept
-    assert calls.count("stream_wait") >= 2 * 13 - receiving - 2 * kept
+    assert calls.count("stream_wait") >= 13 - receiving  # the side stream follows the current one
     # a blocking call waits for its copy to the host on its own thread, as it waits for the op:
     # no other thread stands between it and its op
     assert calls.count("wait_event") >= 13 - receiving
@@ -185,9 +185,9 @@ def test_an_async_op_returns_before_its_copy_is_done_and_its_result_stays_poison
             ops.hold()  # the way home is held
             mark = len(ops.calls)
             assert hvd.synchronize(h) is t
-            # queued home, with one event: the current stream waits for it, and the buffer goes
-            # back to the pool once it has happened
-            assert only_queued_here(ops, mark) == ["record", "stream_wait", "copy", "record", "stream_wait"]
+            # queued home on the current stream itself, in its order, and one event after it: the
+            # buffer goes back to the pool once it has happened
+            assert only_queued_here(ops, mark) == ["copy", "record"]
             assert torch.isnan(t).all()  # the current stream has not run the copy home yet
             ops.fire()
         finally:
