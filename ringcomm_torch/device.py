@@ -344,6 +344,10 @@ def override(ops: DeviceOps | None) -> Iterator[DeviceOps | None]:
         _forget(ops)
 
 
+#: :meth:`DeviceService.mark`'s default: the service's side stream (None is the current one).
+SIDE: Any = object()
+
+
 def _size_class(nbytes: int) -> int:
     """Smallest power of two >= nbytes (at least 4 KiB): pooled buffers are shared within a class."""
     return max(4096, 1 << max(0, (nbytes - 1)).bit_length())
@@ -435,10 +439,11 @@ class DeviceService:
         self.ops.stream_wait(self.side, produced)
         return self.side
 
-    def mark(self, stream: Any = None) -> Any:
-        """An event recorded now on ``stream`` (default: the side stream)."""
+    def mark(self, stream: Any = SIDE) -> Any:
+        """An event recorded now on ``stream`` (default: the side stream; None: the calling
+        thread's current one)."""
         event = self.ops.event()
-        self.ops.record(event, self.side if stream is None else stream)
+        self.ops.record(event, self.side if stream is SIDE else stream)
         return event
 
     def to_device(self, target: torch.Tensor, host: torch.Tensor, *, pinned: bool, consumer: Any = None) -> Any:
@@ -455,8 +460,7 @@ class DeviceService:
                 staged.copy_(host)
             host = staged
         self.ops.copy(target, host, consumer)
-        back = self.ops.event()
-        self.ops.record(back, consumer)
+        back = self.mark(consumer)
         if buf is not None:
             self.pool.release(buf, back)
         return back

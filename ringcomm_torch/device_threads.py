@@ -58,6 +58,11 @@ class waiting_caller:  # lower case: used as a function, like contextlib's manag
         _caller.waits = self._outer
 
 
+def caller_is_waiting() -> bool:
+    """Whether this thread is in a blocking collective (:class:`waiting_caller`)."""
+    return getattr(_caller, "waits", False)
+
+
 def caller_waits(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn``, a blocking collective, run as a :class:`waiting_caller`."""
     @functools.wraps(fn)
@@ -111,7 +116,7 @@ class Stager:
         them, of ``ops``) happened: on the stager, or, in a blocking collective with nothing queued
         before it, here, before this returns (so ops still start in submission order)."""
         staging = Staging(name)
-        here = getattr(_caller, "waits", False)
+        here = caller_is_waiting()
         with self._cond:
             if self._pid != os.getpid():  # a forked child has none of its parent's jobs or thread
                 self._pid, self._thread, self._busy = os.getpid(), None, False

@@ -42,6 +42,7 @@ from ringcomm.errors import InvalidTypeError
 from ringcomm.core.ops import SUPPORTED_DTYPES
 
 from .device import DeviceService, cuda_ops, service, service_for
+from .device_threads import caller_is_waiting
 from .host_memory import HUGE_PAGE_MIN_BYTES, empty_host
 
 __all__ = ["Staged", "stage", "begin", "to_tensor", "empty_result", "wire_dtype", "check_dtype", "check_stageable",
@@ -196,7 +197,7 @@ class Staged:
     """
 
     __slots__ = ("array", "dtype", "wire", "device", "direct", "ready", "service", "consumer", "_buf", "_keep",
-                 "_home")
+                 "_last")
 
     def __init__(self, array: np.ndarray, dtype: torch.dtype, wire: torch.dtype, device: torch.device,
                  direct: bool, buf: torch.Tensor | None, keep: Any, ready: Any = None,
@@ -211,7 +212,7 @@ class Staged:
         self.consumer: Any = None  # the stream results are ordered on (None: the current one then)
         self._buf = buf
         self._keep = keep
-        self._home: Any = None  # the event of the copy home, recorded after the buffer's last use
+        self._last: Any = ready  # an event recorded after the buffer's last copy (None: none yet)
 
     def write_back(self, target: torch.Tensor, result: np.ndarray | None = None) -> torch.Tensor:
         """Copy ``result`` (default: ``self.array``) into ``target``, which has this tensor's shape."""
@@ -224,9 +225,7 @@ class Staged:
             src = src.copy()
         host = torch.from_numpy(np.ascontiguousarray(src)).reshape(target.shape)
         if self.service is not None:
-            # recorded after the buffer's last copy (the one home): when it has happened, the
-            # buffer may go back to the pool
-            self._home = _copy_to_device(self.service, target, host, pinned=result is None,
+            self._last = _copy_to_device(self.service, target, host, pinned=result is None,
                                          consumer=self.consumer)
         else:
             if host.dtype is torch.int16 and target.dtype is torch.bfloat16:
@@ -240,21 +239,21 @@ class Staged:
         dtype, of any shape)."""
         out, home = _to_tensor(result, like.dtype, like.device, self.service)
         if home is not None:
-            self._home = home
+            self._last = home
         return out
 
     def release(self) -> None:
         """Return a pinned staging buffer to the pool (no-op for host tensors), once its last copy
-        is done: the copy home's event, or else an event after the side stream's copies so far."""
+        (to the host, or home) is done."""
         if self._buf is not None:
             buf, self._buf = self._buf, None
             if self.service is not None:
-                if self._home is not None:
-                    self.service.pool.release(buf, self._home)
+                if self._last is not None:
+                    self.service.pool.release(buf, self._last)
                 else:
                     self.service.release(buf)
         self._keep = None
-        self._home = None
+        self._last = None
 
 
 def _copy_to_device(service: DeviceService, target: torch.Tensor, host: torch.Tensor, *, pinned: bool,
@@ -345,19 +344,26 @@ def _stage_host(t: torch.Tensor, wire: torch.dtype, values: bool = True) -> Stag
 
 
 def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Staged:
-    """Queue ``t``'s copy into a pinned buffer of the device's pool; the caller does not wait."""
+    """Queue ``t``'s copy into a pinned buffer of the device's pool; the caller does not wait.
+
+    The copy runs on the side stream, after the current stream's work so far, so that the
+    current stream's later work does not wait for it; in a blocking collective, which queues no
+    later work before its op is done, on the current stream itself (no event to wait for)."""
     nbytes = t.numel() * wire.itemsize
     buf = svc.pool.acquire(nbytes)
     host = buf[:nbytes].view(wire).view(t.shape)
     with traced_copy("MEMCPY_D2H") as timed:
-        side = svc.after(svc.current())  # t's producers have finished
+        stream = None if caller_is_waiting() else svc.after(svc.current())  # t's producers have finished
         if t.dtype is wire and t.is_contiguous():
             src = t.detach()  # nothing to run on the device before the copy
+        elif stream is None:
+            with torch.no_grad():
+                src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) or a gather, in the stream's order
         else:
-            with svc.ops.on(side), torch.no_grad():
-                src = _to_wire(t, wire)  # a cast (bfloat16 -> float32) or a gather runs on the side stream too
-        svc.ops.copy(host, src, side)
-        ready = svc.mark()  # the stager waits for it before the core reads the buffer
+            with svc.ops.on(stream), torch.no_grad():
+                src = _to_wire(t, wire)  # on the side stream too
+        svc.ops.copy(host, src, stream)
+        ready = svc.mark(stream)  # the stager (or the blocking caller) waits for it before the core reads the buffer
         if timed:  # only with a timeline: wait so that the span is the copy's real duration
             svc.ops.wait_event(ready)
     return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, ready, svc)

@@ -79,11 +79,12 @@ def test_every_collective_on_the_device_gives_the_host_results_and_a_blocking_on
     receiving = (r != size - 1) + (r != 0)  # the broadcasts this rank only receives: nothing goes to the host
     kept = r == 0  # broadcast_'s root keeps its tensor: nothing comes home
     assert calls.count("copy") >= 2 * 13 - receiving - kept
-    assert calls.count("stream_wait") >= 13 - receiving  # the side stream follows the current one
     # a blocking call waits for its copy to the host on its own thread, as it waits for the op:
-    # no other thread stands between it and its op
+    # no other thread stands between it and its op; it queues nothing on the current stream
+    # meanwhile, so both copies run there, in its order: no side stream to switch to or to order
     assert calls.count("wait_event") >= 13 - receiving
     assert ops.count("wait_event", STAGER_THREAD) == staged
+    assert "stream_wait" not in calls and "on" not in calls
 
 
 def test_an_async_call_only_queues_device_work_and_the_stager_waits_for_its_copy():
@@ -96,7 +97,9 @@ def test_an_async_call_only_queues_device_work_and_the_stager_waits_for_its_copy
                    hvd.alltoall_async(torch.full((size, 2), float(r))),
                    hvd.reducescatter_async(mine(2 * size).view(size, 2), op=hvd.Sum),
                    hvd.grouped_allreduce_async([mine(), mine(3, torch.float64)], op=hvd.Sum)]
-        assert "wait_event" not in only_queued_here(ops, mark)  # the calls only queued device work
+        queued = only_queued_here(ops, mark)
+        assert "wait_event" not in queued  # the calls only queued device work
+        assert queued.count("stream_wait") >= 7 - (r != 0)  # on the side stream, after the current one's
         results = [hvd.synchronize(h) for h in handles]
     assert "wait_event" not in only_queued_here(ops, mark)  # nor did synchronize wait for a copy
     assert ops.count("wait_event", STAGER_THREAD) - staged >= 7 - (r != 0)  # the stager did
