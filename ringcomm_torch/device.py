@@ -465,9 +465,10 @@ class DeviceService:
             self.pool.release(buf, back)
         return back
 
-    def release(self, buf: torch.Tensor) -> None:
-        """Give a pooled buffer back once the copies queued so far on the side stream are done."""
-        self.pool.release(buf, self.mark())
+    def release(self, buf: torch.Tensor, after: Any = None) -> None:
+        """Give a pooled buffer back once ``after`` (the event of its last copy) has happened;
+        None: once the copies queued so far on the side stream are done."""
+        self.pool.release(buf, self.mark() if after is None else after)
 
     def start(self, ready: Any, start: Callable[[], Any], name: str | None) -> Staging:
         """``start()`` (the core op) on the stager once ``ready`` (an event or a list) happened."""

@@ -16,10 +16,13 @@ an array (:func:`stage`) and puts results back (:meth:`Staged.write_back`,
   of its pool (one free list per power-of-two size class, reused across steps), copied on its
   side stream after the current stream's work; the copy's event is :attr:`Staged.ready`, and
   the stager thread waits for it before the core reads the buffer (:func:`begin`), so the
-  caller never waits for the GPU.  Results go back host -> device on the current stream (the
-  stream that uses them), in its order, and the buffer returns to the pool only once the
-  event recorded after that copy has happened.  A result the core allocated (allgather, alltoall, reducescatter) is
-  first copied into a pooled pinned buffer, so that no copy reads pageable memory.
+  caller never waits for the GPU.  A blocking collective, whose caller waits for the op anyway,
+  copies on the current stream and waits for that event itself (behind an async op still
+  waiting for its copy, the stager does).  Results go back
+  host -> device on the current stream (the stream that uses them), in its order, and the
+  buffer returns to the pool only once the event recorded after that copy has happened.  A
+  result the core allocated (allgather, alltoall, reducescatter) is first copied into a pooled
+  pinned buffer, so that no copy reads pageable memory.
 
 Example (any rank)::
 
@@ -248,10 +251,7 @@ class Staged:
         if self._buf is not None:
             buf, self._buf = self._buf, None
             if self.service is not None:
-                if self._last is not None:
-                    self.service.pool.release(buf, self._last)
-                else:
-                    self.service.release(buf)
+                self.service.release(buf, self._last)
         self._keep = None
         self._last = None
 
@@ -349,9 +349,7 @@ def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Sta
     The copy runs on the side stream, after the current stream's work so far, so that the
     current stream's later work does not wait for it; in a blocking collective, which queues no
     later work before its op is done, on the current stream itself (no event to wait for)."""
-    nbytes = t.numel() * wire.itemsize
-    buf = svc.pool.acquire(nbytes)
-    host = buf[:nbytes].view(wire).view(t.shape)
+    buf, host = _pinned_for(svc, t, wire)
     with traced_copy("MEMCPY_D2H") as timed:
         stream = None if caller_is_waiting() else svc.after(svc.current())  # t's producers have finished
         if t.dtype is wire and t.is_contiguous():
@@ -371,10 +369,15 @@ def _stage_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Sta
 
 def _receive_device(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> Staged:
     """A pinned buffer of the device's pool for ``t``'s result, with nothing copied into it."""
+    buf, host = _pinned_for(svc, t, wire)
+    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, None, svc)
+
+
+def _pinned_for(svc: DeviceService, t: torch.Tensor, wire: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled pinned buffer for ``t`` in the wire dtype, and its view in ``t``'s shape."""
     nbytes = t.numel() * wire.itemsize
     buf = svc.pool.acquire(nbytes)
-    host = buf[:nbytes].view(wire).view(t.shape)
-    return Staged(host.numpy(), t.dtype, wire, t.device, False, buf, None, None, svc)
+    return buf, buf[:nbytes].view(wire).view(t.shape)
 
 
 def begin(staged: Sequence[Staged], start: Callable[[], Any], name: str | None) -> Any:

@@ -303,9 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "rank_python", None):
         _launch.use_python(shlex.split(args.rank_python))
-    if args.command in ("training", "ddp", "backend") and _launch.torch_status() is not None:
-        print(f"python -m ringcomm.bench {args.command} runs torch jobs, and {_launch.torch_status()}",
-              file=sys.stderr)
+    no_torch = _launch.torch_status() if args.command in ("training", "ddp", "backend") else None
+    if no_torch is not None:
+        print(f"python -m ringcomm.bench {args.command} runs torch jobs, and {no_torch}", file=sys.stderr)
         return 2
     if getattr(args, "device", "cpu") == "cuda":
         why = _util.cuda_missing()
